@@ -1,0 +1,1 @@
+"""LLM serving core: configs, model loading, engine and OpenAI protocol. Never imports ray."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible protocol: request models, errors, and the serving logic over an engine."""

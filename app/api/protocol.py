@@ -1,0 +1,187 @@
+"""OpenAI request bodies (pydantic), parsed strictly: an unknown field is an error, not ignored.
+
+Fields that OpenAI defines but the engine does not honour yet are accepted only at their
+no-op value; anything else gets a 400 that names the field, so nothing a client asked for is
+silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Union
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.api.errors import APIError
+from app.engine.request import SamplingParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # metadata only
+    # OpenAI fields not honoured yet: accepted only at their no-op value (see _reject_unsupported).
+    n: int = 1
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            seed=self.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _reject_unsupported(self) -> None:
+        unsupported = {
+            "n": (self.n != 1, "only n=1 is supported; send separate requests for more choices"),
+            "logprobs": (self.logprobs not in (None, False, 0), "logprobs are not supported yet"),
+            "top_logprobs": (self.top_logprobs not in (None, 0), "top_logprobs are not supported yet"),
+            "logit_bias": (bool(self.logit_bias), "logit_bias is not supported yet"),
+        }
+        for param, (bad, message) in unsupported.items():
+            if bad:
+                raise APIError(400, message, param=param, code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def _reject_unsupported(self) -> None:
+        super()._reject_unsupported()
+        if self.echo:
+            raise APIError(400, "echo is not supported yet", param="echo", code="unsupported_parameter")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of", code="unsupported_parameter")
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, "only text content parts are supported", param="messages", code="unsupported_content")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def _reject_unsupported(self) -> None:
+        super()._reject_unsupported()
+        if self.tools:
+            raise APIError(400, "tool calling is not supported yet", param="tools", code="unsupported_parameter")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice is not supported yet", param="tool_choice", code="unsupported_parameter")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class GenerateRequest(_Strict):
+    """The seeds' simple endpoint: a prompt and a token budget; the rest mirrors completions."""
+
+    prompt: str = Field(min_length=1)
+    max_new_tokens: int = Field(64, ge=1)
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+
+    def to_completion(self, model: str) -> CompletionRequest:
+        fields = self.model_dump(exclude={"max_new_tokens", "model"}, exclude_none=True)
+        return CompletionRequest(model=model, max_tokens=self.max_new_tokens, **fields)
+
+
+def parse_body(raw: bytes | str | dict, model_cls: type[_Strict]) -> Any:
+    """Parse a request body into ``model_cls``, turning every problem into a 400 naming the field."""
+    if not isinstance(raw, dict):
+        try:
+            raw = json.loads(raw or b"")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+        if not isinstance(raw, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        request = model_cls.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise _validation_error(exc) from exc
+    if hasattr(request, "_reject_unsupported"):
+        request._reject_unsupported()
+    return request
+
+
+def _validation_error(exc: pydantic.ValidationError) -> APIError:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    if first["type"] == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
+    if first["type"] == "missing":
+        return APIError(400, f"Missing required parameter: {param}", param=param, code="missing_parameter")
+    return APIError(400, f"Invalid value for {param}: {first['msg']}", param=param, code="invalid_value")

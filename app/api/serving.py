@@ -1,0 +1,161 @@
+"""OpenAI completions and chat over an AsyncEngine: tokenize, validate, stream chunks, aggregate.
+
+Pure Python (no ray): the model replica deployment hosts one OpenAIServing per model. Streaming
+methods are async generators that yield OpenAI chunk dicts; validation happens before the first
+yield, so a bad request fails on the first ``__anext__`` and the caller can still answer with a
+proper HTTP status.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from app.api.errors import APIError
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
+
+
+@dataclass
+class _Prepared:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    created: int
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int, eos_token_ids, vocab_size: int):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+
+    # ---- completions --------------------------------------------------------------------
+    async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[dict]:
+        prepared = self._prepare("cmpl", self._completion_prompt(request.prompt), request, request.max_tokens)
+        async for chunk in self._chunks(prepared, request, _completion_choice, "text_completion"):
+            yield chunk
+
+    async def completion(self, request: CompletionRequest) -> dict:
+        prepared = self._prepare("cmpl", self._completion_prompt(request.prompt), request, request.max_tokens)
+        text, last = await self._collect(prepared)
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        return self._response(prepared, "text_completion", choice, last)
+
+    # ---- chat ---------------------------------------------------------------------------
+    async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
+        prepared = self._prepare("chatcmpl", self._chat_prompt(request), request, request.requested_max_tokens)
+        role_chunk = self._chunk(prepared, "chat.completion.chunk", _chat_choice("", None, first=True))
+        yield role_chunk
+        async for chunk in self._chunks(prepared, request, _chat_choice, "chat.completion.chunk"):
+            yield chunk
+
+    async def chat(self, request: ChatCompletionRequest) -> dict:
+        prepared = self._prepare("chatcmpl", self._chat_prompt(request), request, request.requested_max_tokens)
+        text, last = await self._collect(prepared)
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": last.finish_reason}
+        return self._response(prepared, "chat.completion", choice, last)
+
+    # ---- shared -------------------------------------------------------------------------
+    def _prepare(self, prefix: str, prompt_ids: list[int], request: _SamplingFields, max_tokens: int | None) -> _Prepared:
+        if not prompt_ids:
+            raise APIError(400, "the prompt must contain at least one token", param="prompt")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_ids)}. Shorten the prompt.",
+                param="messages" if prefix == "chatcmpl" else "prompt",
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_ids)} and max_tokens asks for {max_tokens}. Lower max_tokens to at most {room}.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        sampling = request.sampling_params(max_tokens or room)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        return _Prepared(request_id, prompt_ids, sampling, int(time.time()))
+
+    async def _generate(self, prepared: _Prepared) -> AsyncIterator[RequestOutput]:
+        request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling, self.eos_token_ids)
+        async for output in self.engine.generate(request):
+            yield output
+
+    async def _collect(self, prepared: _Prepared) -> tuple[str, RequestOutput]:
+        parts, last = [], None
+        async for output in self._generate(prepared):
+            parts.append(output.new_text)
+            last = output
+        return "".join(parts), last
+
+    async def _chunks(self, prepared: _Prepared, request: _SamplingFields, make_choice, kind: str) -> AsyncIterator[dict]:
+        last = None
+        async for output in self._generate(prepared):
+            last = output
+            if output.new_text or output.finished:  # a held-back or partial character has nothing to show yet
+                yield self._chunk(prepared, kind, make_choice(output.new_text, output.finish_reason))
+        if request.include_usage and last is not None:
+            yield {**self._chunk(prepared, kind, None), "choices": [], "usage": _usage(last)}
+
+    def _chunk(self, prepared: _Prepared, kind: str, choice: dict | None) -> dict:
+        chunk = {"id": prepared.request_id, "object": kind, "created": prepared.created, "model": self.model_name}
+        chunk["choices"] = [choice] if choice is not None else []
+        return chunk
+
+    def _response(self, prepared: _Prepared, kind: str, choice: dict, last: RequestOutput) -> dict:
+        response = self._chunk(prepared, kind, choice)
+        response["usage"] = _usage(last)
+        return response
+
+    def _completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "send one prompt per request (batched prompt lists are not supported yet)", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size}); got {bad[0]}", param="prompt")
+        return list(prompt)
+
+    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # template errors (e.g. role order) come from the model's own template
+            raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
+        # The template already wrote the special tokens it wants; do not add a second BOS.
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _completion_choice(text: str, finish_reason: str | None) -> dict:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _chat_choice(text: str, finish_reason: str | None, first: bool = False) -> dict:
+    delta = {"role": "assistant", "content": ""} if first else {"content": text}
+    if finish_reason is not None and not text:
+        delta = {}
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _usage(last: RequestOutput) -> dict:
+    return {
+        "prompt_tokens": last.num_prompt_tokens,
+        "completion_tokens": last.num_output_tokens,
+        "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
+    }

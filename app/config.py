@@ -1,0 +1,194 @@
+"""Dataclass configs for the app, validated at construction and read from YAML.
+
+Every config raises ``ValueError`` with a message a user can act on. ``AppConfig.from_args`` is
+what ``deployments/builder.py`` calls with the application ``args`` of ``serve_config.yaml``:
+an optional ``config:`` YAML file, deep-merged with whatever else the args say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+DEVICES = ("auto", "cpu", "cuda")
+BATCHING_MODES = ("none",)  # "dynamic" and "continuous" arrive with the batching engine.
+SERVED_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how.
+
+    ``source`` is a Hugging Face hub id, a local checkpoint directory, a ``.gguf`` file, or a
+    built-in name (see ``app.models.registry``). ``name`` is the id clients put in ``"model"``.
+    """
+
+    source: str = "smollm2-135m-instruct"
+    name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.source or not isinstance(self.source, str):
+            raise ValueError("model.source must name a Hugging Face model id, a directory, a .gguf file or a built-in model")
+        self.name = self.name or self.source
+        if not SERVED_NAME_PATTERN.match(self.name):
+            raise ValueError(f"model.name {self.name!r} must be 1-128 characters of letters, digits and ._-/:")
+        self.dtype = DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype {self.dtype!r} is not one of {', '.join(DTYPES)} (or bf16/fp16/fp32)")
+        if self.device not in DEVICES:
+            raise ValueError(f"model.device {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"model.max_model_len must be an integer >= 2 or null, got {self.max_model_len!r}")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine schedules work on a replica."""
+
+    batching: str = "none"
+    torch_threads: int = 0  # 0: one thread per core the process may use
+    max_queued_requests: int = 1024  # beyond this, new requests get 503 instead of waiting forever
+
+    def __post_init__(self) -> None:
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"engine.batching {self.batching!r} is not one of {', '.join(BATCHING_MODES)}")
+        if not isinstance(self.torch_threads, int) or self.torch_threads < 0:
+            raise ValueError(f"engine.torch_threads must be an integer >= 0, got {self.torch_threads!r}")
+        if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 1:
+            raise ValueError(f"engine.max_queued_requests must be an integer >= 1, got {self.max_queued_requests!r}")
+
+
+@dataclass
+class ReplicaConfig:
+    """Ray Serve options of a model's replica deployment (serve_config.yaml may override them too)."""
+
+    num_replicas: int | str = 1  # an integer, or "auto" to autoscale
+    num_cpus: float = 1.0
+    num_gpus: float | None = None  # None: 1 when the model's device resolves to cuda, else 0
+    max_ongoing_requests: int = 64
+    autoscaling_config: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_replicas != "auto" and (not isinstance(self.num_replicas, int) or self.num_replicas < 1):
+            raise ValueError(f"replica.num_replicas must be an integer >= 1 or 'auto', got {self.num_replicas!r}")
+        if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
+            raise ValueError("replica.num_cpus and replica.num_gpus must not be negative")
+        if not isinstance(self.max_ongoing_requests, int) or self.max_ongoing_requests < 1:
+            raise ValueError(f"replica.max_ongoing_requests must be an integer >= 1, got {self.max_ongoing_requests!r}")
+
+
+@dataclass
+class ServedModelConfig:
+    """One model served by the app: what to load, how to run it, how to deploy it."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
+
+
+@dataclass
+class AppConfig:
+    """The whole application: the models it serves and the HTTP edge's limits."""
+
+    models: list[ServedModelConfig] = field(default_factory=lambda: [ServedModelConfig()])
+    max_request_bytes: int = 4 * 1024 * 1024  # larger bodies get 413
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("the app must serve at least one model (models: [...])")
+        names = [m.model.name for m in self.models]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
+            raise ValueError("max_request_bytes must be an integer >= 1024")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AppConfig":
+        return _build(cls, data, "app")
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "AppConfig":
+        return cls.from_dict(_read_yaml(path))
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> "AppConfig":
+        """Build from serve_config.yaml ``args``: ``config: file.yaml`` first, the other args on top."""
+        args = dict(args or {})
+        base = _read_yaml(args.pop("config")) if "config" in args else {}
+        return cls.from_dict(_deep_merge(base, args))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_absolute() and not path.exists():
+        # serve run may start from another directory: fall back to the project root.
+        path = Path(__file__).resolve().parent.parent / path
+    if not path.exists():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return data
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+_NESTED = {
+    (AppConfig, "models"): ServedModelConfig,
+    (ServedModelConfig, "model"): ModelConfig,
+    (ServedModelConfig, "engine"): EngineConfig,
+    (ServedModelConfig, "replica"): ReplicaConfig,
+}
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Construct dataclass ``cls`` from a mapping, naming the path of any unknown or bad key."""
+    if isinstance(data, cls):
+        return data
+    if cls is ModelConfig and isinstance(data, str):
+        data = {"source": data}  # `model: some/hub-id` is shorthand
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) in {where}: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    kwargs = {}
+    for key, value in data.items():
+        nested = _NESTED.get((cls, key))
+        if nested is not None and cls is AppConfig:
+            if not isinstance(value, list):
+                raise ValueError(f"{where}.{key} must be a list")
+            value = [_build(nested, item, f"{where}.{key}[{i}]") for i, item in enumerate(value)]
+        elif nested is not None:
+            value = _build(nested, value, f"{where}.{key}")
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # wrong types that reach a comparison
+        raise ValueError(f"{where}: {exc}") from exc

@@ -1,0 +1,179 @@
+"""The async front of an engine: ``generate`` streams outputs, ``abort`` stops a request.
+
+The engine core is not thread-safe and does blocking torch work, so it lives on one dedicated
+thread. asyncio callers talk to it through an inbox (adds, aborts) and receive outputs through a
+per-request asyncio.Queue fed with ``call_soon_threadsafe``; the event loop never blocks on torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+from app.engine.request import Request, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.05
+
+
+class EngineCore(Protocol):
+    """What every batching mode implements; driven from a single thread."""
+
+    num_running: int
+    num_waiting: int
+
+    def add_request(self, request: Request) -> None: ...
+    def abort_request(self, request_id: str) -> RequestOutput | None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[RequestOutput]: ...
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine's queue is full; the caller should retry later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an unrecoverable error; the replica must be replaced."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine (the others went on)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, max_queued_requests: int = 1024) -> None:
+        self._core = core
+        self._max_queued = max_queued_requests
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._dead_reason: str | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        self.started_at = time.time()
+
+    # ---- asyncio side -------------------------------------------------------------------
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of ``request``; leaving the loop early (cancel, disconnect) aborts it."""
+        self._check_accepting()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request.request_id in self._streams:
+                raise ValueError(f"request id {request.request_id!r} is already running")
+            self._streams[request.request_id] = stream
+        self._inbox.put(("add", request))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason == "error":
+                    raise RequestFailedError(item.error or "request failed in the engine")
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its KV memory is freed on the engine's next iteration."""
+        self._inbox.put(("abort", request_id))
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def is_healthy(self) -> bool:
+        return self._dead_reason is None and self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_requests": self.num_unfinished,
+            "num_running": self._core.num_running,
+            "num_waiting": self._core.num_waiting,
+        }
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Let the requests in flight finish (up to ``timeout_s``), then stop the loop."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_unfinished and time.monotonic() < deadline and self.is_healthy():
+            time.sleep(0.05)
+        self._stopping.set()
+        self._thread.join(timeout=5)
+
+    def _check_accepting(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(f"engine stopped: {self._dead_reason}")
+        if self._stopping.is_set():
+            raise EngineOverloadedError("the replica is shutting down; retry on another replica")
+        if self.num_unfinished >= self._max_queued:
+            raise EngineOverloadedError(
+                f"the replica already holds {self._max_queued} requests (engine.max_queued_requests); retry later"
+            )
+
+    # ---- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._drain_inbox(block=not self._core.has_unfinished_requests())
+                if self._core.has_unfinished_requests():
+                    self._deliver(self._core.step())
+        except BaseException as exc:  # noqa: BLE001 - anything here ends the loop, so tell every caller
+            logger.exception("engine loop died")
+            self._dead_reason = f"{type(exc).__name__}: {exc}"
+            self._fail_all(EngineDeadError(f"engine stopped: {self._dead_reason}"))
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=_IDLE_POLL_S) if block else self._inbox.get_nowait()
+            while True:
+                self._apply(command)
+                command = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _apply(self, command: tuple) -> None:
+        kind, payload = command
+        if kind == "add":
+            with self._lock:
+                gone = payload.request_id not in self._streams  # cancelled before it reached us
+            if not gone:
+                self._core.add_request(payload)
+        elif kind == "abort":
+            self._core.abort_request(payload)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            with self._lock:
+                stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)

@@ -1,0 +1,73 @@
+"""Incremental detokenization with stop strings.
+
+Decoding only a short window of tokens per step keeps the cost constant per token; a window that
+ends inside a multi-byte character (decodes to U+FFFD) waits for the next token. Text that might be
+the start of a stop string is held back until it is known not to be, so a streamed response never
+shows a stop string that the final text would not contain.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for the leading space
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stop = tuple(stop)
+        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self.text = ""  # all output text so far, cut at a stop string if one was hit
+        self._emitted = 0  # characters of self.text already handed out
+
+    def add_token(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
+        """Add one token; return (text now safe to emit, whether a stop string was hit)."""
+        self._ids.append(token_id)
+        new = self._decode_new()
+        if not new:
+            return "", False
+        start = max(0, len(self.text) - self._holdback)
+        self.text += new
+        if check_stop:
+            cut = self._find_stop(start)
+            if cut is not None:
+                self.text = self.text[:cut]
+                return self.flush(), True
+        safe_end = len(self.text) - self._holdback
+        return self._emit_until(safe_end), False
+
+    def flush(self) -> str:
+        """All text not yet emitted (the request is finishing)."""
+        return self._emit_until(len(self.text))
+
+    def _emit_until(self, end: int) -> str:
+        if end <= self._emitted:
+            return ""
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
+
+    def _find_stop(self, start: int) -> int | None:
+        hits = [i for i in (self.text.find(s, start) for s in self._stop) if i != -1]
+        return min(hits) if hits else None
+
+    def _decode_new(self) -> str:
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip_special)
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip_special)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # nothing new yet, or an incomplete UTF-8 sequence
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full[len(prefix) :]

@@ -1,0 +1,92 @@
+"""One served model, assembled: load weights, prove they run, start the engine, serve OpenAI calls.
+
+The Ray Serve replica deployment is a thin shell around this class, so everything here is
+testable without a cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from app.api.serving import OpenAIServing
+from app.config import ServedModelConfig
+from app.engine import AsyncEngine, Request, SamplingParams, build_engine_core
+from app.models import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+WARMUP_PROMPT = "Hello"
+
+
+class ModelServer:
+    def __init__(self, config: ServedModelConfig) -> None:
+        self.config = config
+        _set_torch_threads(config.engine.torch_threads)
+        started = time.monotonic()
+        self.loaded: LoadedModel = load_model(config.model)
+        core = build_engine_core(self.loaded, config.engine)
+        # Readiness means the model has produced a token, not merely that weights were read.
+        self.warmup_s = _warm_up(core, self.loaded)
+        self.engine: AsyncEngine = AsyncEngine(core, max_queued_requests=config.engine.max_queued_requests)
+        self.serving = OpenAIServing(
+            self.engine,
+            self.loaded.tokenizer,
+            self.loaded.name,
+            self.loaded.max_model_len,
+            self.loaded.eos_token_ids,
+            vocab_size=_vocab_size(self.loaded),
+        )
+        self.ready_s = time.monotonic() - started
+        logger.info("model %s ready in %.1fs (warm-up %.2fs)", self.loaded.name, self.ready_s, self.warmup_s)
+
+    @property
+    def name(self) -> str:
+        return self.loaded.name
+
+    def model_card(self) -> dict:
+        return {
+            "id": self.loaded.name,
+            "object": "model",
+            "created": int(self.engine.started_at),
+            "owned_by": "llm-serve",
+            "root": self.config.model.source,
+            "max_model_len": self.loaded.max_model_len,
+        }
+
+    def check_health(self) -> None:
+        """Raise if this replica can no longer serve (the engine loop died)."""
+        if not self.engine.is_healthy():
+            raise RuntimeError(f"engine of {self.name} is not healthy: {self.engine.dead_reason}")
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        self.engine.shutdown(timeout_s)
+
+
+def _warm_up(core, loaded: LoadedModel) -> float:
+    """Generate two tokens synchronously through the real engine path; raise if it fails."""
+    started = time.monotonic()
+    prompt = loaded.tokenizer.encode(WARMUP_PROMPT) or [0]
+    request = Request("warmup", prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), loaded.eos_token_ids)
+    core.add_request(request)
+    outputs = []
+    while core.has_unfinished_requests():
+        outputs.extend(core.step())
+    if not outputs or outputs[-1].finish_reason != "length":
+        error = outputs[-1].error if outputs else "no output"
+        raise RuntimeError(f"warm-up generation of {loaded.name} failed: {error}")
+    return time.monotonic() - started
+
+
+def _vocab_size(loaded: LoadedModel) -> int:
+    return int(getattr(loaded.model.config, "vocab_size", None) or len(loaded.tokenizer))
+
+
+def _set_torch_threads(requested: int) -> None:
+    # Ray sets OMP_NUM_THREADS to the actor's num_cpus (often 1); a replica that owns the
+    # machine's cores should use them all unless told otherwise.
+    threads = requested or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
