@@ -90,13 +90,35 @@ class ReplicaConfig:
             raise ValueError(f"replica.max_ongoing_requests must be an integer >= 1, got {self.max_ongoing_requests!r}")
 
 
+SAMPLING_DEFAULT_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
 @dataclass
 class ServedModelConfig:
-    """One model served by the app: what to load, how to run it, how to deploy it."""
+    """One model served by the app: what to load, how to run it, how to deploy it.
+
+    ``default_sampling`` fills the sampling fields a request leaves unset (like vLLM's
+    generation-config defaults): small models answer better at a low temperature than at
+    OpenAI's default of 1.0.
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
+    default_sampling: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.default_sampling) - set(SAMPLING_DEFAULT_KEYS))
+        if unknown:
+            raise ValueError(f"default_sampling: unknown key(s) {', '.join(unknown)} (known: {', '.join(SAMPLING_DEFAULT_KEYS)})")
 
 
 @dataclass

@@ -39,6 +39,7 @@ class ModelServer:
             self.loaded.max_model_len,
             self.loaded.eos_token_ids,
             vocab_size=_vocab_size(self.loaded),
+            default_sampling=config.default_sampling,
         )
         self.ready_s = time.monotonic() - started
         logger.info("model %s ready in %.1fs (warm-up %.2fs)", self.loaded.name, self.ready_s, self.warmup_s)

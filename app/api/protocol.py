@@ -17,6 +17,18 @@ from app.api.errors import APIError
 from app.engine.request import SamplingParams
 
 
+# What an unset field means, unless the model's config sets `default_sampling`.
+OPENAI_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -49,17 +61,18 @@ class _SamplingFields(_Strict):
     top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Fields the client left unset take the model's configured defaults, then OpenAI's."""
+        defaults = {**OPENAI_DEFAULTS, **(defaults or {})}
+
+        def pick(name: str) -> Any:
+            value = getattr(self, name)
+            return defaults[name] if value is None else value
+
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            **{name: pick(name) for name in OPENAI_DEFAULTS},
             seed=self.seed,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),

@@ -27,13 +27,23 @@ class _Prepared:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int, eos_token_ids, vocab_size: int):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer,
+        model_name: str,
+        max_model_len: int,
+        eos_token_ids,
+        vocab_size: int,
+        default_sampling: dict | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
+        self.default_sampling = dict(default_sampling or {})
 
     # ---- completions --------------------------------------------------------------------
     async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[dict]:
@@ -83,7 +93,7 @@ class OpenAIServing:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        sampling = request.sampling_params(max_tokens or room)
+        sampling = request.sampling_params(max_tokens or room, self.default_sampling)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         return _Prepared(request_id, prompt_ids, sampling, int(time.time()))
 

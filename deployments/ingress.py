@@ -1,0 +1,183 @@
+"""The HTTP and Python entry point: an OpenAI-compatible router in front of the model replicas.
+
+It parses and validates bodies (app.api.protocol), picks the replica deployment by model name,
+and relays responses, streaming as server-sent events. Other Ray jobs call the same paths through
+the app handle: ``completions``/``chat``/``generate`` and their ``*_stream`` twins.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see real types (e.g. Request) when
+# Serve ships this class to its replica by value.
+import asyncio
+import json
+import logging
+from typing import Any, AsyncIterator, Awaitable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from app.api.errors import APIError, to_api_error
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse_body
+
+logger = logging.getLogger(__name__)
+
+api = FastAPI(title="llm-serve", description="OpenAI-compatible LLM serving on Ray Serve")
+
+
+async def _guarded(response: Awaitable[Any]) -> Any:
+    """Await a route's work; any failure becomes an OpenAI-style error response."""
+    try:
+        return await response
+    except Exception as exc:  # every error, expected or not, reaches the client in one shape
+        error = to_api_error(exc)
+        if error.status >= 500:
+            logger.error("request failed: %s", error.message)
+        return JSONResponse(error.to_dict(), status_code=error.status)
+
+
+# Helpers come before the deployment class: Serve pickles the class by value when it is decorated,
+# and names defined after that point would be missing on the replica.
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body exceeds {limit} bytes (max_request_bytes)", code="request_too_large")
+
+
+async def _sse_response(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """Wait for the first chunk first, so that a bad request still gets its HTTP error status."""
+    first = await chunks.__anext__()
+    return StreamingResponse(_sse_events(first, chunks), media_type="text/event-stream")
+
+
+async def _sse_events(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[str]:
+    yield _sse(first)
+    try:
+        async for chunk in rest:
+            yield _sse(chunk)
+    except Exception as exc:  # headers are sent: report the error in-band, then end the stream
+        yield _sse(to_api_error(exc).to_dict())
+    yield "data: [DONE]\n\n"
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _as_generate_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    async for chunk in chunks:
+        for choice in chunk["choices"]:
+            yield {"text": choice["text"], "finish_reason": choice["finish_reason"]}
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, servers: list[DeploymentHandle], model_names: list[str], max_request_bytes: int) -> None:
+        self._servers = dict(zip(model_names, servers))
+        self._default_model = model_names[0]
+        self._max_request_bytes = max_request_bytes
+
+    # ---- HTTP ---------------------------------------------------------------------------
+    @api.post("/v1/completions")
+    async def http_completions(self, raw: Request):
+        return await _guarded(self._respond(raw, CompletionRequest, "completion"))
+
+    @api.post("/v1/chat/completions")
+    async def http_chat(self, raw: Request):
+        return await _guarded(self._respond(raw, ChatCompletionRequest, "chat"))
+
+    @api.post("/v1/generate")
+    async def http_generate(self, raw: Request):
+        return await _guarded(self._respond_generate(raw))
+
+    @api.get("/v1/models")
+    async def http_models(self):
+        cards = await asyncio.gather(*(s.model_card.remote() for s in self._servers.values()))
+        return {"object": "list", "data": list(cards)}
+
+    @api.get("/health")
+    async def http_health(self):
+        """200 when every model deployment answers; 503 naming the ones that do not."""
+        probes = [asyncio.wait_for(self._probe(server), timeout=10) for server in self._servers.values()]
+        results = await asyncio.gather(*probes, return_exceptions=True)
+        failing = {name: str(r) for name, r in zip(self._servers, results) if isinstance(r, BaseException)}
+        if failing:
+            return JSONResponse({"status": "unavailable", "failing": failing}, status_code=503)
+        return {"status": "ok", "models": dict(zip(self._servers, results))}
+
+    # ---- Python handle API (also used by the HTTP routes) ---------------------------------
+    async def completions(self, body: dict) -> dict:
+        return await self._call(parse_body({**body, "stream": False}, CompletionRequest), "completion")
+
+    async def completions_stream(self, body: dict) -> AsyncIterator[dict]:
+        async for chunk in self._stream(parse_body({**body, "stream": True}, CompletionRequest), "completion"):
+            yield chunk
+
+    async def chat(self, body: dict) -> dict:
+        return await self._call(parse_body({**body, "stream": False}, ChatCompletionRequest), "chat")
+
+    async def chat_stream(self, body: dict) -> AsyncIterator[dict]:
+        async for chunk in self._stream(parse_body({**body, "stream": True}, ChatCompletionRequest), "chat"):
+            yield chunk
+
+    async def generate(self, body: dict | GenerateRequest) -> dict:
+        request = body if isinstance(body, GenerateRequest) else parse_body({**body, "stream": False}, GenerateRequest)
+        result = await self._call(request.to_completion(request.model or self._default_model), "completion")
+        choice = result["choices"][0]
+        return {"model": result["model"], "text": choice["text"], "finish_reason": choice["finish_reason"], "usage": result["usage"]}
+
+    async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
+        request = parse_body({**body, "stream": True}, GenerateRequest)
+        async for chunk in _as_generate_chunks(self._stream(request.to_completion(request.model or self._default_model), "completion")):
+            yield chunk
+
+    # ---- internals ----------------------------------------------------------------------
+    async def _probe(self, server: DeploymentHandle) -> dict:
+        return await server.stats.remote()
+
+    def _server_for(self, model: str | None) -> DeploymentHandle:
+        name = model or self._default_model
+        server = self._servers.get(name)
+        if server is None:
+            served = ", ".join(self._servers)
+            raise APIError(404, f"The model {name!r} does not exist; this server serves: {served}", param="model", code="model_not_found")
+        return server
+
+    async def _call(self, request, kind: str) -> dict:
+        return await getattr(self._server_for(request.model), kind).remote(request)
+
+    async def _stream(self, request, kind: str) -> AsyncIterator[dict]:
+        server = self._server_for(request.model)
+        responses = getattr(server.options(stream=True), f"{kind}_stream").remote(request)
+        finished = False
+        try:
+            async for chunk in responses:
+                yield chunk
+            finished = True
+        finally:
+            if not finished:  # the client went away: stop generating for it
+                responses.cancel()
+
+    async def _respond(self, raw: Request, request_cls: type, kind: str):
+        request = parse_body(await self._read_body(raw), request_cls)
+        if request.stream:
+            return await _sse_response(self._stream(request, kind))
+        return JSONResponse(await self._call(request, kind))
+
+    async def _respond_generate(self, raw: Request):
+        request = parse_body(await self._read_body(raw), GenerateRequest)
+        if request.stream:
+            chunks = self._stream(request.to_completion(request.model or self._default_model), "completion")
+            return await _sse_response(_as_generate_chunks(chunks))
+        return JSONResponse(await self.generate(request))
+
+    async def _read_body(self, raw: Request) -> bytes:
+        declared = raw.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self._max_request_bytes:
+            raise _too_large(self._max_request_bytes)
+        body = b""
+        async for part in raw.stream():
+            body += part
+            if len(body) > self._max_request_bytes:
+                raise _too_large(self._max_request_bytes)
+        return body
+

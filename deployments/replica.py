@@ -1,0 +1,58 @@
+"""The model replica: one ModelServer (weights + engine) per Ray actor.
+
+Everything model-related lives in app/; this class only adapts it to Ray Serve's lifecycle
+(constructor = load and warm up, check_health, graceful shutdown) and exposes the calls the
+ingress makes through its handle.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from ray import serve
+
+from app.api.protocol import ChatCompletionRequest, CompletionRequest
+from app.config import ServedModelConfig
+from app.server import ModelServer
+
+
+@serve.deployment(
+    health_check_period_s=10,
+    health_check_timeout_s=30,
+    graceful_shutdown_wait_loop_s=2,
+    graceful_shutdown_timeout_s=60,
+)
+class LLMServer:
+    def __init__(self, config: ServedModelConfig) -> None:
+        # Serve sends no traffic until the constructor returns, and ModelServer only returns
+        # after a real warm-up generation: a replica is ready only when the model runs.
+        self._server = ModelServer(config)
+
+    async def completion(self, request: CompletionRequest) -> dict:
+        return await self._server.serving.completion(request)
+
+    async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[dict]:
+        async for chunk in self._server.serving.completion_stream(request):
+            yield chunk
+
+    async def chat(self, request: ChatCompletionRequest) -> dict:
+        return await self._server.serving.chat(request)
+
+    async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
+        async for chunk in self._server.serving.chat_stream(request):
+            yield chunk
+
+    def model_card(self) -> dict:
+        return self._server.model_card()
+
+    def stats(self) -> dict:
+        return self._server.engine.stats()
+
+    def check_health(self) -> None:
+        self._server.check_health()
+
+    def __del__(self) -> None:
+        # Serve stops routing to a replica before deleting it; let what is in flight finish.
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.shutdown(timeout_s=30)
