@@ -42,7 +42,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.source or not isinstance(self.source, str):
             raise ValueError("model.source must name a Hugging Face model id, a directory, a .gguf file or a built-in model")
-        self.name = self.name or self.source
+        self.name = self.name or _default_name(self.source)
         if not SERVED_NAME_PATTERN.match(self.name):
             raise ValueError(f"model.name {self.name!r} must be 1-128 characters of letters, digits and ._-/:")
         self.dtype = DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
@@ -52,6 +52,13 @@ class ModelConfig:
             raise ValueError(f"model.device {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"model.max_model_len must be an integer >= 2 or null, got {self.max_model_len!r}")
+
+
+def _default_name(source: str) -> str:
+    """A hub id names itself; a local directory or .gguf file is named by its last path part."""
+    if source.startswith((".", "/", "~")) or source.endswith(".gguf"):
+        return Path(source).name.removesuffix(".gguf") or "model"
+    return source
 
 
 @dataclass

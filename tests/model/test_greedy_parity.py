@@ -1,0 +1,71 @@
+"""The engine's greedy output equals transformers' own generate, token for token (fp32)."""
+
+import pytest
+import torch
+
+from app.engine import Request, SamplingParams
+
+pytestmark = pytest.mark.model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 4,",
+    "Translate to French: good morning",
+    "Ünïcödé and emoji 🙂 test:",
+]
+
+
+async def _engine_tokens(server, prompt_ids, **params):
+    request = Request("r-" + str(abs(hash(tuple(prompt_ids)))), prompt_ids, SamplingParams(**params), server.loaded.eos_token_ids)
+    tokens = []
+    async for output in server.engine.generate(request):
+        tokens.extend(output.new_token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+async def test_greedy_equals_hf_generate(server_fp32, prompt):
+    tokenizer, model = server_fp32.loaded.tokenizer, server_fp32.loaded.model
+    prompt_ids = tokenizer.encode(prompt)
+    with torch.inference_mode():
+        reference = model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
+    expected = reference[0, len(prompt_ids) :].tolist()
+    got = await _engine_tokens(server_fp32, prompt_ids, max_tokens=24, temperature=0, ignore_eos=True)
+    assert got == expected
+
+
+async def test_seeded_sampling_reproducible(server_fp32):
+    ids = server_fp32.loaded.tokenizer.encode("Write a story:")
+    first = await _engine_tokens(server_fp32, ids, max_tokens=12, temperature=1.0, seed=3)
+    second = await _engine_tokens(server_fp32, ids, max_tokens=12, temperature=1.0, seed=3)
+    assert first == second and len(first) == 12
+
+
+async def test_chat_answers_capital_question(server_fp32):
+    from app.api.protocol import ChatCompletionRequest, parse_body
+
+    body = {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}
+    response = await server_fp32.serving.chat(parse_body(body, ChatCompletionRequest))
+    assert "Paris" in response["choices"][0]["message"]["content"]
+    assert response["usage"]["completion_tokens"] > 0
+
+
+async def test_stop_string_ends_output(server_fp32):
+    from app.api.protocol import CompletionRequest, parse_body
+
+    body = {"prompt": "1, 2, 3, 4,", "temperature": 0, "max_tokens": 20, "stop": ["7"]}
+    response = await server_fp32.serving.completion(parse_body(body, CompletionRequest))
+    choice = response["choices"][0]
+    assert choice["finish_reason"] == "stop" and "7" not in choice["text"] and "6" in choice["text"]
+
+
+def test_load_errors_name_the_model():
+    from app.config import ModelConfig
+    from app.models import ModelLoadError, load_model
+
+    with pytest.raises(ModelLoadError, match="/no/such/dir"):
+        load_model(ModelConfig(source="/no/such/dir"))
+    with pytest.raises(ModelLoadError, match="missing.gguf"):
+        load_model(ModelConfig(source="./missing.gguf"))

@@ -1,0 +1,53 @@
+import pytest
+
+from app.config import AppConfig, ModelConfig, ServedModelConfig
+
+
+def test_defaults_serve_the_embedded_model():
+    config = AppConfig()
+    assert config.models[0].model.source == "smollm2-135m-instruct"
+    assert config.models[0].model.name == "smollm2-135m-instruct"
+
+
+def test_dtype_aliases_are_normalised():
+    assert ModelConfig(dtype="bf16").dtype == "bfloat16"
+    assert ModelConfig(dtype="fp32").dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"models": [{"model": {"dtype": "int3"}}]}, "model.dtype"),
+        ({"models": [{"model": {"device": "tpu"}}]}, "model.device"),
+        ({"models": [{"engine": {"batching": "magic"}}]}, "engine.batching"),
+        ({"models": [{"replica": {"num_replicas": 0}}]}, "num_replicas"),
+        ({"models": [{"modle": {}}]}, "unknown key"),
+        ({"models": []}, "at least one model"),
+        ({"models": [{"model": "a"}, {"model": "a"}]}, "unique"),
+        ({"models": [{"default_sampling": {"temprature": 0.1}}]}, "default_sampling"),
+    ],
+)
+def test_bad_configs_say_what_is_wrong(data, message):
+    with pytest.raises(ValueError, match=message):
+        AppConfig.from_dict(data)
+
+
+def test_from_args_merges_file_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("models:\n  - model: {source: smollm2-135m-instruct, dtype: bf16}\nmax_request_bytes: 2048\n")
+    config = AppConfig.from_args({"config": str(path), "max_request_bytes": 4096})
+    assert config.max_request_bytes == 4096
+    assert config.models[0].model.dtype == "bfloat16"
+
+
+def test_model_shorthand_string():
+    config = AppConfig.from_dict({"models": [{"model": "org/model"}]})
+    assert isinstance(config.models[0], ServedModelConfig)
+    assert config.models[0].model.source == "org/model"
+
+
+def test_repo_presets_parse():
+    from tests.conftest import ROOT
+
+    for path in (ROOT / "configs").glob("*.yaml"):
+        AppConfig.from_yaml(path)
