@@ -1,0 +1,81 @@
+"""OpenAI-compatible HTTP surface on a real Serve cluster, including every bad-input error."""
+
+import json
+
+import pytest
+
+from tests.serve.conftest import MODEL
+
+pytestmark = pytest.mark.serve
+
+CAPITAL = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+
+
+def _sse(response):
+    events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_chat_answers_with_default_sampling(client):
+    response = client.post("/v1/chat/completions", json=CAPITAL)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+
+
+def test_streamed_completion_equals_non_streamed(client):
+    body = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 20, "temperature": 0}
+    whole = client.post("/v1/completions", json=body).json()
+    streamed = client.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    chunks = _sse(streamed)
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["text"]
+    assert chunks[-1]["usage"] == whole["usage"]
+
+
+def test_generate_alias(client):
+    response = client.post("/v1/generate", json={"prompt": "Hello", "max_new_tokens": 5, "temperature": 0})
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] <= 5 and response.json()["text"]
+
+
+def test_models_and_health(client):
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    health = client.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+BAD = [
+    ("malformed json", b"{not json", 400),
+    ("missing messages", {"model": MODEL}, 400),
+    ("wrong type", {**CAPITAL, "max_tokens": "many"}, 400),
+    ("unknown model", {**CAPITAL, "model": "gpt-9"}, 404),
+    ("negative max_tokens", {**CAPITAL, "max_tokens": -3}, 400),
+    ("huge max_tokens", {**CAPITAL, "max_tokens": 10**7}, 400),
+    ("temperature < 0", {**CAPITAL, "temperature": -1}, 400),
+    ("too long prompt", {**CAPITAL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400),
+    ("unsupported n", {**CAPITAL, "n": 3}, 400),
+    ("unknown field", {**CAPITAL, "frobnicate": True}, 400),
+    ("body too large", {**CAPITAL, "messages": [{"role": "user", "content": "x" * 5_000_000}]}, 413),
+]
+
+
+@pytest.mark.parametrize("name, body, status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_openai_error_and_server_keeps_serving(client, name, body, status):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = client.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    good = client.post("/v1/chat/completions", json={**CAPITAL, "max_tokens": 4})
+    assert good.status_code == 200
+
+
+def test_bad_stream_request_gets_status_not_stream(client):
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 10**7})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
