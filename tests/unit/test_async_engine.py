@@ -1,0 +1,90 @@
+"""AsyncEngine with a small fake core: streaming, abort on early exit, overload, failures."""
+
+import asyncio
+
+import pytest
+
+from app.engine import AsyncEngine, EngineOverloadedError, Request, RequestFailedError, SamplingParams
+from app.engine.request import RequestOutput
+
+
+class CountingCore:
+    """Emits one token per step per request; 'fail' in the id makes that request fail."""
+
+    def __init__(self):
+        self.requests, self.aborted = {}, []
+
+    @property
+    def num_running(self):
+        return len(self.requests)
+
+    num_waiting = 0
+
+    def add_request(self, request):
+        self.requests[request.request_id] = request
+
+    def abort_request(self, request_id):
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        outputs = []
+        for rid, request in list(self.requests.items()):
+            request.output_token_ids.append(len(request.output_token_ids))
+            done = request.num_output_tokens >= request.sampling.max_tokens
+            failed = "fail" in rid
+            if done or failed:
+                del self.requests[rid]
+            outputs.append(
+                RequestOutput(rid, [request.output_token_ids[-1]], "x", 1, request.num_output_tokens,
+                              finished=done or failed, finish_reason="error" if failed else ("length" if done else None))
+            )
+        return outputs
+
+
+def _request(rid, max_tokens=3):
+    return Request(rid, [1], SamplingParams(max_tokens=max_tokens))
+
+
+async def test_streams_until_finished():
+    engine = AsyncEngine(CountingCore())
+    outputs = [o async for o in engine.generate(_request("a"))]
+    assert [o.num_output_tokens for o in outputs] == [1, 2, 3] and outputs[-1].finished
+    engine.shutdown(1)
+
+
+async def test_leaving_early_aborts_in_the_core():
+    core = CountingCore()
+    engine = AsyncEngine(core)
+    async for _ in engine.generate(_request("b", max_tokens=10_000)):
+        break
+    for _ in range(100):
+        if "b" in core.aborted:
+            break
+        await asyncio.sleep(0.01)
+    assert "b" in core.aborted and not core.requests
+    engine.shutdown(1)
+
+
+async def test_failed_request_raises_and_others_continue():
+    engine = AsyncEngine(CountingCore())
+
+    async def run(rid):
+        return [o async for o in engine.generate(_request(rid))]
+
+    ok, failed = await asyncio.gather(run("good"), run("fail-1"), return_exceptions=True)
+    assert isinstance(failed, RequestFailedError) and ok[-1].finished
+    engine.shutdown(1)
+
+
+async def test_full_queue_is_overloaded():
+    engine = AsyncEngine(CountingCore(), max_queued_requests=1)
+    first = engine.generate(_request("c", max_tokens=10_000))
+    await first.__anext__()
+    with pytest.raises(EngineOverloadedError):
+        await engine.generate(_request("d")).__anext__()
+    await first.aclose()
+    engine.shutdown(1)
