@@ -121,13 +121,13 @@ class OpenAIIngress:
 
     async def generate(self, body: dict | GenerateRequest) -> dict:
         request = body if isinstance(body, GenerateRequest) else parse_body({**body, "stream": False}, GenerateRequest)
-        result = await self._call(request.to_completion(request.model or self._default_model), "completion")
+        result = await self._call(request.to_completion(), "completion")
         choice = result["choices"][0]
         return {"model": result["model"], "text": choice["text"], "finish_reason": choice["finish_reason"], "usage": result["usage"]}
 
     async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
         request = parse_body({**body, "stream": True}, GenerateRequest)
-        async for chunk in _as_generate_chunks(self._stream(request.to_completion(request.model or self._default_model), "completion")):
+        async for chunk in _as_generate_chunks(self._stream(request.to_completion(), "completion")):
             yield chunk
 
     # ---- internals ----------------------------------------------------------------------
@@ -166,7 +166,7 @@ class OpenAIIngress:
     async def _respond_generate(self, raw: Request):
         request = parse_body(await self._read_body(raw), GenerateRequest)
         if request.stream:
-            chunks = self._stream(request.to_completion(request.model or self._default_model), "completion")
+            chunks = self._stream(request.to_completion(), "completion")
             return await _sse_response(_as_generate_chunks(chunks))
         return JSONResponse(await self.generate(request))
 

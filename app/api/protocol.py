@@ -167,9 +167,9 @@ class GenerateRequest(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
 
-    def to_completion(self, model: str) -> CompletionRequest:
-        fields = self.model_dump(exclude={"max_new_tokens", "model"}, exclude_none=True)
-        return CompletionRequest(model=model, max_tokens=self.max_new_tokens, **fields)
+    def to_completion(self) -> CompletionRequest:
+        fields = self.model_dump(exclude={"max_new_tokens"}, exclude_none=True)
+        return CompletionRequest(max_tokens=self.max_new_tokens, **fields)
 
 
 def parse_body(raw: bytes | str | dict, model_cls: type[_Strict]) -> Any:
