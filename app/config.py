@@ -19,7 +19,7 @@ import yaml
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
-BATCHING_MODES = ("none",)  # "dynamic" and "continuous" arrive with the batching engine.
+BATCHING_MODES = ("none", "dynamic", "continuous")
 SERVED_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
 
 
@@ -63,19 +63,41 @@ def _default_name(source: str) -> str:
 
 @dataclass
 class EngineConfig:
-    """How the engine schedules work on a replica."""
+    """How the engine batches and schedules work on a replica.
 
-    batching: str = "none"
+    ``batching``: ``none`` runs one request at a time; ``dynamic`` runs each group formed by the
+    ``@serve.batch`` window (``max_batch_size``, ``batch_wait_timeout_s``) to completion before the
+    next starts; ``continuous`` (default) merges new requests into the running batch at every step.
+    """
+
+    batching: str = "continuous"
+    max_batch_size: int = 32  # @serve.batch window: requests admitted together
+    batch_wait_timeout_s: float = 0.01  # how long the window waits for batch-mates (never for a lone request)
+    max_num_seqs: int = 64  # sequences in one step's batch
+    max_num_batched_tokens: int = 512  # tokens in one step (decodes first, then chunks of prefills)
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory_mb: int = 0  # 0: auto (CUDA: 80% of free memory after loading; CPU: min(1 GiB, 20% of RAM))
+    num_kv_blocks: int = 0  # >0 overrides kv_cache_memory_mb (tests use it to force preemption)
+    enable_prefix_caching: bool = True
     torch_threads: int = 0  # 0: one thread per core the process may use
     max_queued_requests: int = 1024  # beyond this, new requests get 503 instead of waiting forever
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"engine.batching {self.batching!r} is not one of {', '.join(BATCHING_MODES)}")
-        if not isinstance(self.torch_threads, int) or self.torch_threads < 0:
-            raise ValueError(f"engine.torch_threads must be an integer >= 0, got {self.torch_threads!r}")
-        if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 1:
-            raise ValueError(f"engine.max_queued_requests must be an integer >= 1, got {self.max_queued_requests!r}")
+        for name in ("max_batch_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests"):
+            _require_int(f"engine.{name}", getattr(self, name), minimum=1)
+        for name in ("kv_cache_memory_mb", "num_kv_blocks", "torch_threads"):
+            _require_int(f"engine.{name}", getattr(self, name), minimum=0)
+        if not isinstance(self.batch_wait_timeout_s, (int, float)) or self.batch_wait_timeout_s < 0:
+            raise ValueError(f"engine.batch_wait_timeout_s must be a number >= 0, got {self.batch_wait_timeout_s!r}")
+        if self.batching == "none":
+            self.max_num_seqs = 1  # the naive baseline: one request at a time, whatever else is set
+
+
+def _require_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass
@@ -126,6 +148,14 @@ class ServedModelConfig:
         unknown = sorted(set(self.default_sampling) - set(SAMPLING_DEFAULT_KEYS))
         if unknown:
             raise ValueError(f"default_sampling: unknown key(s) {', '.join(unknown)} (known: {', '.join(SAMPLING_DEFAULT_KEYS)})")
+        # Each request is one ongoing request at the replica while it streams; a smaller cap than the
+        # batch window would make Serve hold back requests the batcher is waiting for.
+        if self.engine.batching != "none" and self.replica.max_ongoing_requests < self.engine.max_batch_size:
+            raise ValueError(
+                f"replica.max_ongoing_requests ({self.replica.max_ongoing_requests}) must be at least "
+                f"engine.max_batch_size ({self.engine.max_batch_size}), or Serve silently caps every batch; "
+                "raise max_ongoing_requests (ideally to engine.max_num_seqs) or lower max_batch_size"
+            )
 
 
 @dataclass

@@ -72,7 +72,7 @@ def _warm_up(core, loaded: LoadedModel) -> float:
     started = time.monotonic()
     prompt = loaded.tokenizer.encode(WARMUP_PROMPT) or [0]
     request = Request("warmup", prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), loaded.eos_token_ids)
-    core.add_request(request)
+    core.add_requests([request])
     outputs = []
     while core.has_unfinished_requests():
         outputs.extend(core.step())

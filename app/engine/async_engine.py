@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 from app.engine.request import Request, RequestOutput
 
@@ -28,10 +28,11 @@ class EngineCore(Protocol):
     num_running: int
     num_waiting: int
 
-    def add_request(self, request: Request) -> None: ...
+    def add_requests(self, requests: list[Request]) -> None: ...
     def abort_request(self, request_id: str) -> RequestOutput | None: ...
     def has_unfinished_requests(self) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
+    def stats(self) -> dict[str, float]: ...
 
 
 class EngineOverloadedError(RuntimeError):
@@ -44,6 +45,9 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """This request failed inside the engine (the others went on)."""
+
+
+Admit = Callable[[Request], Awaitable[None]]
 
 
 @dataclass
@@ -66,17 +70,24 @@ class AsyncEngine:
         self.started_at = time.time()
 
     # ---- asyncio side -------------------------------------------------------------------
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of ``request``; leaving the loop early (cancel, disconnect) aborts it."""
+    async def generate(self, request: Request, admit: Admit | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of ``request``; leaving the loop early (cancel, disconnect) aborts it.
+
+        ``admit`` hands the request to the engine (default: at once, alone); the replica passes its
+        ``@serve.batch`` window, which gathers concurrent arrivals into one group.
+        """
         self._check_accepting()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request.request_id in self._streams:
                 raise ValueError(f"request id {request.request_id!r} is already running")
             self._streams[request.request_id] = stream
-        self._inbox.put(("add", request))
         finished = False
         try:
+            if admit is None:
+                self.add_group([request])
+            else:
+                await admit(request)
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -92,6 +103,10 @@ class AsyncEngine:
                 self._streams.pop(request.request_id, None)
             if not finished:
                 self.abort(request.request_id)
+
+    def add_group(self, requests: list[Request]) -> None:
+        """Hand requests whose streams are open to the engine as one group (thread-safe, returns at once)."""
+        self._inbox.put(("add", list(requests)))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV memory is freed on the engine's next iteration."""
@@ -110,11 +125,8 @@ class AsyncEngine:
         return self._dead_reason
 
     def stats(self) -> dict[str, float]:
-        return {
-            "num_requests": self.num_unfinished,
-            "num_running": self._core.num_running,
-            "num_waiting": self._core.num_waiting,
-        }
+        # Read from another thread without a lock: each figure is a plain int read, possibly one step old.
+        return {"num_requests": self.num_unfinished, **self._core.stats()}
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Let the requests in flight finish (up to ``timeout_s``), then stop the loop."""
@@ -158,10 +170,10 @@ class AsyncEngine:
     def _apply(self, command: tuple) -> None:
         kind, payload = command
         if kind == "add":
-            with self._lock:
-                gone = payload.request_id not in self._streams  # cancelled before it reached us
-            if not gone:
-                self._core.add_request(payload)
+            with self._lock:  # a request cancelled before it reached us is dropped here
+                live = [request for request in payload if request.request_id in self._streams]
+            if live:
+                self._core.add_requests(live)
         elif kind == "abort":
             self._core.abort_request(payload)
 

@@ -98,6 +98,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     arrival_time: float = field(default_factory=time.monotonic)
     error: str | None = None
+    group: int = 0  # admission group (one @serve.batch window); dynamic batching runs a group to completion
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_preemptions: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -106,6 +109,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

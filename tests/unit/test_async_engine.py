@@ -20,8 +20,12 @@ class CountingCore:
 
     num_waiting = 0
 
-    def add_request(self, request):
-        self.requests[request.request_id] = request
+    def add_requests(self, requests):
+        for request in requests:
+            self.requests[request.request_id] = request
+
+    def stats(self):
+        return {"num_running": self.num_running}
 
     def abort_request(self, request_id):
         if self.requests.pop(request_id, None) is not None:

@@ -1,0 +1,142 @@
+"""The engine core: one step is schedule -> run -> process outputs.
+
+The same core serves every batching mode; the mode only changes the scheduler's policy
+(``none``: one sequence at a time; ``dynamic``: a group runs to completion before the next is
+admitted; ``continuous``: admit whenever there is room). Driven from a single thread by
+``AsyncEngine``; not thread-safe by itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+from app.config import EngineConfig
+from app.engine.kv_cache import BlockManager
+from app.engine.output_processor import OutputProcessor
+from app.engine.request import Request, RequestOutput, RequestStatus
+from app.engine.runner import ModelRunner
+from app.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from app.models import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepCounters:
+    num_steps: int = 0
+    num_batched_tokens: int = 0  # over all steps
+    num_generated_tokens: int = 0
+    last_step_tokens: int = 0
+    last_step_seqs: int = 0
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(loaded, config)
+        if self.runner.num_token_slots < loaded.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {self.runner.num_token_slots} tokens, fewer than one sequence of "
+                f"max_model_len={loaded.max_model_len}; raise engine.kv_cache_memory_mb (or num_kv_blocks) "
+                "or lower model.max_model_len"
+            )
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            gang=config.batching == "dynamic",
+        )
+        self.scheduler = Scheduler(scheduler_config, self.blocks)
+        self.outputs = OutputProcessor(loaded.tokenizer, loaded.max_model_len)
+        self.counters = StepCounters()
+        self._groups = itertools.count()
+
+    # ---- the core contract driven by AsyncEngine ---------------------------------------------
+    def add_requests(self, requests: list[Request]) -> None:
+        """Admit requests as one group (one batcher window): dynamic batching starts and ends them together."""
+        group = next(self._groups)
+        for request in requests:
+            request.group = group
+            self.scheduler.add_request(request)
+
+    def add_request(self, request: Request) -> None:
+        self.add_requests([request])
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.remove_request(request_id)
+        if request is None:
+            return None
+        self.runner.forget(request_id)
+        return self.outputs.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
+            return []
+        try:
+            result = self.runner.execute(scheduled, self.blocks)
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
+            logger.exception("forward pass failed")
+            return self._fail(scheduled, f"{type(exc).__name__}: {exc}")
+        self.scheduler.update(scheduled)
+        outputs = []
+        for request, token_id in zip(result.requests, result.token_ids):
+            output = self.outputs.append_token(request, token_id)
+            if output.finished:
+                self._release(request)
+            outputs.append(output)
+        self._count(scheduled, len(outputs))
+        return outputs
+
+    # ---- statistics --------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        c = self.counters
+        prefix = self.blocks.prefix_stats
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_blocks_used": self.blocks.num_used_blocks,
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_usage": self.blocks.num_used_blocks / self.blocks.num_blocks,
+            "prefix_cache_queried_tokens": prefix.queried_tokens,
+            "prefix_cache_hit_tokens": prefix.hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": c.num_steps,
+            "num_generated_tokens": c.num_generated_tokens,
+            "last_step_tokens": c.last_step_tokens,
+            "last_step_seqs": c.last_step_seqs,
+            "mean_tokens_per_step": c.num_batched_tokens / c.num_steps if c.num_steps else 0.0,
+        }
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _release(self, request: Request) -> None:
+        self.scheduler.remove_request(request.request_id)
+        self.runner.forget(request.request_id)
+
+    def _fail(self, scheduled: SchedulerOutput, error: str) -> list[RequestOutput]:
+        outputs = []
+        for item in scheduled.scheduled:
+            self._release(item.request)
+            outputs.append(self.outputs.finish(item.request, RequestStatus.FAILED, error))
+        return outputs
+
+    def _count(self, scheduled: SchedulerOutput, num_sampled: int) -> None:
+        c = self.counters
+        c.num_steps += 1
+        c.last_step_tokens = scheduled.num_batched_tokens
+        c.last_step_seqs = len(scheduled.scheduled)
+        c.num_batched_tokens += c.last_step_tokens
+        c.num_generated_tokens += num_sampled

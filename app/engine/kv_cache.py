@@ -1,0 +1,157 @@
+"""The KV block manager: a fixed pool of blocks, block tables, and automatic prefix caching.
+
+Pure bookkeeping (no tensors): block ``i`` owns pool slots ``[i*block_size, (i+1)*block_size)`` of
+every layer's KV tensors, which the runner allocates once at start.
+
+Prefix caching (as in vLLM): once a block is full of computed tokens it is registered under a hash
+of its tokens and of every token before it. A new request whose prompt starts with the same tokens
+reuses those blocks instead of recomputing them. A block whose last user finishes stays cached, on
+a free queue in least-recently-used order; it is evicted (its hash dropped) only when the pool needs
+a fresh block. Invariant: every block is either referenced by a request (ref_count > 0) or on the
+free queue, never both.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from array import array
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None  # set while the block holds a registered full prefix block
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+
+@dataclass
+class _RequestBlocks:
+    table: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # hashes of its full blocks, in order
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("the KV cache needs at least one block of at least one token")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (least recently used first); dict for O(1) removal on a cache hit.
+        self._free: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self._requests: dict[str, _RequestBlocks] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    # ---- queries ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._requests[request_id].table
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ----------------------------------------------------------------------
+    def find_cached_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        """Attach the longest cached prefix of ``token_ids`` to a request that holds no blocks yet.
+
+        Returns how many tokens it covers (a multiple of block_size). At least one token is always
+        left to compute, because the last one must run through the model to produce logits.
+        """
+        entry = self._requests.setdefault(request_id, _RequestBlocks())
+        if entry.table or not self.enable_prefix_caching:
+            return 0
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        parent = b""
+        for index in range(max_blocks):
+            block_hash = _hash_block(parent, token_ids[index * self.block_size : (index + 1) * self.block_size])
+            block_id = self._cached.get(block_hash)
+            if block_id is None:
+                break
+            self._take(block_id)
+            entry.table.append(block_id)
+            entry.hashes.append(block_hash)
+            parent = block_hash
+        return len(entry.table) * self.block_size
+
+    def record_prefix_query(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (a lookup retried after a failed admission counts once)."""
+        self.prefix_stats.queried_tokens += num_queried_tokens
+        self.prefix_stats.hit_tokens += num_hit_tokens
+
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+        """Register the request's blocks that are now full of computed tokens under their prefix hash."""
+        if not self.enable_prefix_caching:
+            return
+        entry = self._requests[request_id]
+        num_full = min(num_computed_tokens // self.block_size, len(entry.table))
+        while len(entry.hashes) < num_full:
+            index = len(entry.hashes)
+            parent = entry.hashes[-1] if entry.hashes else b""
+            block_hash = _hash_block(parent, token_ids[index * self.block_size : (index + 1) * self.block_size])
+            entry.hashes.append(block_hash)
+            block = self._blocks[entry.table[index]]
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash = block_hash
+                self._cached[block_hash] = block.block_id
+
+    # ---- allocation ------------------------------------------------------------------------
+    def allocate(self, request_id: str, num_tokens: int) -> bool:
+        """Grow the request's block table to hold ``num_tokens`` tokens; False (and no change) if the pool is short."""
+        entry = self._requests.setdefault(request_id, _RequestBlocks())
+        missing = self.blocks_needed(num_tokens) - len(entry.table)
+        if missing <= 0:
+            return True
+        if missing > len(self._free):
+            return False
+        for _ in range(missing):
+            block_id, _ = self._free.popitem(last=False)  # least recently used
+            self._evict(block_id)
+            self._blocks[block_id].ref_count = 1
+            entry.table.append(block_id)
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks; cached ones stay reusable until evicted."""
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        # Tail blocks go on the queue first, so they are evicted before the prefix blocks shared more widely.
+        for block_id in reversed(entry.table):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def _take(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None
+
+
+def _hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    """A collision-resistant hash of a full block and, through the parent hash, of all tokens before it."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()

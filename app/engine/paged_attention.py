@@ -1,0 +1,167 @@
+"""Paged attention for unmodified transformers models, through transformers' attention interface.
+
+The model runs one packed batch per step: all scheduled tokens of all requests side by side in a
+single ``[1, T]`` row (mixed prefill chunks and decodes). Each attention layer calls
+:func:`paged_attention_forward`, which
+
+1. writes this step's keys and values into the layer's slice of the KV pool at their slots, and
+2. attends each request's queries to its own keys, read back from the pool through its block table.
+
+Requests are attended in at most two padded groups (decodes with one query each, and prefill
+chunks), so a step costs two SDPA calls per layer whatever the batch size. Everything that does not
+depend on the layer (slots, gather indices, masks) is built once per step in :class:`PagedBatch`.
+The model's own Linear layers are untouched, so bitsandbytes and GPTQ layers run as loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION_NAME = "llm_serve_paged"
+
+
+@dataclass
+class SequenceSlice:
+    """One request's part of the packed batch (built by the runner from the scheduler output)."""
+
+    query_start: int  # index of its first new token in the packed row
+    num_queries: int  # tokens computed this step
+    num_computed: int  # tokens already in the cache before this step (the first query's position)
+    block_table: Sequence[int]
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended together as a padded batch: ``B`` sequences, ``Q`` queries, ``L`` keys."""
+
+    query_index: torch.Tensor  # [B*Q] packed index of each padded query (padding repeats a real one)
+    key_slots: torch.Tensor  # [B, L] pool slot of each key (padding points at slot 0, masked out)
+    mask: torch.Tensor  # [B, 1, Q, L] True where the query may attend the key
+    real_rows: torch.Tensor | None  # [n] rows of the flattened [B*Q] output that are real queries
+    num_seqs: int
+    num_queries: int
+    _folded: dict[int, torch.Tensor] | None = None
+
+    def folded_mask(self, repeat: int) -> torch.Tensor:
+        """The mask for ``repeat`` query heads folded into the query axis: [B, 1, R*Q, L] (built once per step)."""
+        if repeat == 1:
+            return self.mask
+        if self._folded is None:
+            self._folded = {}
+        if repeat not in self._folded:
+            b, _, q, keys = self.mask.shape
+            self._folded[repeat] = self.mask.unsqueeze(2).expand(b, 1, repeat, q, keys).reshape(b, 1, repeat * q, keys)
+        return self._folded[repeat]
+
+
+@dataclass
+class PagedBatch:
+    """Per-step attention metadata, passed to every layer through the model's forward kwargs."""
+
+    kv_pool: torch.Tensor  # [layers, 2, slots, kv_heads, head_dim], owned by the runner
+    slot_mapping: torch.Tensor  # [T] where each new token's key/value is written
+    groups: list[AttentionGroup]
+
+    @classmethod
+    def build(cls, kv_pool: torch.Tensor, block_size: int, slices: Sequence[SequenceSlice]) -> "PagedBatch":
+        device = kv_pool.device
+        slot_mapping = torch.cat([_slots(s, block_size, s.num_computed, s.num_computed + s.num_queries) for s in slices])
+        decodes = [s for s in slices if s.num_queries == 1]
+        prefills = [s for s in slices if s.num_queries > 1]
+        groups = [_group(g, block_size, device) for g in (decodes, prefills) if g]
+        return cls(kv_pool, slot_mapping.to(device), groups)
+
+
+def _slots(s: SequenceSlice, block_size: int, start: int, end: int) -> torch.Tensor:
+    """Pool slots of token positions [start, end) of one sequence."""
+    positions = torch.arange(start, end)
+    table = torch.tensor(s.block_table, dtype=torch.long)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def _group(slices: Sequence[SequenceSlice], block_size: int, device: torch.device) -> AttentionGroup:
+    num_queries = max(s.num_queries for s in slices)
+    num_keys = max(s.num_computed + s.num_queries for s in slices)
+    query_index = torch.zeros(len(slices), num_queries, dtype=torch.long)
+    key_slots = torch.zeros(len(slices), num_keys, dtype=torch.long)
+    query_pos = torch.zeros(len(slices), num_queries, dtype=torch.long)  # position of each query
+    real = torch.zeros(len(slices), num_queries, dtype=torch.bool)
+    for row, s in enumerate(slices):
+        n, context = s.num_queries, s.num_computed + s.num_queries
+        query_index[row, :n] = torch.arange(s.query_start, s.query_start + n)
+        query_index[row, n:] = s.query_start  # padded queries repeat a real one, then get dropped
+        query_pos[row, :n] = torch.arange(s.num_computed, context)
+        real[row, :n] = True
+        key_slots[row, :context] = _slots(s, block_size, 0, context)
+    key_pos = torch.arange(num_keys)
+    # Causal within the sequence; keys past its context are padding. Padded queries see key 0 only
+    # (a fully masked row would make SDPA return NaN).
+    mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # [B, Q, L]
+    mask &= real.unsqueeze(-1) | (key_pos == 0).view(1, 1, -1)
+    real_rows = None if bool(real.all()) else real.flatten().nonzero().squeeze(1)
+    return AttentionGroup(
+        query_index=query_index.flatten().to(device),
+        key_slots=key_slots.to(device),
+        mask=mask.unsqueeze(1).to(device),
+        real_rows=None if real_rows is None else real_rows.to(device),
+        num_seqs=len(slices),
+        num_queries=num_queries,
+    )
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged_batch: PagedBatch | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    if paged_batch is None:  # plain transformers use of the model (e.g. generate): behave as SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    k_pool, v_pool = paged_batch.kv_pool[module.layer_idx]  # [slots, Hkv, D] each
+    k_pool.index_copy_(0, paged_batch.slot_mapping, key[0].transpose(0, 1))
+    v_pool.index_copy_(0, paged_batch.slot_mapping, value[0].transpose(0, 1))
+
+    packed = query[0].transpose(0, 1)  # [T, H, D]
+    out = torch.empty_like(packed)  # [T, H, D]
+    for group in paged_batch.groups:
+        group_out = _attend_group(packed, k_pool, v_pool, group, scaling)  # [B*Q, H, D]
+        if group.real_rows is None:
+            out[group.query_index] = group_out
+        else:
+            out[group.query_index[group.real_rows]] = group_out[group.real_rows]
+    return out.unsqueeze(0), None  # [1, T, H, D], as transformers' SDPA path returns
+
+
+def _attend_group(
+    packed: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: AttentionGroup, scaling: float | None
+) -> torch.Tensor:
+    b, q = group.num_seqs, group.num_queries
+    num_heads, head_dim = packed.shape[1], packed.shape[2]
+    keys = k_pool[group.key_slots].transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_pool[group.key_slots].transpose(1, 2)  # [B, Hkv, L, D]
+    kv_heads = keys.shape[1]
+    repeat = num_heads // kv_heads
+    # Grouped-query attention without copying keys: the `repeat` query heads that share a key/value
+    # head are folded into the query axis, so SDPA sees Hkv heads of repeat*Q queries each.
+    query = packed[group.query_index].view(b, q, kv_heads, repeat, head_dim)  # [B, Q, Hkv, R, D]
+    query = query.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, repeat * q, head_dim)  # [B, Hkv, R*Q, D]
+    attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.folded_mask(repeat), scale=scaling)
+    attended = attended.view(b, kv_heads, repeat, q, head_dim).permute(0, 3, 1, 2, 4)  # [B, Q, Hkv, R, D]
+    return attended.reshape(b * q, num_heads, head_dim)  # [B*Q, H, D]
+
+
+def register_paged_attention(model: torch.nn.Module) -> None:
+    """Route every attention layer of ``model`` through the paged attention function."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    model.set_attn_implementation(ATTENTION_NAME)

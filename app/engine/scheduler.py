@@ -1,0 +1,154 @@
+"""The scheduler: which requests run in the next step, and how many of their tokens.
+
+Requests are counters (vLLM v1): a request needs ``num_tokens - num_computed_tokens`` more tokens
+through the model; a prefill is just a request with many, a decode one with one. Each step gets a
+token budget: running requests go first (a decode costs one token, an unfinished prefill takes a
+chunk), then waiting requests are admitted in arrival order while budget, sequence slots and KV
+blocks last. When a running request cannot get a block, the newest running request is preempted by
+recompute (its blocks are freed; it re-enters the waiting queue at the front and later re-prefills
+its prompt plus what it already generated), so a step never runs out of memory.
+
+No tensors here: the scheduler and the block manager are tested without a model.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from app.engine.kv_cache import BlockManager
+from app.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    gang: bool = False  # dynamic batching: a new group is admitted only when nothing of the last one runs
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # computed this step, from request.num_computed_tokens on
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last token, so the step samples its next one."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The contract between scheduler and runner for one step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # in admission order; the last is preempted first
+        self.num_preemptions = 0
+        self._active_group: int | None = None
+
+    # ---- request lifecycle -----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove_request(self, request_id: str) -> Request | None:
+        """Take a request out (finished or aborted) and free its blocks at once."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self.blocks.free(request_id)
+                    return request
+        return None
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self._schedule_running(self.config.max_num_batched_tokens, output)
+        if not output.preempted:  # memory is short: let the running requests drain first
+            self._schedule_waiting(budget, output)
+        return output
+
+    def update(self, output: SchedulerOutput) -> None:
+        """Record that the runner computed what was scheduled (sampled tokens are appended by the engine)."""
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            self.blocks.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+
+    def _schedule_running(self, budget: int, output: SchedulerOutput) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, num_new, output):
+                break  # the request preempted itself: it was the last one running
+            output.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _reserve(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        """Get blocks for ``num_new`` more tokens of a running request, preempting the newest if needed."""
+        while not self.blocks.allocate(request.request_id, request.num_computed_tokens + num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.blocks.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)  # ahead of newer arrivals: it is older than they are
+        self.num_preemptions += 1
+
+    def _schedule_waiting(self, budget: int, output: SchedulerOutput) -> None:
+        if self.config.gang and not self.running:
+            self._active_group = None
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if self.config.gang and self._active_group not in (None, request.group):
+                return  # dynamic batching: the next group waits for this one to finish
+            num_new = self._admit(request, budget)
+            if num_new == 0:
+                return  # not enough free blocks: wait for running requests to finish
+            self.waiting.popleft()
+            self.running.append(request)
+            self._active_group = request.group
+            output.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Attach cached prefix blocks and blocks for the first chunk; returns the chunk's size (0: no room)."""
+        token_ids = request.all_token_ids
+        cached = self.blocks.find_cached_prefix(request.request_id, token_ids)
+        num_new = min(len(token_ids) - cached, budget)
+        if not self.blocks.allocate(request.request_id, cached + num_new):
+            self.blocks.free(request.request_id)  # give back the prefix blocks it took
+            return 0
+        self.blocks.record_prefix_query(len(token_ids), cached)
+        if request.status is RequestStatus.WAITING:  # first admission, not a resumed preemption
+            request.num_cached_tokens = cached
+        request.num_computed_tokens = cached
+        request.status = RequestStatus.RUNNING
+        return num_new
