@@ -14,6 +14,7 @@ import torch
 
 from app.api.serving import OpenAIServing
 from app.config import ServedModelConfig
+from app.engine.async_engine import Admit
 from app.engine import AsyncEngine, Request, SamplingParams, build_engine_core
 from app.models import LoadedModel, load_model
 
@@ -23,7 +24,7 @@ WARMUP_PROMPT = "Hello"
 
 
 class ModelServer:
-    def __init__(self, config: ServedModelConfig) -> None:
+    def __init__(self, config: ServedModelConfig, admit: Admit | None = None) -> None:
         self.config = config
         _set_torch_threads(config.engine.torch_threads)
         started = time.monotonic()
@@ -40,6 +41,7 @@ class ModelServer:
             self.loaded.eos_token_ids,
             vocab_size=_vocab_size(self.loaded),
             default_sampling=config.default_sampling,
+            admit=admit,
         )
         self.ready_s = time.monotonic() - started
         logger.info("model %s ready in %.1fs (warm-up %.2fs)", self.loaded.name, self.ready_s, self.warmup_s)

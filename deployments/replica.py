@@ -13,6 +13,7 @@ from ray import serve
 
 from app.api.protocol import ChatCompletionRequest, CompletionRequest
 from app.config import ServedModelConfig
+from app.engine import Request
 from app.server import ModelServer
 
 
@@ -26,7 +27,27 @@ class LLMServer:
     def __init__(self, config: ServedModelConfig) -> None:
         # Serve sends no traffic until the constructor returns, and ModelServer only returns
         # after a real warm-up generation: a replica is ready only when the model runs.
-        self._server = ModelServer(config)
+        batching = config.engine.batching != "none"
+        self._server = ModelServer(config, admit=self._admit if batching else None)
+        self._admit_window.set_max_batch_size(config.engine.max_batch_size)
+        self._admit_window.set_batch_wait_timeout_s(config.engine.batch_wait_timeout_s)
+
+    async def _admit(self, request: Request) -> None:
+        """Hand one request to the engine, through the batch window unless it is alone."""
+        engine = self._server.engine
+        if engine.num_unfinished <= 1:  # only this request: nobody to wait for, so no window
+            engine.add_group([request])
+        else:
+            await self._admit_window(request)
+
+    # The @serve.batch window on the replica's entry path: concurrent arrivals become one group,
+    # which the engine prefills together (continuous) or runs to completion together (dynamic).
+    # Admission returns at once, so one concurrent batch is enough and max_ongoing_requests (which
+    # counts streaming requests, the autoscaling signal) never caps a window.
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
+    async def _admit_window(self, requests: list[Request]) -> list[None]:
+        self._server.engine.add_group(requests)
+        return [None] * len(requests)
 
     async def completion(self, request: CompletionRequest) -> dict:
         return await self._server.serving.completion(request)

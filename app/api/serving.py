@@ -16,6 +16,7 @@ from typing import AsyncIterator
 from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
+from app.engine.async_engine import Admit
 
 
 @dataclass
@@ -36,8 +37,10 @@ class OpenAIServing:
         eos_token_ids,
         vocab_size: int,
         default_sampling: dict | None = None,
+        admit: Admit | None = None,
     ) -> None:
         self.engine = engine
+        self.admit = admit  # how a request enters the engine (the replica's batch window); None: at once
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -99,7 +102,7 @@ class OpenAIServing:
 
     async def _generate(self, prepared: _Prepared) -> AsyncIterator[RequestOutput]:
         request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling, self.eos_token_ids)
-        async for output in self.engine.generate(request):
+        async for output in self.engine.generate(request, self.admit):
             yield output
 
     async def _collect(self, prepared: _Prepared) -> tuple[str, RequestOutput]:

@@ -1,6 +1,10 @@
-import pytest
+import dataclasses
 
-from app.config import ModelConfig, ServedModelConfig
+import pytest
+import torch
+
+from app.config import EngineConfig, ModelConfig, ServedModelConfig
+from app.engine import LLMEngine, Request, SamplingParams
 from app.server import ModelServer
 
 
@@ -10,3 +14,43 @@ def server_fp32():
     server = ModelServer(ServedModelConfig(model=ModelConfig(dtype="float32")))
     yield server
     server.shutdown(timeout_s=5)
+
+
+@pytest.fixture(scope="session")
+def loaded_fp32(server_fp32):
+    """The fp32 model itself, for engines built and stepped synchronously by a test (shares the weights)."""
+    return server_fp32.loaded
+
+
+def make_engine(loaded, max_model_len: int | None = None, **engine_fields) -> LLMEngine:
+    """An engine over already-loaded weights; a small KV pool unless the test asks otherwise."""
+    if max_model_len is not None:
+        loaded = dataclasses.replace(loaded, max_model_len=max_model_len)
+    engine_fields.setdefault("num_kv_blocks", max(loaded.max_model_len // 16, 64) + 64)
+    return LLMEngine(loaded, EngineConfig(**engine_fields))
+
+
+def greedy(max_tokens: int, **fields) -> SamplingParams:
+    """Exactly ``max_tokens`` greedy tokens with EOS masked, as generate's min_new_tokens does."""
+    return SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0, **fields)
+
+
+def run_engine(engine: LLMEngine, requests: list[Request], group: bool = True) -> dict[str, list[int]]:
+    """Step the engine until every request finishes; returns output token ids by request id."""
+    if group:
+        engine.add_requests(requests)
+    else:
+        for request in requests:
+            engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {r.request_id: list(r.output_token_ids) for r in requests}
+
+
+def hf_greedy(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """transformers' own generate, the reference every mode must equal."""
+    with torch.inference_mode():
+        out = loaded.model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
+        )
+    return out[0, len(prompt_ids) :].tolist()

@@ -1,0 +1,116 @@
+"""Every batching mode equals transformers' generate, and batching never changes a request's output (fp32, greedy)."""
+
+import pytest
+
+from app.engine import Request, SamplingParams
+from tests.model.conftest import greedy, hf_greedy, make_engine, run_engine
+
+pytestmark = pytest.mark.model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "1, 2, 3, 4,",
+    "Translate to French: good morning",
+    "Ünïcödé and emoji 🙂 test:",
+    "The three primary colors are",
+    "import numpy as np\nx = np.",
+    "Q: What is 12 times 12?\nA:",
+    "<|im_start|>user\nName a planet.<|im_end|>\n<|im_start|>assistant\n",
+    "A haiku about autumn:\n",
+    "SELECT name FROM users WHERE",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "Water boils at",
+    "List: apples, pears,",
+    "In 1492,",
+]
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(loaded_fp32):
+    return [loaded_fp32.tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def references(loaded_fp32, prompt_ids):
+    return [hf_greedy(loaded_fp32, ids, MAX_TOKENS) for ids in prompt_ids]
+
+
+@pytest.mark.parametrize("mode", ["none", "dynamic", "continuous"])
+def test_every_mode_equals_hf_generate(loaded_fp32, prompt_ids, references, mode):
+    # A small token budget makes the long prompt's prefill span several steps, mixed with decodes.
+    engine = make_engine(loaded_fp32, batching=mode, max_num_batched_tokens=32)
+    requests = [Request(f"{mode}-{i}", ids, greedy(MAX_TOKENS), loaded_fp32.eos_token_ids) for i, ids in enumerate(prompt_ids)]
+    outputs = run_engine(engine, requests)
+    mismatched = [PROMPTS[i] for i, r in enumerate(requests) if outputs[r.request_id] != references[i]]
+    assert not mismatched, f"{mode}: differs from transformers generate for {mismatched}"
+    assert engine.stats()["num_steps"] >= MAX_TOKENS
+
+
+def _mixed_batch(loaded, count: int) -> list[list[int]]:
+    """``count`` prompts from 1 to ~150 tokens, so prefill chunks and decodes share steps."""
+    words = "alpha beta gamma delta river stone cloud seven north quiet engine paper".split()
+    text = [" ".join(words[(i * 7 + j) % len(words)] for j in range(1 + (i * 37) % 120)) for i in range(count)]
+    return [loaded.tokenizer.encode(t) for t in text]
+
+
+def test_alone_equals_inside_a_batch_of_32(loaded_fp32):
+    prompts = _mixed_batch(loaded_fp32, 32)
+    batch = [Request(f"b{i}", ids, greedy(16), loaded_fp32.eos_token_ids) for i, ids in enumerate(prompts)]
+    batched = run_engine(make_engine(loaded_fp32, max_num_batched_tokens=256), batch, group=False)
+    for index in (0, 9, 17, 31):
+        alone = Request(f"alone{index}", prompts[index], greedy(16), loaded_fp32.eos_token_ids)
+        assert run_engine(make_engine(loaded_fp32), [alone])[alone.request_id] == batched[f"b{index}"]
+
+
+def test_preemption_leaves_outputs_unchanged(loaded_fp32):
+    prompts = _mixed_batch(loaded_fp32, 6)[:6]
+    make = lambda tag: [Request(f"{tag}{i}", ids[:40], greedy(40), loaded_fp32.eos_token_ids) for i, ids in enumerate(prompts)]
+    roomy = run_engine(make_engine(loaded_fp32, max_model_len=128), make("r"))
+    # 12 blocks of 16 tokens hold 192 tokens; six requests of up to 80 tokens need far more.
+    tight_engine = make_engine(loaded_fp32, max_model_len=128, num_kv_blocks=12)
+    tight = run_engine(tight_engine, make("t"))
+    assert tight_engine.stats()["num_preemptions"] > 0
+    assert [tight[f"t{i}"] for i in range(6)] == [roomy[f"r{i}"] for i in range(6)]
+    assert tight_engine.blocks.num_free_blocks == tight_engine.blocks.num_blocks
+
+
+def test_shared_prefix_hits_the_cache_with_unchanged_outputs(loaded_fp32):
+    system = loaded_fp32.tokenizer.encode("You are a terse assistant who answers in one short sentence. " * 4)
+    questions = [loaded_fp32.tokenizer.encode(q) for q in (" Why is the sky blue?", " What is rain?")]
+    engine = make_engine(loaded_fp32)
+    first = Request("p0", system + questions[0], greedy(12), loaded_fp32.eos_token_ids)
+    run_engine(engine, [first])
+    hits_before = engine.stats()["prefix_cache_hit_tokens"]
+    second = Request("p1", system + questions[1], greedy(12), loaded_fp32.eos_token_ids)
+    out = run_engine(engine, [second])["p1"]
+    assert engine.stats()["prefix_cache_hit_tokens"] - hits_before >= 16 * (len(system) // 16)
+    assert second.num_cached_tokens >= 16
+    assert out == hf_greedy(loaded_fp32, system + questions[1], 12)
+
+
+def test_every_block_is_free_after_aborts_and_completions(loaded_fp32):
+    engine = make_engine(loaded_fp32)
+    prompts = _mixed_batch(loaded_fp32, 8)
+    requests = [Request(f"a{i}", ids, greedy(12), loaded_fp32.eos_token_ids) for i, ids in enumerate(prompts)]
+    engine.add_requests(requests)
+    for _ in range(3):
+        engine.step()
+    for request in requests[::2]:
+        assert engine.abort_request(request.request_id).finish_reason == "abort"
+    assert engine.blocks.num_used_blocks > 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert all(len(r.output_token_ids) == 12 for r in requests[1::2])
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(loaded_fp32):
+    ids = loaded_fp32.tokenizer.encode("Write a story about a dragon:")
+    sampled = lambda rid: Request(rid, ids, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=11))
+    alone = run_engine(make_engine(loaded_fp32), [sampled("s-alone")])["s-alone"]
+    others = [Request(f"o{i}", p, SamplingParams(max_tokens=16, temperature=1.0)) for i, p in enumerate(_mixed_batch(loaded_fp32, 7))]
+    in_batch = run_engine(make_engine(loaded_fp32), [*others, sampled("s-batch")])["s-batch"]
+    assert alone == in_batch and len(alone) == 16
