@@ -1,0 +1,118 @@
+"""The scheduler without a model: hand-built runner results drive it step by step."""
+
+from app.engine.kv_cache import BlockManager
+from app.engine.request import Request, RequestStatus, SamplingParams
+from app.engine.scheduler import Scheduler, SchedulerConfig
+
+
+def _request(rid: str, prompt_len: int, max_tokens: int = 4, group: int = 0, first_token: int = 100) -> Request:
+    """Prompts share their first tokens unless ``first_token`` differs (prefix caching matters)."""
+    request = Request(rid, list(range(first_token, first_token + prompt_len)), SamplingParams(max_tokens=max_tokens))
+    request.group = group
+    return request
+
+
+def _scheduler(num_blocks=64, block_size=4, **config) -> Scheduler:
+    return Scheduler(SchedulerConfig(**config), BlockManager(num_blocks, block_size))
+
+
+def _step(scheduler: Scheduler) -> dict[str, int]:
+    """One step with a fake runner: every request that reaches its last token samples token 7."""
+    output = scheduler.schedule()
+    sampling = [s.request for s in output.scheduled if s.samples]
+    scheduler.update(output)
+    for request in sampling:
+        request.output_token_ids.append(7)
+        if request.num_output_tokens >= request.sampling.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH
+            scheduler.remove_request(request.request_id)
+    return {s.request.request_id: s.num_new_tokens for s in output.scheduled}
+
+
+def test_token_budget_chunks_a_long_prefill():
+    scheduler = _scheduler(max_num_batched_tokens=8)
+    scheduler.add_request(_request("long", 20))
+    assert [_step(scheduler) for _ in range(3)] == [{"long": 8}, {"long": 8}, {"long": 4}]
+    assert scheduler.running[0].num_output_tokens == 1
+
+
+def test_decodes_go_first_and_prefills_fill_the_rest():
+    scheduler = _scheduler(max_num_batched_tokens=10)
+    scheduler.add_request(_request("a", 3))
+    _step(scheduler)  # a prefilled, now decoding
+    scheduler.add_request(_request("b", 30))
+    assert _step(scheduler) == {"a": 1, "b": 9}
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    scheduler = _scheduler(max_num_seqs=2)
+    for i in range(3):
+        scheduler.add_request(_request(f"r{i}", 3))
+    assert set(_step(scheduler)) == {"r0", "r1"}
+    assert [r.request_id for r in scheduler.waiting] == ["r2"]
+
+
+def test_new_requests_join_a_running_batch_in_continuous_mode():
+    scheduler = _scheduler()
+    scheduler.add_request(_request("first", 3, max_tokens=10))
+    _step(scheduler)
+    scheduler.add_request(_request("late", 3))
+    assert _step(scheduler) == {"first": 1, "late": 3}
+
+
+def test_gang_mode_runs_a_group_to_completion_before_the_next():
+    scheduler = _scheduler(gang=True)
+    scheduler.add_request(_request("g0-a", 3, max_tokens=3, group=0))
+    scheduler.add_request(_request("g0-b", 3, max_tokens=1, group=0))
+    scheduler.add_request(_request("g1-a", 3, max_tokens=1, group=1))
+    assert set(_step(scheduler)) == {"g0-a", "g0-b"}
+    assert _step(scheduler) == {"g0-a": 1}  # g0-b finished, but group 1 may not start yet
+    assert _step(scheduler) == {"g0-a": 1}
+    assert _step(scheduler) == {"g1-a": 3}
+
+
+def test_running_out_of_blocks_preempts_the_newest_and_recomputes_it_later():
+    scheduler = _scheduler(num_blocks=4, block_size=4)  # 16 token slots
+    old, new = _request("old", 6, max_tokens=8), _request("new", 6, max_tokens=8)
+    scheduler.add_request(old)
+    scheduler.add_request(new)
+    for _ in range(3):  # prefill (6 tokens), then decodes of tokens 7 and 8: two blocks each, pool full
+        _step(scheduler)
+    _step(scheduler)  # old needs a third block for its 9th token: new is preempted
+    assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0
+    assert scheduler.num_preemptions == 1 and scheduler.waiting[0] is new
+    while scheduler.has_unfinished_requests():
+        _step(scheduler)
+    assert old.num_output_tokens == 8 and new.num_output_tokens == 8
+    assert scheduler.blocks.num_free_blocks == 4
+
+
+def test_a_waiting_request_waits_for_blocks_instead_of_failing():
+    scheduler = _scheduler(num_blocks=3, block_size=4)
+    scheduler.add_request(_request("big", 10, max_tokens=2))
+    scheduler.add_request(_request("next", 6, max_tokens=1, first_token=500))
+    assert _step(scheduler) == {"big": 10}  # 3 blocks used; "next" cannot fit yet
+    assert _step(scheduler) == {"big": 1}
+    assert _step(scheduler) == {"next": 6}
+
+
+def test_removing_a_request_frees_its_blocks_at_once():
+    scheduler = _scheduler(num_blocks=8)
+    scheduler.add_request(_request("a", 9))
+    _step(scheduler)
+    assert scheduler.blocks.num_used_blocks == 3
+    assert scheduler.remove_request("a").request_id == "a"
+    assert scheduler.blocks.num_free_blocks == 8 and not scheduler.has_unfinished_requests()
+    assert scheduler.remove_request("a") is None
+
+
+def test_prefix_hit_skips_cached_tokens():
+    scheduler = _scheduler(block_size=4)
+    scheduler.add_request(_request("a", 10, max_tokens=1))
+    _step(scheduler)
+    b = _request("b", 10, max_tokens=1)
+    scheduler.add_request(b)
+    assert _step(scheduler) == {"b": 2}  # 8 of its 10 prompt tokens were in the cache
+    assert b.num_cached_tokens == 8
+    stats = scheduler.blocks.prefix_stats
+    assert (stats.queried_tokens, stats.hit_tokens) == (20, 8)
