@@ -25,6 +25,11 @@ serve: model
 test: model
 	$(BIN)/python -m pytest -q
 
+# Every batching mode through `serve run` + HTTP on the standard workload, then transformers' own batching.
+bench: model
+	$(BIN)/python -m app.bench compare $(BENCH_ARGS)
+	$(BIN)/python -m app.bench hf
+
 test-unit: install
 	$(BIN)/python -m pytest -q tests/unit
 

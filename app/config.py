@@ -79,6 +79,7 @@ class EngineConfig:
     kv_cache_memory_mb: int = 0  # 0: auto (CUDA: 80% of free memory after loading; CPU: min(1 GiB, 20% of RAM))
     num_kv_blocks: int = 0  # >0 overrides kv_cache_memory_mb (tests use it to force preemption)
     enable_prefix_caching: bool = True
+    separate_process: bool = True  # run the core in its own process (no GIL shared with the server's threads)
     torch_threads: int = 0  # 0: one thread per core the process may use
     max_queued_requests: int = 1024  # beyond this, new requests get 503 instead of waiting forever
 

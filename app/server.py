@@ -6,6 +6,7 @@ testable without a cluster.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -14,8 +15,9 @@ import torch
 
 from app.api.serving import OpenAIServing
 from app.config import ServedModelConfig
+from app.engine import AsyncEngine, LLMEngine, Request, SamplingParams, build_engine_core
 from app.engine.async_engine import Admit
-from app.engine import AsyncEngine, Request, SamplingParams, build_engine_core
+from app.engine.core_process import CoreInfo, ProcessCore
 from app.models import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -26,38 +28,46 @@ WARMUP_PROMPT = "Hello"
 class ModelServer:
     def __init__(self, config: ServedModelConfig, admit: Admit | None = None) -> None:
         self.config = config
-        _set_torch_threads(config.engine.torch_threads)
         started = time.monotonic()
-        self.loaded: LoadedModel = load_model(config.model)
-        core = build_engine_core(self.loaded, config.engine)
-        # Readiness means the model has produced a token, not merely that weights were read.
-        self.warmup_s = _warm_up(core, self.loaded)
-        self.engine: AsyncEngine = AsyncEngine(core, max_queued_requests=config.engine.max_queued_requests)
+        build = functools.partial(build_model_core, config)
+        if config.engine.separate_process:
+            process_core = ProcessCore(build)  # returns once the child has loaded and warmed up
+            self.info = process_core.info
+            self.engine = AsyncEngine(lambda: process_core, max_queued_requests=config.engine.max_queued_requests)
+        else:
+            built: dict = {}
+
+            def build_here():  # runs on the engine thread: loading, warm-up and steps share one OpenMP team
+                core, built["info"] = build()
+                return core
+
+            self.engine = AsyncEngine(build_here, max_queued_requests=config.engine.max_queued_requests)
+            self.info = built["info"]
         self.serving = OpenAIServing(
             self.engine,
-            self.loaded.tokenizer,
-            self.loaded.name,
-            self.loaded.max_model_len,
-            self.loaded.eos_token_ids,
-            vocab_size=_vocab_size(self.loaded),
+            self.info.tokenizer,
+            self.info.name,
+            self.info.max_model_len,
+            self.info.eos_token_ids,
+            vocab_size=self.info.vocab_size,
             default_sampling=config.default_sampling,
             admit=admit,
         )
         self.ready_s = time.monotonic() - started
-        logger.info("model %s ready in %.1fs (warm-up %.2fs)", self.loaded.name, self.ready_s, self.warmup_s)
+        logger.info("model %s ready in %.1fs (warm-up %.2fs)", self.info.name, self.ready_s, self.info.warmup_s)
 
     @property
     def name(self) -> str:
-        return self.loaded.name
+        return self.info.name
 
     def model_card(self) -> dict:
         return {
-            "id": self.loaded.name,
+            "id": self.info.name,
             "object": "model",
             "created": int(self.engine.started_at),
             "owned_by": "llm-serve",
             "root": self.config.model.source,
-            "max_model_len": self.loaded.max_model_len,
+            "max_model_len": self.info.max_model_len,
         }
 
     def check_health(self) -> None:
@@ -67,6 +77,17 @@ class ModelServer:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         self.engine.shutdown(timeout_s)
+
+
+def build_model_core(config: ServedModelConfig) -> tuple[LLMEngine, CoreInfo]:
+    """Load the model, build its engine core and prove it generates (wherever the core will run)."""
+    _set_torch_threads(config.engine.torch_threads)
+    loaded = load_model(config.model)
+    core = build_engine_core(loaded, config.engine)
+    # Readiness means the model has produced a token, not merely that weights were read.
+    warmup_s = _warm_up(core, loaded)
+    info = CoreInfo(loaded.name, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, _vocab_size(loaded), warmup_s)
+    return core, info
 
 
 def _warm_up(core, loaded: LoadedModel) -> float:

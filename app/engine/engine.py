@@ -9,6 +9,7 @@ admitted; ``continuous``: admit whenever there is room). Driven from a single th
 from __future__ import annotations
 
 import itertools
+import time
 import logging
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ class StepCounters:
     num_generated_tokens: int = 0
     last_step_tokens: int = 0
     last_step_seqs: int = 0
-
+    busy_s: float = 0.0  # wall time spent in steps
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
@@ -83,6 +84,7 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
@@ -99,6 +101,7 @@ class LLMEngine:
                 self._release(request)
             outputs.append(output)
         self._count(scheduled, len(outputs))
+        self.counters.busy_s += time.perf_counter() - started
         return outputs
 
     # ---- statistics --------------------------------------------------------------------------
@@ -119,6 +122,7 @@ class LLMEngine:
             "last_step_tokens": c.last_step_tokens,
             "last_step_seqs": c.last_step_seqs,
             "mean_tokens_per_step": c.num_batched_tokens / c.num_steps if c.num_steps else 0.0,
+            "mean_step_ms": 1000 * c.busy_s / c.num_steps if c.num_steps else 0.0,
         }
 
     # ---- internals ---------------------------------------------------------------------------

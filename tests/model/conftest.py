@@ -5,6 +5,7 @@ import torch
 
 from app.config import EngineConfig, ModelConfig, ServedModelConfig
 from app.engine import LLMEngine, Request, SamplingParams
+from app.models import load_model
 from app.server import ModelServer
 
 
@@ -17,9 +18,9 @@ def server_fp32():
 
 
 @pytest.fixture(scope="session")
-def loaded_fp32(server_fp32):
-    """The fp32 model itself, for engines built and stepped synchronously by a test (shares the weights)."""
-    return server_fp32.loaded
+def loaded_fp32():
+    """The fp32 model in the test process, for references and for engines a test steps synchronously."""
+    return load_model(ModelConfig(dtype="float32"))
 
 
 def make_engine(loaded, max_model_len: int | None = None, **engine_fields) -> LLMEngine:

@@ -18,7 +18,7 @@ PROMPTS = [
 
 
 async def _engine_tokens(server, prompt_ids, **params):
-    request = Request("r-" + str(abs(hash(tuple(prompt_ids)))), prompt_ids, SamplingParams(**params), server.loaded.eos_token_ids)
+    request = Request("r-" + str(abs(hash(tuple(prompt_ids)))), prompt_ids, SamplingParams(**params), server.info.eos_token_ids)
     tokens = []
     async for output in server.engine.generate(request):
         tokens.extend(output.new_token_ids)
@@ -26,8 +26,9 @@ async def _engine_tokens(server, prompt_ids, **params):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-async def test_greedy_equals_hf_generate(server_fp32, prompt):
-    tokenizer, model = server_fp32.loaded.tokenizer, server_fp32.loaded.model
+async def test_greedy_equals_hf_generate(server_fp32, loaded_fp32, prompt):
+    """Through the whole server path: AsyncEngine, the engine process, paged attention."""
+    tokenizer, model = loaded_fp32.tokenizer, loaded_fp32.model
     prompt_ids = tokenizer.encode(prompt)
     with torch.inference_mode():
         reference = model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
@@ -37,7 +38,7 @@ async def test_greedy_equals_hf_generate(server_fp32, prompt):
 
 
 async def test_seeded_sampling_reproducible(server_fp32):
-    ids = server_fp32.loaded.tokenizer.encode("Write a story:")
+    ids = server_fp32.info.tokenizer.encode("Write a story:")
     first = await _engine_tokens(server_fp32, ids, max_tokens=12, temperature=1.0, seed=3)
     second = await _engine_tokens(server_fp32, ids, max_tokens=12, temperature=1.0, seed=3)
     assert first == second and len(first) == 12

@@ -54,15 +54,17 @@ def _request(rid, max_tokens=3):
 
 
 async def test_streams_until_finished():
-    engine = AsyncEngine(CountingCore())
+    engine = AsyncEngine(CountingCore)
     outputs = [o async for o in engine.generate(_request("a"))]
-    assert [o.num_output_tokens for o in outputs] == [1, 2, 3] and outputs[-1].finished
+    # Outputs that queue up while the consumer is busy arrive merged into one delta.
+    assert [t for o in outputs for t in o.new_token_ids] == [0, 1, 2]
+    assert outputs[-1].num_output_tokens == 3 and outputs[-1].finished
     engine.shutdown(1)
 
 
 async def test_leaving_early_aborts_in_the_core():
     core = CountingCore()
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(lambda: core)
     async for _ in engine.generate(_request("b", max_tokens=10_000)):
         break
     for _ in range(100):
@@ -74,7 +76,7 @@ async def test_leaving_early_aborts_in_the_core():
 
 
 async def test_failed_request_raises_and_others_continue():
-    engine = AsyncEngine(CountingCore())
+    engine = AsyncEngine(CountingCore)
 
     async def run(rid):
         return [o async for o in engine.generate(_request(rid))]
@@ -85,10 +87,18 @@ async def test_failed_request_raises_and_others_continue():
 
 
 async def test_full_queue_is_overloaded():
-    engine = AsyncEngine(CountingCore(), max_queued_requests=1)
+    engine = AsyncEngine(CountingCore, max_queued_requests=1)
     first = engine.generate(_request("c", max_tokens=10_000))
     await first.__anext__()
     with pytest.raises(EngineOverloadedError):
         await engine.generate(_request("d")).__anext__()
     await first.aclose()
     engine.shutdown(1)
+
+
+def test_a_core_that_fails_to_build_fails_the_constructor():
+    def broken():
+        raise RuntimeError("weights missing")
+
+    with pytest.raises(RuntimeError, match="weights missing"):
+        AsyncEngine(broken)

@@ -1,0 +1,1 @@
+"""Load generator and benchmark runners (no ray imports: they drive the app over HTTP)."""

@@ -1,0 +1,108 @@
+"""Benchmarks: ``python -m app.bench {load,compare,hf}`` (``make bench`` runs ``compare``).
+
+- ``load``: drive an already running server (e.g. ``make serve``) with N concurrent streaming requests.
+- ``compare``: start the app once per batching mode with ``serve run``, run the standard workloads
+  (W1: 32 concurrent x 128 tokens; W2: 8 requests one at a time) and print a table.
+- ``hf``: transformers' own ``generate_batch`` and ``generate`` on the same workload, offline.
+Every command prints its numbers and saves them as JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from app.bench.load import LoadSpec, run_load
+
+RESULTS = Path("results/bench")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    spec = LoadSpec(model=args.model, num_requests=args.requests, concurrency=args.concurrency,
+                    prompt_words=args.prompt_words, max_tokens=args.max_tokens)
+    if args.command == "load":
+        result = asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "base_url": args.url})))
+    elif args.command == "hf":
+        from app.bench.hf_baseline import run_hf_baselines
+
+        result = run_hf_baselines(spec)
+    else:
+        result = compare(args, spec)
+    result["machine"] = _machine()
+    out = Path(args.out or RESULTS / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2) if args.command != "compare" else format_table(result))
+    print(f"saved {out}")
+    return 0
+
+
+def compare(args, spec: LoadSpec) -> dict:
+    from app.bench.server import running_server
+
+    base = yaml.safe_load(Path(args.config).read_text())
+    results: dict = {"config": args.config, "modes": {}}
+    for mode in args.modes:
+        app_config = copy.deepcopy(base)
+        app_config["models"][0].setdefault("engine", {})["batching"] = mode
+        log = RESULTS / f"serve-{mode}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with running_server(app_config, args.port, log) as url:
+            runs = {}
+            warm = LoadSpec(**{**spec.__dict__, "base_url": url, "num_requests": 2, "concurrency": 2, "max_tokens": 8})
+            asyncio.run(run_load(warm))  # first requests pay one-time costs (allocator, kernels)
+            runs["W1"] = asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "base_url": url})))
+            if mode in args.single_stream_modes:
+                single = {**spec.__dict__, "base_url": url, "num_requests": 8, "concurrency": 1}
+                runs["W2"] = asyncio.run(run_load(LoadSpec(**single)))
+        results["modes"][mode] = runs
+        print(format_table(results), flush=True)
+    return results
+
+
+def format_table(result: dict) -> str:
+    rows = ["| mode | workload | output tok/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | E2E p50 (s) |", "|---|---|---|---|---|---|---|"]
+    for mode, runs in result["modes"].items():
+        for name, r in runs.items():
+            rows.append(f"| {mode} | {name} | {r['output_tok_per_s']} | {r['ttft_s']['p50']} | {r['ttft_s']['p99']} | "
+                        f"{r['tpot_ms']['p50']} | {r['e2e_s']['p50']} |")
+    return "\n".join(rows)
+
+
+def _machine() -> dict:
+    import os
+
+    import torch
+
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["load", "compare", "hf"])
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="load: the server to drive")
+    parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare: the app config to serve")
+    parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])
+    parser.add_argument("--single-stream-modes", nargs="*", default=["continuous"], help="modes that also run W2")
+    parser.add_argument("--port", type=int, default=8010)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--prompt-words", type=int, default=56)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", default=None)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

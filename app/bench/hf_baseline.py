@@ -1,0 +1,45 @@
+"""transformers' own batching on the benchmark workload, offline (no server): the reference to beat.
+
+``generate_batch`` is transformers' continuous batching; ``generate`` with a static padded batch
+and at batch 1 are given for scale. Same prompts as the load generator, same number of new tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from app.bench.load import LoadSpec, make_prompts
+from app.models.loader import resolve_source
+
+
+def run_hf_baselines(spec: LoadSpec, source: str = "smollm2-135m-instruct", dtype: str = "bfloat16") -> dict:
+    path, _ = resolve_source(source)  # built-in names resolve to their converted checkpoint
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    prompts = [tokenizer.encode(p) for p in make_prompts(spec)]
+    config = GenerationConfig(
+        max_new_tokens=spec.max_tokens, min_new_tokens=spec.max_tokens, do_sample=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+    )
+    results = {"spec": {**spec.__dict__, "source": source, "dtype": dtype}}
+    with torch.inference_mode():
+        started = time.perf_counter()
+        outputs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        wall = time.perf_counter() - started
+        tokens = sum(len(o.generated_tokens) for o in outputs.values())
+        results["generate_batch"] = {"wall_s": round(wall, 2), "output_tokens": tokens, "output_tok_per_s": round(tokens / wall, 1)}
+        results["generate_batch1"] = _timed_generate(model, prompts[:2], config)
+    return results
+
+
+def _timed_generate(model, prompts: list[list[int]], config: GenerationConfig) -> dict:
+    """Plain ``generate``, one prompt at a time (the naive server's inner loop)."""
+    started, tokens = time.perf_counter(), 0
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), generation_config=config)
+        tokens += out.shape[1] - len(prompt)
+    wall = time.perf_counter() - started
+    return {"wall_s": round(wall, 2), "output_tokens": tokens, "output_tok_per_s": round(tokens / wall, 1)}

@@ -1,0 +1,79 @@
+"""Start the real app with ``serve run`` for one configuration, wait until it answers, stop it after.
+
+Used by the mode comparison so every mode is measured through the same path users take (Ray Serve,
+HTTP, OpenAI API). Runs ``serve run`` as a subprocess, so this module never imports ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def running_server(app_config: dict, port: int, log_path: Path, ready_timeout_s: float = 600) -> Iterator[str]:
+    """Serve ``app_config`` (the dict a configs/*.yaml file holds) on ``port``; yields the base URL."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config_file = Path(tmp) / "app.yaml"
+        config_file.write_text(yaml.safe_dump(app_config))
+        serve_file = Path(tmp) / "serve.yaml"
+        serve_file.write_text(yaml.safe_dump(_serve_config(config_file, port)))
+        serve_bin = Path(sys.executable).parent / "serve"
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(
+                [str(serve_bin), "run", str(serve_file)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            url = f"http://127.0.0.1:{port}"
+            try:
+                _wait_ready(url, process, ready_timeout_s, log_path)
+                yield url
+            finally:
+                _stop(process)
+
+
+def _serve_config(config_file: Path, port: int) -> dict:
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {"name": "default", "route_prefix": "/", "import_path": "deployments.builder:build_app",
+             "args": {"config": str(config_file)}}
+        ],
+    }
+
+
+def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"serve run exited with {process.returncode}; see {log_path}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        time.sleep(1)
+    raise TimeoutError(f"the server was not ready after {timeout_s:.0f}s; see {log_path}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Ctrl-C, as a user would: serve run then shuts Serve and its local Ray cluster down."""
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

@@ -1,0 +1,163 @@
+"""The engine core in its own process, behind the same core contract (add / abort / step).
+
+Why a process: the core's step is mostly Python driving torch (the transformers modules), so it
+holds the GIL for much of every step. In one process with the server's event loop (and, under Ray
+Serve, the replica's own threads), each streamed token made the core wait for the GIL while the
+threads that held it waited for a CPU the core's OpenMP threads were using: single-stream decode
+ran at ~60% of the core's own speed (measured on this 2-core machine). vLLM v1 runs its EngineCore
+in a separate process for the same reason.
+
+The child builds the core (load, warm-up), then loops: apply commands, step, send the step's
+outputs together with fresh statistics. The parent side (:class:`ProcessCore`) is driven by
+``AsyncEngine``'s thread exactly like an in-process core. If the parent goes away, the child sees
+the pipe close and exits; if the child dies, the parent's next read fails and the engine is
+reported dead (the replica's health check then fails and Serve replaces it).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from app.engine.request import Request, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_STEP_POLL_S = 0.002  # how long the parent waits for outputs before checking for new commands
+_IDLE_POLL_S = 0.5  # the idle child's wait for a command (it wakes at once when one arrives)
+
+
+class EngineStartupError(RuntimeError):
+    """The engine process could not build its core (the message carries the child's error)."""
+
+
+@dataclass
+class CoreInfo:
+    """What the serving side needs to know about the model the core loaded."""
+
+    name: str
+    tokenizer: Any
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    warmup_s: float
+
+
+class ProcessCore:
+    """Parent-side handle implementing the engine-core contract over a pipe."""
+
+    def __init__(self, build: Callable[[], tuple[Any, CoreInfo]]) -> None:
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or locks
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_child_main, args=(build, child_conn), name="llm-engine-core", daemon=True)
+        self._process.start()
+        child_conn.close()
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            raise EngineStartupError(f"the engine process exited with code {self._process.exitcode} while starting") from None
+        if kind != "ready":
+            self._process.join(timeout=5)
+            raise EngineStartupError(payload)
+        self.info: CoreInfo = payload
+        self._live: set[str] = set()
+        self._stats: dict[str, float] = {}
+
+    def add_requests(self, requests: list[Request]) -> None:
+        self._conn.send(("add", requests))
+        self._live.update(r.request_id for r in requests)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        if request_id in self._live:
+            self._conn.send(("abort", request_id))
+        return None  # the aborted output arrives with the child's next message
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> list[RequestOutput]:
+        if not self._conn.poll(_STEP_POLL_S):
+            return []
+        _, outputs, self._stats = self._conn.recv()  # EOFError if the child died: the engine loop reports it
+        for output in outputs:
+            if output.finished:
+                self._live.discard(output.request_id)
+        return outputs
+
+    @property
+    def num_running(self) -> int:
+        return int(self._stats.get("num_running", 0))
+
+    @property
+    def num_waiting(self) -> int:
+        return int(self._stats.get("num_waiting", 0))
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self._process.is_alive():
+            try:
+                self._conn.send(("stop", None))
+            except (BrokenPipeError, OSError):
+                pass
+            self._process.join(timeout=timeout_s)
+        if self._process.is_alive():
+            self._process.kill()
+        self._conn.close()
+
+
+# ---- the child process ------------------------------------------------------------------------
+def _child_main(build: Callable[[], tuple[Any, CoreInfo]], conn) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s [engine-core]: %(message)s")
+    _restore_priority()
+    try:
+        core, info = build()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", info))
+    try:
+        _serve(core, conn)
+    except (EOFError, BrokenPipeError):
+        pass  # the parent is gone: nobody to serve
+
+
+def _restore_priority() -> None:
+    """Run the core at normal priority when allowed.
+
+    Ray starts its workers at niceness 15 (RAY_worker_niceness), so a Serve replica, and a process
+    it spawns, lose the CPU to every normal process on the node. The core's OpenMP threads wait for
+    each other at every parallel region, so one preempted thread stalls them all: measured here, a
+    step took ~1.8x longer under load at niceness 15. Lowering niceness needs CAP_SYS_NICE; without
+    it the core keeps Ray's priority (say so in the log, nothing else changes).
+    """
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except (PermissionError, OSError) as exc:
+        logger.warning("engine process keeps niceness %d (%s)", os.getpriority(os.PRIO_PROCESS, 0), exc)
+
+
+def _serve(core, conn) -> None:
+    while True:
+        pending: list[RequestOutput] = []
+        wait = 0 if core.has_unfinished_requests() else _IDLE_POLL_S
+        while conn.poll(wait):
+            kind, payload = conn.recv()
+            if kind == "stop":
+                return
+            if kind == "add":
+                core.add_requests(payload)
+            elif kind == "abort":
+                aborted = core.abort_request(payload)
+                if aborted is not None:
+                    pending.append(aborted)
+            wait = 0
+        if core.has_unfinished_requests():
+            pending.extend(core.step())
+        if pending:
+            conn.send(("outputs", pending, core.stats()))
