@@ -3,6 +3,7 @@
 - ``load``: drive an already running server (e.g. ``make serve``) with N concurrent streaming requests.
 - ``compare``: start the app once per batching mode with ``serve run``, run the standard workloads
   (W1: 32 concurrent x 128 tokens; W2: 8 requests one at a time) and print a table.
+- ``engine``: the engine alone (no server) on the same workload, per mode: what serving costs.
 - ``hf``: transformers' own ``generate_batch`` and ``generate`` on the same workload, offline.
 Every command prints its numbers and saves them as JSON (``--out``).
 """
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from app.bench.hf_baseline import run_hf_baselines
 
         result = run_hf_baselines(spec)
+    elif args.command == "engine":
+        from app.bench.engine_bench import run_engine_bench
+
+        result = run_engine_bench(spec, args.modes)
     else:
         result = compare(args, spec)
     result["machine"] = _machine()
@@ -53,7 +58,10 @@ def compare(args, spec: LoadSpec) -> dict:
     results: dict = {"config": args.config, "modes": {}}
     for mode in args.modes:
         app_config = copy.deepcopy(base)
-        app_config["models"][0].setdefault("engine", {})["batching"] = mode
+        engine = app_config["models"][0].setdefault("engine", {})
+        engine["batching"] = mode
+        if mode == "dynamic":  # static batches need a window long enough to gather a burst's stragglers
+            engine["batch_wait_timeout_s"] = args.dynamic_window_s
         log = RESULTS / f"serve-{mode}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with running_server(app_config, args.port, log) as url:
@@ -73,7 +81,11 @@ def format_table(result: dict) -> str:
     rows = ["| mode | workload | output tok/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | E2E p50 (s) |", "|---|---|---|---|---|---|---|"]
     for mode, runs in result["modes"].items():
         for name, r in runs.items():
-            rows.append(f"| {mode} | {name} | {r['output_tok_per_s']} | {r['ttft_s']['p50']} | {r['ttft_s']['p99']} | "
+            if not r.get("num_requests"):
+                rows.append(f"| {mode} | {name} | failed: {r.get('first_error', '?')[:80]} | | | | |")
+                continue
+            errors = f" ({r['num_errors']} errors)" if r.get("num_errors") else ""
+            rows.append(f"| {mode} | {name} | {r['output_tok_per_s']}{errors} | {r['ttft_s']['p50']} | {r['ttft_s']['p99']} | "
                         f"{r['tpot_ms']['p50']} | {r['e2e_s']['p50']} |")
     return "\n".join(rows)
 
@@ -89,12 +101,13 @@ def _machine() -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["load", "compare", "hf"])
+    parser.add_argument("command", choices=["load", "compare", "engine", "hf"])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="load: the server to drive")
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare: the app config to serve")
     parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])
     parser.add_argument("--single-stream-modes", nargs="*", default=["continuous"], help="modes that also run W2")
     parser.add_argument("--port", type=int, default=8010)
+    parser.add_argument("--dynamic-window-s", type=float, default=0.25, help="compare: batch_wait_timeout_s for dynamic")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=32)

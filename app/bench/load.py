@@ -62,14 +62,22 @@ async def run_load(spec: LoadSpec) -> dict:
     limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency)
     async with httpx.AsyncClient(base_url=spec.base_url, timeout=spec.timeout_s, limits=limits) as http:
 
-        async def one(prompt: str) -> RequestTiming:
+        async def one(prompt: str) -> RequestTiming | str:
             async with limit:
-                return await _stream_one(http, spec, prompt)
+                try:
+                    return await _stream_one(http, spec, prompt)
+                except (httpx.HTTPError, RuntimeError) as exc:  # counted and reported, not fatal to the run
+                    return f"{type(exc).__name__}: {exc}"
 
         started = time.perf_counter()
-        timings = await asyncio.gather(*(one(p) for p in make_prompts(spec)))
+        results = await asyncio.gather(*(one(p) for p in make_prompts(spec)))
         wall_s = time.perf_counter() - started
-    return summarize(spec, timings, wall_s)
+    errors = [r for r in results if isinstance(r, str)]
+    summary = summarize(spec, [r for r in results if not isinstance(r, str)], wall_s)
+    summary["num_errors"] = len(errors)
+    if errors:
+        summary["first_error"] = errors[0][:500]
+    return summary
 
 
 async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> RequestTiming:
@@ -111,6 +119,8 @@ async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> R
 
 
 def summarize(spec: LoadSpec, timings: list[RequestTiming], wall_s: float) -> dict:
+    if not timings:
+        return {"spec": asdict(spec), "num_requests": 0, "wall_s": round(wall_s, 3), "output_tok_per_s": 0.0}
     output_tokens = sum(t.output_tokens for t in timings)
     return {
         "spec": asdict(spec),

@@ -73,10 +73,12 @@ class ProcessCore:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         if request_id in self._live:
             self._conn.send(("abort", request_id))
-        return None  # the aborted output arrives with the child's next message
+            self._live.discard(request_id)  # whatever the child still sends for it has no reader
+        return None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._live)
+        # Unread messages count too: the last statistics after an abort must still be read.
+        return bool(self._live) or self._conn.poll(0)
 
     def step(self) -> list[RequestOutput]:
         if not self._conn.poll(_STEP_POLL_S):
@@ -145,8 +147,10 @@ def _restore_priority() -> None:
 def _serve(core, conn) -> None:
     while True:
         pending: list[RequestOutput] = []
+        changed = False  # commands change the statistics even when they produce no output
         wait = 0 if core.has_unfinished_requests() else _IDLE_POLL_S
         while conn.poll(wait):
+            changed = True
             kind, payload = conn.recv()
             if kind == "stop":
                 return
@@ -159,5 +163,5 @@ def _serve(core, conn) -> None:
             wait = 0
         if core.has_unfinished_requests():
             pending.extend(core.step())
-        if pending:
+        if pending or changed:
             conn.send(("outputs", pending, core.stats()))

@@ -5,48 +5,7 @@ import asyncio
 import pytest
 
 from app.engine import AsyncEngine, EngineOverloadedError, Request, RequestFailedError, SamplingParams
-from app.engine.request import RequestOutput
-
-
-class CountingCore:
-    """Emits one token per step per request; 'fail' in the id makes that request fail."""
-
-    def __init__(self):
-        self.requests, self.aborted = {}, []
-
-    @property
-    def num_running(self):
-        return len(self.requests)
-
-    num_waiting = 0
-
-    def add_requests(self, requests):
-        for request in requests:
-            self.requests[request.request_id] = request
-
-    def stats(self):
-        return {"num_running": self.num_running}
-
-    def abort_request(self, request_id):
-        if self.requests.pop(request_id, None) is not None:
-            self.aborted.append(request_id)
-
-    def has_unfinished_requests(self):
-        return bool(self.requests)
-
-    def step(self):
-        outputs = []
-        for rid, request in list(self.requests.items()):
-            request.output_token_ids.append(len(request.output_token_ids))
-            done = request.num_output_tokens >= request.sampling.max_tokens
-            failed = "fail" in rid
-            if done or failed:
-                del self.requests[rid]
-            outputs.append(
-                RequestOutput(rid, [request.output_token_ids[-1]], "x", 1, request.num_output_tokens,
-                              finished=done or failed, finish_reason="error" if failed else ("length" if done else None))
-            )
-        return outputs
+from tests.unit.fakes import CountingCore
 
 
 def _request(rid, max_tokens=3):

@@ -25,6 +25,14 @@ def test_dtype_aliases_are_normalised():
         ({"models": []}, "at least one model"),
         ({"models": [{"model": "a"}, {"model": "a"}]}, "unique"),
         ({"models": [{"default_sampling": {"temprature": 0.1}}]}, "default_sampling"),
+        ({"models": [{"engine": {"max_num_batched_tokens": 0}}]}, "engine.max_num_batched_tokens"),
+        ({"models": [{"engine": {"block_size": "16"}}]}, "engine.block_size"),
+        ({"models": [{"engine": {"batch_wait_timeout_s": -1}}]}, "engine.batch_wait_timeout_s"),
+        ({"models": [{"engine": {"kv_cache_memory_mb": -5}}]}, "engine.kv_cache_memory_mb"),
+        (
+            {"models": [{"engine": {"max_batch_size": 32}, "replica": {"max_ongoing_requests": 8}}]},
+            "max_ongoing_requests .* must be at least engine.max_batch_size",
+        ),
     ],
 )
 def test_bad_configs_say_what_is_wrong(data, message):
@@ -51,3 +59,10 @@ def test_repo_presets_parse():
 
     for path in (ROOT / "configs").glob("*.yaml"):
         AppConfig.from_yaml(path)
+
+
+def test_mode_none_runs_one_sequence_at_a_time():
+    from app.config import EngineConfig
+
+    assert EngineConfig(batching="none", max_num_seqs=64).max_num_seqs == 1
+    assert EngineConfig().batching == "continuous"

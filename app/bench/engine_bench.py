@@ -1,0 +1,51 @@
+"""The engine alone (no server, no HTTP) on the standard workload, for each batching mode.
+
+Separates what the engine can do from what the serving path costs: compare these figures with
+``compare`` (the same work through Ray Serve and HTTP) and with ``hf`` (transformers' own batching).
+"""
+
+from __future__ import annotations
+
+import time
+
+from app.bench.load import LoadSpec, make_prompts
+from app.config import EngineConfig, ModelConfig
+from app.engine import LLMEngine, Request, SamplingParams
+from app.models import load_model
+
+
+def run_engine_bench(spec: LoadSpec, modes: list[str], dtype: str = "bfloat16") -> dict:
+    loaded = load_model(ModelConfig(dtype=dtype))
+    prompts = [loaded.tokenizer.encode(p) for p in make_prompts(spec)]
+    results: dict = {"spec": {**spec.__dict__, "dtype": dtype}, "modes": {}}
+    for mode in modes:
+        engine = LLMEngine(loaded, EngineConfig(batching=mode))
+        _run(engine, prompts[:2], 8, "warmup-" + mode)
+        w1 = _run(engine, prompts, spec.max_tokens, mode)
+        w2 = [_run(engine, [p], spec.max_tokens, f"{mode}-single{i}") for i, p in enumerate(prompts[:3])]
+        results["modes"][mode] = {
+            "W1_output_tok_per_s": w1["output_tok_per_s"],
+            "W1_wall_s": w1["wall_s"],
+            "W1_mean_step_ms": w1["mean_step_ms"],
+            "single_stream_tok_per_s": round(sum(r["output_tok_per_s"] for r in w2) / len(w2), 1),
+        }
+        print(mode, results["modes"][mode], flush=True)
+    return results
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0, ignore_eos=True)
+    requests = [Request(f"{tag}-{i}", p, params) for i, p in enumerate(prompts)]
+    steps_before, busy_before = engine.counters.num_steps, engine.counters.busy_s
+    started = time.perf_counter()
+    engine.add_requests(requests)
+    while engine.has_unfinished_requests():
+        engine.step()
+    wall = time.perf_counter() - started
+    tokens = sum(r.num_output_tokens for r in requests)
+    steps = engine.counters.num_steps - steps_before
+    return {
+        "wall_s": round(wall, 2),
+        "output_tok_per_s": round(tokens / wall, 1),
+        "mean_step_ms": round(1000 * (engine.counters.busy_s - busy_before) / max(steps, 1), 1),
+    }

@@ -1,0 +1,65 @@
+"""Small fake engine cores for serving-layer tests (importable by a spawned engine process too)."""
+
+import os
+
+from app.engine.request import RequestOutput
+
+
+class CountingCore:
+    """Emits one token per step per request; 'fail' in the id makes that request fail."""
+
+    def __init__(self):
+        self.requests, self.aborted = {}, []
+
+    @property
+    def num_running(self):
+        return len(self.requests)
+
+    num_waiting = 0
+
+    def add_requests(self, requests):
+        for request in requests:
+            self.requests[request.request_id] = request
+
+    def stats(self):
+        return {"num_running": self.num_running}
+
+    def abort_request(self, request_id):
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        outputs = []
+        for rid, request in list(self.requests.items()):
+            request.output_token_ids.append(len(request.output_token_ids))
+            done = request.num_output_tokens >= request.sampling.max_tokens
+            failed = "fail" in rid
+            if done or failed:
+                del self.requests[rid]
+            outputs.append(
+                RequestOutput(rid, [request.output_token_ids[-1]], "x", 1, request.num_output_tokens,
+                              finished=done or failed, finish_reason="error" if failed else ("length" if done else None))
+            )
+        return outputs
+
+
+class DyingCore(CountingCore):
+    """A core whose process dies in the middle of a step (as an OOM kill would end it)."""
+
+    def step(self):
+        os._exit(3)
+
+
+def build_counting_core():
+    return CountingCore(), "counting-core-info"
+
+
+def build_dying_core():
+    return DyingCore(), "dying-core-info"
+
+
+def build_broken_core():
+    raise RuntimeError("weights missing")
