@@ -79,6 +79,7 @@ class EngineConfig:
     kv_cache_memory_mb: int = 0  # 0: auto (CUDA: 80% of free memory after loading; CPU: min(1 GiB, 20% of RAM))
     num_kv_blocks: int = 0  # >0 overrides kv_cache_memory_mb (tests use it to force preemption)
     enable_prefix_caching: bool = True
+    stream_interval_ms: int = 0  # under load (>1 running), send a request's tokens at most this often (0: each at once)
     separate_process: bool = True  # run the core in its own process (no GIL shared with the server's threads)
     torch_threads: int = 0  # 0: one thread per core the process may use
     max_queued_requests: int = 1024  # beyond this, new requests get 503 instead of waiting forever
@@ -88,7 +89,7 @@ class EngineConfig:
             raise ValueError(f"engine.batching {self.batching!r} is not one of {', '.join(BATCHING_MODES)}")
         for name in ("max_batch_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_queued_requests"):
             _require_int(f"engine.{name}", getattr(self, name), minimum=1)
-        for name in ("kv_cache_memory_mb", "num_kv_blocks", "torch_threads"):
+        for name in ("kv_cache_memory_mb", "num_kv_blocks", "torch_threads", "stream_interval_ms"):
             _require_int(f"engine.{name}", getattr(self, name), minimum=0)
         if not isinstance(self.batch_wait_timeout_s, (int, float)) or self.batch_wait_timeout_s < 0:
             raise ValueError(f"engine.batch_wait_timeout_s must be a number >= 0, got {self.batch_wait_timeout_s!r}")

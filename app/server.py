@@ -33,7 +33,7 @@ class ModelServer:
         if config.engine.separate_process:
             process_core = ProcessCore(build)  # returns once the child has loaded and warmed up
             self.info = process_core.info
-            self.engine = AsyncEngine(lambda: process_core, max_queued_requests=config.engine.max_queued_requests)
+            self.engine = AsyncEngine(lambda: process_core, **_front_options(config))
         else:
             built: dict = {}
 
@@ -41,7 +41,7 @@ class ModelServer:
                 core, built["info"] = build()
                 return core
 
-            self.engine = AsyncEngine(build_here, max_queued_requests=config.engine.max_queued_requests)
+            self.engine = AsyncEngine(build_here, **_front_options(config))
             self.info = built["info"]
         self.serving = OpenAIServing(
             self.engine,
@@ -77,6 +77,13 @@ class ModelServer:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         self.engine.shutdown(timeout_s)
+
+
+def _front_options(config: ServedModelConfig) -> dict:
+    return {
+        "max_queued_requests": config.engine.max_queued_requests,
+        "stream_interval_s": config.engine.stream_interval_ms / 1000,
+    }
 
 
 def build_model_core(config: ServedModelConfig) -> tuple[LLMEngine, CoreInfo]:

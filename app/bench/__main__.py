@@ -56,7 +56,7 @@ def compare(args, spec: LoadSpec) -> dict:
 
     base = yaml.safe_load(Path(args.config).read_text())
     results: dict = {"config": args.config, "modes": {}}
-    for mode in args.modes:
+    for index, mode in enumerate(args.modes):
         app_config = copy.deepcopy(base)
         engine = app_config["models"][0].setdefault("engine", {})
         engine["batching"] = mode
@@ -64,7 +64,8 @@ def compare(args, spec: LoadSpec) -> dict:
             engine["batch_wait_timeout_s"] = args.dynamic_window_s
         log = RESULTS / f"serve-{mode}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        with running_server(app_config, args.port, log) as url:
+        # A port per mode: the previous server's Ray processes may still hold theirs for a moment after exit.
+        with running_server(app_config, args.port + index, log) as url:
             runs = {}
             warm = LoadSpec(**{**spec.__dict__, "base_url": url, "num_requests": 2, "concurrency": 2, "max_tokens": 8})
             asyncio.run(run_load(warm))  # first requests pay one-time costs (allocator, kernels)

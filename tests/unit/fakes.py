@@ -63,3 +63,13 @@ def build_dying_core():
 
 def build_broken_core():
     raise RuntimeError("weights missing")
+
+
+class SlowCountingCore(CountingCore):
+    """A CountingCore whose steps take 5 ms, like a (very fast) model."""
+
+    def step(self):
+        import time
+
+        time.sleep(0.005)
+        return super().step()

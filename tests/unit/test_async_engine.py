@@ -61,3 +61,20 @@ def test_a_core_that_fails_to_build_fails_the_constructor():
 
     with pytest.raises(RuntimeError, match="weights missing"):
         AsyncEngine(broken)
+
+
+async def test_stream_interval_sends_fewer_larger_chunks_under_load():
+    from tests.unit.fakes import SlowCountingCore
+
+    async def chunks(interval_s):
+        engine = AsyncEngine(SlowCountingCore, stream_interval_s=interval_s)
+        async def collect(rid):
+            return [o async for o in engine.generate(_request(rid, max_tokens=40))]
+
+        outputs = await asyncio.gather(collect("r0"), collect("r1"))  # two running: under load
+        engine.shutdown(1)
+        return outputs[0]
+
+    every_token, gathered = await chunks(0.0), await chunks(0.05)
+    assert [t for o in gathered for t in o.new_token_ids] == [t for o in every_token for t in o.new_token_ids]
+    assert len(gathered) < len(every_token) / 3
