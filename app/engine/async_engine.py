@@ -56,8 +56,8 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
         target.put_nowait(output)
 
 
-def _merge_ready(first: RequestOutput | BaseException, pending: asyncio.Queue) -> RequestOutput | BaseException:
-    """Fold outputs that queued up behind ``first`` into one delta.
+def _merge_ready(first, pending: asyncio.Queue) -> tuple[RequestOutput | BaseException, BaseException | None]:
+    """Fold outputs that queued up behind ``first`` into one delta; returns it and any exception read after it.
 
     When the consumer (a slow client, or the streaming path under load) falls behind the engine,
     it then sends one chunk with several tokens instead of one chunk per token, so per-chunk
@@ -65,14 +65,13 @@ def _merge_ready(first: RequestOutput | BaseException, pending: asyncio.Queue) -
     """
     merged = first
     while isinstance(merged, RequestOutput) and not merged.finished and not pending.empty():
-        nxt = pending._queue[0]  # peek: an exception is left in place for the next read
+        nxt = pending.get_nowait()
         if not isinstance(nxt, RequestOutput):
-            break
-        pending.get_nowait()
+            return merged, nxt
         merged = dataclasses.replace(
             nxt, new_token_ids=merged.new_token_ids + nxt.new_token_ids, new_text=merged.new_text + nxt.new_text
         )
-    return merged
+    return merged, None
 
 
 @dataclass
@@ -132,8 +131,10 @@ class AsyncEngine:
                 self.add_group([request])
             else:
                 await admit(request)
+            carry = None  # an exception read while merging, raised on the next turn
             while not finished:
-                item = _merge_ready(await stream.queue.get(), stream.queue)
+                item = carry if carry is not None else await stream.queue.get()
+                item, carry = _merge_ready(item, stream.queue)
                 if isinstance(item, BaseException):
                     raise item
                 if item.finish_reason == "error":
