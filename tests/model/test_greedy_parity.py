@@ -4,17 +4,9 @@ import pytest
 import torch
 
 from app.engine import Request, SamplingParams
+from tests.model.conftest import PROMPTS
 
 pytestmark = pytest.mark.model
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "1, 2, 3, 4,",
-    "Translate to French: good morning",
-    "Ünïcödé and emoji 🙂 test:",
-]
 
 
 async def _engine_tokens(server, prompt_ids, **params):
@@ -25,7 +17,7 @@ async def _engine_tokens(server, prompt_ids, **params):
     return tokens
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("prompt", PROMPTS[:6])
 async def test_greedy_equals_hf_generate(server_fp32, loaded_fp32, prompt):
     """Through the whole server path: AsyncEngine, the engine process, paged attention."""
     tokenizer, model = loaded_fp32.tokenizer, loaded_fp32.model
