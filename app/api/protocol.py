@@ -14,7 +14,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.errors import APIError
-from app.engine.request import SamplingParams
+from app.engine.request import MAX_LOGPROBS, SamplingParams
 
 
 # What an unset field means, unless the model's config sets `default_sampling`.
@@ -55,10 +55,7 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # metadata only
-    # OpenAI fields not honoured yet: accepted only at their no-op value (see _reject_unsupported).
-    n: int = 1
-    logprobs: Any = None
-    top_logprobs: int | None = None
+    n: int = 1  # only 1 is honoured (see _reject_unsupported)
     logit_bias: dict[str, float] | None = None
 
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -79,7 +76,12 @@ class _SamplingFields(_Strict):
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            logprobs=self.num_logprobs(),
         )
+
+    def num_logprobs(self) -> int | None:
+        """How many alternatives per token the client asked for (None: no logprobs)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -88,8 +90,6 @@ class _SamplingFields(_Strict):
     def _reject_unsupported(self) -> None:
         unsupported = {
             "n": (self.n != 1, "only n=1 is supported; send separate requests for more choices"),
-            "logprobs": (self.logprobs not in (None, False, 0), "logprobs are not supported yet"),
-            "top_logprobs": (self.top_logprobs not in (None, 0), "top_logprobs are not supported yet"),
             "logit_bias": (bool(self.logit_bias), "logit_bias is not supported yet"),
         }
         for param, (bad, message) in unsupported.items():
@@ -102,6 +102,7 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # legacy completions: the number of alternatives
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -114,6 +115,9 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
         if self.best_of not in (None, 1):
             raise APIError(400, "only best_of=1 is supported", param="best_of", code="unsupported_parameter")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(_Strict):
@@ -134,6 +138,8 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Any] | None = None
@@ -148,6 +154,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "tool_choice is not supported yet", param="tool_choice", code="unsupported_parameter")
         if self.response_format and self.response_format.get("type") != "text":
             raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:

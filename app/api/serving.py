@@ -8,6 +8,7 @@ proper HTTP status.
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import AsyncIterator
 from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
+from app.engine.request import TokenLogprob
 from app.engine.async_engine import Admit
 
 
@@ -56,8 +58,8 @@ class OpenAIServing:
 
     async def completion(self, request: CompletionRequest) -> dict:
         prepared = self._prepare("cmpl", self._completion_prompt(request.prompt), request, request.max_tokens)
-        text, last = await self._collect(prepared)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        text, last, logprobs = await self._collect(prepared)
+        choice = _completion_choice(text, last.finish_reason, self._completion_logprobs(logprobs))
         return self._response(prepared, "text_completion", choice, last)
 
     # ---- chat ---------------------------------------------------------------------------
@@ -70,9 +72,9 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest) -> dict:
         prepared = self._prepare("chatcmpl", self._chat_prompt(request), request, request.requested_max_tokens)
-        text, last = await self._collect(prepared)
+        text, last, logprobs = await self._collect(prepared)
         message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": last.finish_reason}
+        choice = {"index": 0, "message": message, "logprobs": self._chat_logprobs(logprobs), "finish_reason": last.finish_reason}
         return self._response(prepared, "chat.completion", choice, last)
 
     # ---- shared -------------------------------------------------------------------------
@@ -105,21 +107,53 @@ class OpenAIServing:
         async for output in self.engine.generate(request, self.admit):
             yield output
 
-    async def _collect(self, prepared: _Prepared) -> tuple[str, RequestOutput]:
-        parts, last = [], None
+    async def _collect(self, prepared: _Prepared) -> tuple[str, RequestOutput, list[TokenLogprob] | None]:
+        parts, last, logprobs = [], None, None
         async for output in self._generate(prepared):
             parts.append(output.new_text)
             last = output
-        return "".join(parts), last
+            if output.logprobs:
+                logprobs = (logprobs or []) + output.logprobs
+        return "".join(parts), last, logprobs
 
     async def _chunks(self, prepared: _Prepared, request: _SamplingFields, make_choice, kind: str) -> AsyncIterator[dict]:
         last = None
+        as_logprobs = self._chat_logprobs if kind.startswith("chat") else self._completion_logprobs
         async for output in self._generate(prepared):
             last = output
-            if output.new_text or output.finished:  # a held-back or partial character has nothing to show yet
-                yield self._chunk(prepared, kind, make_choice(output.new_text, output.finish_reason))
+            # A held-back or partial character has nothing to show yet, unless its logprobs must go out.
+            if output.new_text or output.finished or output.logprobs:
+                choice = make_choice(output.new_text, output.finish_reason, as_logprobs(output.logprobs))
+                yield self._chunk(prepared, kind, choice)
         if request.include_usage and last is not None:
             yield {**self._chunk(prepared, kind, None), "choices": [], "usage": _usage(last)}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+        if logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
+
+    def _completion_logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+        """Legacy completions format: parallel lists of tokens, their logprobs and top alternatives."""
+        if logprobs is None:
+            return None
+        tokens = [self._token_text(lp.token_id) for lp in logprobs]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
 
     def _chunk(self, prepared: _Prepared, kind: str, choice: dict | None) -> dict:
         chunk = {"id": prepared.request_id, "object": kind, "created": prepared.created, "model": self.model_name}
@@ -155,15 +189,15 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _completion_choice(text: str, finish_reason: str | None) -> dict:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def _completion_choice(text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def _chat_choice(text: str, finish_reason: str | None, first: bool = False) -> dict:
+def _chat_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, first: bool = False) -> dict:
     delta = {"role": "assistant", "content": ""} if first else {"content": text}
     if finish_reason is not None and not text:
         delta = {}
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def _usage(last: RequestOutput) -> dict:

@@ -68,8 +68,12 @@ def _merge_ready(first, pending: asyncio.Queue) -> tuple[RequestOutput | BaseExc
         nxt = pending.get_nowait()
         if not isinstance(nxt, RequestOutput):
             return merged, nxt
+        logprobs = (merged.logprobs or []) + (nxt.logprobs or []) if merged.logprobs or nxt.logprobs else None
         merged = dataclasses.replace(
-            nxt, new_token_ids=merged.new_token_ids + nxt.new_token_ids, new_text=merged.new_text + nxt.new_text
+            nxt,
+            new_token_ids=merged.new_token_ids + nxt.new_token_ids,
+            new_text=merged.new_text + nxt.new_text,
+            logprobs=logprobs,
         )
     return merged, None
 

@@ -95,8 +95,8 @@ class LLMEngine:
             return self._fail(scheduled, f"{type(exc).__name__}: {exc}")
         self.scheduler.update(scheduled)
         outputs = []
-        for request, token_id in zip(result.requests, result.token_ids):
-            output = self.outputs.append_token(request, token_id)
+        for request, token_id, logprob in zip(result.requests, result.token_ids, result.logprobs):
+            output = self.outputs.append_token(request, token_id, logprob)
             if output.finished:
                 self._release(request)
             outputs.append(output)

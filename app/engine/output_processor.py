@@ -6,7 +6,7 @@ Shared by every batching mode, so all modes stop and detokenize identically.
 from __future__ import annotations
 
 from app.engine.detokenizer import IncrementalDetokenizer
-from app.engine.request import Request, RequestOutput, RequestStatus
+from app.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
 
 
 class OutputProcessor:
@@ -15,7 +15,7 @@ class OutputProcessor:
         self._max_model_len = max_model_len
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
 
-    def append_token(self, request: Request, token_id: int) -> RequestOutput:
+    def append_token(self, request: Request, token_id: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         """Record one new token of ``request`` and decide whether it finished."""
         detokenizer = self._detokenizer(request)
         params = request.sampling
@@ -36,7 +36,9 @@ class OutputProcessor:
         if request.status.finished:
             text += detokenizer.flush()
             self.forget(request.request_id)
-        return _output(request, [token_id], text)
+        output = _output(request, [token_id], text)
+        output.logprobs = [logprob] if logprob is not None else None
+        return output
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> RequestOutput:
         """End a request without a new token (aborted or failed)."""

@@ -39,6 +39,18 @@ _FINISH_REASONS = {
 }
 
 
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of a sampled token under the model, with the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling; ``temperature == 0`` means greedy. Validated at construction."""
@@ -57,6 +69,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's plus the n most likely
 
     def __post_init__(self) -> None:
         self.stop = tuple([self.stop] if isinstance(self.stop, str) else self.stop or ())
@@ -75,6 +88,7 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
             (len(self.stop) <= 16, "at most 16 stop strings are supported"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -131,3 +145,4 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them

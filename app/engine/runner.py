@@ -17,7 +17,7 @@ import torch
 from app.config import EngineConfig
 from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import PagedBatch, SequenceSlice, register_paged_attention
-from app.engine.request import Request
+from app.engine.request import Request, TokenLogprob
 from app.engine.sampling import Sampler
 from app.engine.scheduler import SchedulerOutput
 from app.models import LoadedModel
@@ -51,6 +51,7 @@ class RunnerOutput:
 
     requests: list[Request]
     token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
 
 
 class ModelRunner:
@@ -98,8 +99,8 @@ class ModelRunner:
                 logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
                 paged_batch=batch,
             )
-            sampled = self.sampler.sample(out.logits[0], sampling) if sampling else []  # logits [S, V]
-        return RunnerOutput(sampling, sampled)
+            sampled, logprobs = self.sampler.sample_with_logprobs(out.logits[0], sampling) if sampling else ([], [])
+        return RunnerOutput(sampling, sampled, logprobs)  # logits above: [S, V]
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)

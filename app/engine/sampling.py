@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from app.engine.request import Request
+from app.engine.request import Request, TokenLogprob
 
 _NEG_INF = float("-inf")
 
@@ -27,7 +27,18 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         """logits: [B, V] for the next position of each request -> one token id per request."""
+        return self.sample_with_logprobs(logits, requests)[0]
+
+    def sample_with_logprobs(
+        self, logits: torch.Tensor, requests: Sequence[Request]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Sample, and for requests that ask, the sampled token's logprob under the model's raw distribution."""
         logits = logits.float()  # [B, V]
+        raw = logits.clone() if any(r.sampling.logprobs is not None for r in requests) else None
+        tokens = self._sample(logits, requests)
+        return tokens, _logprobs(raw, tokens, requests) if raw is not None else [None] * len(requests)
+
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         logits = _apply_penalties(logits, requests)
         logits = _mask_stop_tokens_before_min(logits, requests)
         greedy_tokens = logits.argmax(dim=-1)  # [B]
@@ -54,6 +65,19 @@ class Sampler:
             generator.manual_seed(request.sampling.seed)
             self._generators[request.request_id] = generator
         return generator
+
+
+def _logprobs(raw: torch.Tensor, tokens: list[int], requests: Sequence[Request]) -> list[TokenLogprob | None]:
+    """Logprobs from the unprocessed logits (as vLLM and OpenAI report them), only for rows that asked."""
+    rows = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
+    logprobs = raw[rows].log_softmax(dim=-1)  # [R, V]
+    result: list[TokenLogprob | None] = [None] * len(requests)
+    for k, row in enumerate(rows):
+        count = requests[row].sampling.logprobs
+        top_values, top_ids = logprobs[k].topk(count) if count else (logprobs[k][:0], logprobs[k][:0].long())
+        top = list(zip(top_ids.tolist(), top_values.tolist()))
+        result[row] = TokenLogprob(tokens[row], float(logprobs[k, tokens[row]]), top)
+    return result
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

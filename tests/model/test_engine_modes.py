@@ -96,3 +96,26 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(loaded_fp32):
     others = [Request(f"o{i}", p, SamplingParams(max_tokens=16, temperature=1.0)) for i, p in enumerate(_mixed_batch(loaded_fp32, 7))]
     in_batch = run_engine(make_engine(loaded_fp32), [*others, sampled("s-batch")])["s-batch"]
     assert alone == in_batch and len(alone) == 16
+
+
+def test_logprobs_match_transformers_scores(loaded_fp32):
+    ids = loaded_fp32.tokenizer.encode("The capital of France is")
+    request = Request("lp", ids, greedy(6, logprobs=3), loaded_fp32.eos_token_ids)
+    engine = make_engine(loaded_fp32)
+    engine.add_requests([request])
+    logprobs = []
+    while engine.has_unfinished_requests():
+        logprobs += [lp for out in engine.step() for lp in (out.logprobs or [])]
+    import torch
+
+    with torch.inference_mode():
+        out = loaded_fp32.model.generate(
+            torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+            output_logits=True, return_dict_in_generate=True,
+        )
+    for step, lp in enumerate(logprobs):
+        expected = out.logits[step][0].float().log_softmax(-1)  # raw logits of that step
+        assert lp.token_id == int(out.sequences[0, len(ids) + step])
+        assert abs(lp.logprob - float(expected[lp.token_id])) < 1e-4
+        assert [t for t, _ in lp.top] == expected.topk(3).indices.tolist()
+    assert len(logprobs) == 6

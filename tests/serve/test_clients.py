@@ -67,3 +67,14 @@ def test_handle_from_a_separate_ray_job(serve_app, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     answer = json.loads(result.stdout.strip().splitlines()[-1])
     assert answer["whole"] and answer["whole"] == answer["streamed"]
+
+
+def test_openai_client_gets_logprobs(oai):
+    response = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi"}], temperature=0, max_tokens=5,
+        logprobs=True, top_logprobs=2,
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    assert all(item.logprob <= 0 and len(item.top_logprobs) == 2 for item in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob

@@ -15,7 +15,7 @@ from app.engine import EngineOverloadedError
         ({"model": "m", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
         ({"model": "m", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
         ({"model": "m", "prompt": "x", "n": 2}, 400, "n"),
-        ({"model": "m", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ({"model": "m", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ({"model": "m", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ],
 )
@@ -46,3 +46,14 @@ def test_error_mapping_unwraps_causes():
     assert to_api_error(Wrapped(APIError(404, "gone"))).status == 404
     assert to_api_error(EngineOverloadedError("full")).status == 503
     assert to_api_error(ValueError("bad")).status == 400
+
+
+def test_logprobs_requests_map_to_sampling():
+    completion = parse_body({"prompt": "x", "logprobs": 3}, CompletionRequest)
+    assert completion.sampling_params(4).logprobs == 3
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_body({**chat, "logprobs": True, "top_logprobs": 2}, ChatCompletionRequest).sampling_params(4).logprobs == 2
+    assert parse_body({**chat, "logprobs": True}, ChatCompletionRequest).sampling_params(4).logprobs == 0
+    assert parse_body(chat, ChatCompletionRequest).sampling_params(4).logprobs is None
+    with pytest.raises(APIError, match="top_logprobs requires logprobs"):
+        parse_body({**chat, "top_logprobs": 2}, ChatCompletionRequest)

@@ -43,3 +43,15 @@ def test_top_p_keeps_only_nucleus():
     sampler = Sampler()
     draws = {sampler.sample(logits.clone(), [_req(str(i), temperature=1.0, top_p=0.5)])[0] for i in range(30)}
     assert draws == {0}
+
+
+def test_logprobs_are_the_raw_distribution_with_sorted_alternatives():
+    logits = torch.tensor([[2.0, 0.5, 1.0, -1.0], [0.0, 3.0, 0.0, 0.0]])
+    asking = Request("a", [1], SamplingParams(temperature=0, logprobs=2))
+    silent = Request("b", [1], SamplingParams(temperature=0))
+    tokens, logprobs = Sampler().sample_with_logprobs(logits, [asking, silent])
+    expected = logits[0].log_softmax(-1)
+    assert tokens == [0, 1] and logprobs[1] is None
+    assert logprobs[0].token_id == 0 and abs(logprobs[0].logprob - float(expected[0])) < 1e-6
+    assert [t for t, _ in logprobs[0].top] == [0, 2]
+    assert abs(logprobs[0].top[1][1] - float(expected[2])) < 1e-6
