@@ -54,8 +54,19 @@ class RunnerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+def check_attention_supported(model_config, max_model_len: int) -> None:
+    """Paged attention here is full causal attention; refuse models whose layers attend differently."""
+    window = getattr(model_config, "sliding_window", None)
+    if window and getattr(model_config, "use_sliding_window", True) and max_model_len > window:
+        raise ValueError(
+            f"the model uses sliding-window attention ({window} tokens), which the paged engine does not "
+            f"implement yet; set model.max_model_len to at most {window} to serve it exactly"
+        )
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        check_attention_supported(loaded.model.config, loaded.max_model_len)
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = config.block_size

@@ -91,3 +91,4 @@ def test_prefix_caching_can_be_disabled():
 def test_pool_must_have_a_block():
     with pytest.raises(ValueError, match="at least one block"):
         BlockManager(num_blocks=0, block_size=16)
+
