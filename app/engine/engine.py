@@ -9,8 +9,8 @@ admitted; ``continuous``: admit whenever there is room). Driven from a single th
 from __future__ import annotations
 
 import itertools
-import time
 import logging
+import time
 from dataclasses import dataclass
 
 from app.config import EngineConfig
@@ -32,6 +32,7 @@ class StepCounters:
     last_step_tokens: int = 0
     last_step_seqs: int = 0
     busy_s: float = 0.0  # wall time spent in steps
+
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:

@@ -71,21 +71,24 @@ class PagedBatch:
     @classmethod
     def build(cls, kv_pool: torch.Tensor, block_size: int, slices: Sequence[SequenceSlice]) -> "PagedBatch":
         device = kv_pool.device
-        slot_mapping = torch.cat([_slots(s, block_size, s.num_computed, s.num_computed + s.num_queries) for s in slices])
+        slot_mapping = torch.empty(sum(s.num_queries for s in slices), dtype=torch.long)  # filled by _group
         decodes = [s for s in slices if s.num_queries == 1]
         prefills = [s for s in slices if s.num_queries > 1]
-        groups = [_group(g, block_size, device) for g in (decodes, prefills) if g]
+        groups = [_group(g, block_size, device, slot_mapping) for g in (decodes, prefills) if g]
         return cls(kv_pool, slot_mapping.to(device), groups)
 
 
-def _slots(s: SequenceSlice, block_size: int, start: int, end: int) -> torch.Tensor:
-    """Pool slots of token positions [start, end) of one sequence."""
-    positions = torch.arange(start, end)
+def _context_slots(s: SequenceSlice, block_size: int) -> torch.Tensor:
+    """Pool slots of every position of one sequence up to the end of this step's tokens."""
+    positions = torch.arange(s.num_computed + s.num_queries)
     table = torch.tensor(s.block_table, dtype=torch.long)
     return table[positions // block_size] * block_size + positions % block_size
 
 
-def _group(slices: Sequence[SequenceSlice], block_size: int, device: torch.device) -> AttentionGroup:
+def _group(
+    slices: Sequence[SequenceSlice], block_size: int, device: torch.device, slot_mapping: torch.Tensor
+) -> AttentionGroup:
+    """Padded attention metadata for ``slices``; also writes their new tokens' slots into ``slot_mapping``."""
     num_queries = max(s.num_queries for s in slices)
     num_keys = max(s.num_computed + s.num_queries for s in slices)
     query_index = torch.zeros(len(slices), num_queries, dtype=torch.long)
@@ -98,7 +101,9 @@ def _group(slices: Sequence[SequenceSlice], block_size: int, device: torch.devic
         query_index[row, n:] = s.query_start  # padded queries repeat a real one, then get dropped
         query_pos[row, :n] = torch.arange(s.num_computed, context)
         real[row, :n] = True
-        key_slots[row, :context] = _slots(s, block_size, 0, context)
+        slots = _context_slots(s, block_size)  # [context]; the last n are where this step writes
+        key_slots[row, :context] = slots
+        slot_mapping[s.query_start : s.query_start + n] = slots[s.num_computed :]
     key_pos = torch.arange(num_keys)
     # Causal within the sequence; keys past its context are padding. Padded queries see key 0 only
     # (a fully masked row would make SDPA return NaN).
