@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-unit bench clean
+.PHONY: install model serve test test-unit bench bench-quant clean
 
 install: $(STAMP)
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 model: install
-	$(BIN)/python -m app prepare smollm2-135m-instruct
+	$(BIN)/python -m app prepare smollm2-135m-instruct smollm2-135m-instruct-gptq
 
 serve: model
 	$(BIN)/serve run serve_config.yaml
@@ -29,6 +29,10 @@ test: model
 bench: model
 	$(BIN)/python -m app.bench compare $(BENCH_ARGS)
 	$(BIN)/python -m app.bench hf
+
+# Quantization: fidelity (memory, perplexity, greedy agreement) and naive/batched bf16/int8/nf4/GPTQ served.
+bench-quant: model
+	$(BIN)/python -m app.bench quant $(BENCH_ARGS)
 
 test-unit: install
 	$(BIN)/python -m pytest -q tests/unit

@@ -1,4 +1,10 @@
-"""Command line: ``python -m app prepare [name]`` converts a built-in model once and prints its path."""
+"""Command line (also installed as ``llm-serve``).
+
+``python -m app prepare [name ...]``
+    make built-in models ready (convert the GGUF, GPTQ-quantize derived ones) and print their paths.
+``python -m app quantize SOURCE OUTPUT [--bits 4 --group-size 64 --desc-act --calibration FILE]``
+    write a GPTQ checkpoint of any HF causal LM (hub id, local directory or built-in name) with GPTQModel.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +12,49 @@ import argparse
 import logging
 import sys
 
+from app.models.gptq import BITS, GPTQSettings, check_group_size, GPTQSettingsError, load_calibration, quantize_gptq
 from app.models.registry import BUILTIN_MODELS, prepare_builtin
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    prepare = commands.add_parser("prepare", help="convert a built-in model into a cached HF checkpoint")
-    prepare.add_argument("name", nargs="?", default="smollm2-135m-instruct", choices=sorted(BUILTIN_MODELS))
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "prepare":
-        print(prepare_builtin(args.name))
+    try:
+        if args.command == "prepare":
+            for name in args.names:
+                print(prepare_builtin(name))
+        elif args.command == "quantize":
+            _quantize(args)
+    except GPTQSettingsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _quantize(args: argparse.Namespace) -> None:
+    settings = GPTQSettings(bits=args.bits, group_size=args.group_size, desc_act=args.desc_act)
+    source = str(prepare_builtin(args.source)) if args.source in BUILTIN_MODELS else args.source
+    check_group_size(source, settings.group_size, trust_remote_code=args.trust_remote_code)  # before anything slow
+    calibration = load_calibration(args.calibration, limit=args.num_texts)
+    print(quantize_gptq(source, args.output, settings, calibration, trust_remote_code=args.trust_remote_code))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m app", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    prepare = commands.add_parser("prepare", help="make built-in models ready in the cache and print their paths")
+    prepare.add_argument("names", nargs="*", default=["smollm2-135m-instruct"], choices=sorted(BUILTIN_MODELS), metavar="name")
+    quantize = commands.add_parser("quantize", help="write a GPTQ checkpoint of a causal LM with GPTQModel")
+    quantize.add_argument("source", help="hub id, local HF checkpoint directory or built-in model name")
+    quantize.add_argument("output", help="directory to write the GPTQ checkpoint into")
+    quantize.add_argument("--bits", type=int, default=4, choices=BITS)
+    quantize.add_argument("--group-size", type=int, default=64, help="must divide every layer's input size; -1: per column")
+    quantize.add_argument("--desc-act", action="store_true", help="act-order quantization (a little more accurate, slower)")
+    quantize.add_argument("--calibration", help="a .jsonl of {\"text\": ...} lines or a text file of blank-line-separated passages "
+                          "(default: the project's 64 calibration texts)")
+    quantize.add_argument("--num-texts", type=int, default=None, help="use only the first N calibration texts")
+    quantize.add_argument("--trust-remote-code", action="store_true")
+    return parser
 
 
 if __name__ == "__main__":

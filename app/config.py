@@ -20,6 +20,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
 BATCHING_MODES = ("none", "dynamic", "continuous")
+QUANTIZATION_METHODS = ("none", "bnb-int8", "bnb-nf4", "gptq")  # app.models.quantization implements them
 SERVED_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
 
 
@@ -29,6 +30,8 @@ class ModelConfig:
 
     ``source`` is a Hugging Face hub id, a local checkpoint directory, a ``.gguf`` file, or a
     built-in name (see ``app.models.registry``). ``name`` is the id clients put in ``"model"``.
+    ``quantization``: ``none`` (``dtype`` as set), ``bnb-int8`` / ``bnb-nf4`` (bitsandbytes, applied
+    while loading a full-precision checkpoint) or ``gptq`` (``source`` is a GPTQ checkpoint).
     """
 
     source: str = "smollm2-135m-instruct"
@@ -38,6 +41,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     revision: str | None = None
     trust_remote_code: bool = False
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if not self.source or not isinstance(self.source, str):
@@ -48,6 +52,11 @@ class ModelConfig:
         self.dtype = DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype {self.dtype!r} is not one of {', '.join(DTYPES)} (or bf16/fp16/fp32)")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"model.quantization {self.quantization!r} is not one of {', '.join(QUANTIZATION_METHODS)} "
+                "(gptq needs a GPTQ checkpoint: make one with `python -m app quantize`)"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"model.device {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

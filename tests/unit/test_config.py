@@ -19,6 +19,7 @@ def test_dtype_aliases_are_normalised():
     [
         ({"models": [{"model": {"dtype": "int3"}}]}, "model.dtype"),
         ({"models": [{"model": {"device": "tpu"}}]}, "model.device"),
+        ({"models": [{"model": {"quantization": "awq"}}]}, "model.quantization 'awq' is not one of none, bnb-int8"),
         ({"models": [{"engine": {"batching": "magic"}}]}, "engine.batching"),
         ({"models": [{"replica": {"num_replicas": 0}}]}, "num_replicas"),
         ({"models": [{"modle": {}}]}, "unknown key"),

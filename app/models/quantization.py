@@ -1,0 +1,127 @@
+"""Load-time quantization: which ``from_pretrained`` arguments each method needs, and the checks that
+make a bad choice fail at start with a message that says what to do.
+
+- ``bnb-int8`` / ``bnb-nf4``: bitsandbytes quantizes a full-precision checkpoint while it loads.
+- ``gptq``: the checkpoint is already GPTQ-quantized (``python -m app quantize`` writes one); its
+  ``config.json`` carries ``quantization_config`` and transformers loads it with GPTQModel's kernels.
+
+Either way the model stays an unmodified transformers model whose Linear layers are replaced by the
+library's quantized ones, so the engine's paged attention runs it exactly as it runs bf16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+QUANTIZATION_METHODS = ("none", "bnb-int8", "bnb-nf4", "gptq")
+
+
+class QuantizationError(RuntimeError):
+    """A quantization setting cannot work with this model or platform; the message says what to do."""
+
+
+def from_pretrained_kwargs(method: str, path: str, dtype: torch.dtype, device: torch.device, hub_kwargs: dict) -> dict[str, Any]:
+    """Extra ``from_pretrained`` arguments for ``method`` after checking it can work here."""
+    existing = checkpoint_quantization(path, hub_kwargs)
+    if method == "none":
+        if existing:
+            raise QuantizationError(_prequantized_advice(existing))
+        return {}
+    if method == "gptq":
+        return _gptq_kwargs(existing, device)
+    if existing:
+        raise QuantizationError(
+            f"{method} quantizes a full-precision checkpoint, but this one is already quantized "
+            f"({existing.get('quant_method')}); point model.source at the unquantized model"
+        )
+    return {"quantization_config": _bnb_config(method, dtype, device)}
+
+
+def checkpoint_quantization(path: str, hub_kwargs: dict) -> dict[str, Any] | None:
+    """The ``quantization_config`` a checkpoint's config.json carries, if any."""
+    config_file = Path(path) / "config.json"
+    if config_file.is_file():
+        return json.loads(config_file.read_text()).get("quantization_config")
+    from transformers import AutoConfig  # a hub id: read just its config
+
+    config = AutoConfig.from_pretrained(path, **hub_kwargs)
+    found = getattr(config, "quantization_config", None)
+    return found if isinstance(found, dict) or found is None else found.to_dict()
+
+
+def _prequantized_advice(existing: dict[str, Any]) -> str:
+    method = existing.get("quant_method")
+    if method == "gptq":
+        return "the checkpoint is GPTQ-quantized; set model.quantization: gptq to serve it"
+    return (
+        f"the checkpoint is pre-quantized with {method}, which this server does not load; serve the "
+        "full-precision model with quantization: bnb-int8 or bnb-nf4, or a GPTQ checkpoint with quantization: gptq"
+    )
+
+
+def _gptq_kwargs(existing: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
+    if not existing or existing.get("quant_method") != "gptq":
+        found = f"a {existing.get('quant_method')} quantization_config" if existing else "no quantization_config"
+        raise QuantizationError(
+            f"quantization: gptq needs a GPTQ checkpoint, but its config.json has {found}; "
+            "make one with `python -m app quantize SOURCE OUTPUT_DIR`, or use quantization: none / bnb-int8 / bnb-nf4"
+        )
+    for module, package in (("gptqmodel", "gptqmodel==7.6.0"), ("optimum", "optimum==2.3.0")):
+        if importlib.util.find_spec(module) is None:
+            raise QuantizationError(f"GPTQ checkpoints load through {module}, which is not installed: pip install {package}")
+    if device.type not in ("cpu", "cuda"):
+        raise QuantizationError(f"GPTQ kernels run on cpu or cuda, not {device.type}")
+    return {}  # transformers reads the checkpoint's quantization_config and picks GPTQModel's kernel
+
+
+def _bnb_config(method: str, dtype: torch.dtype, device: torch.device):
+    check_bitsandbytes(device)
+    from transformers import BitsAndBytesConfig
+
+    if method == "bnb-int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+
+
+def check_bitsandbytes(device: torch.device) -> None:
+    """bitsandbytes must import and have a backend for ``device`` (CUDA, or its CPU backend)."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:  # a missing package or a broken native library
+        raise QuantizationError(
+            f"bitsandbytes is not usable here ({exc}); pip install bitsandbytes==0.50.2, "
+            "or choose quantization: gptq or none"
+        ) from exc
+    if device.type not in ("cpu", "cuda"):
+        raise QuantizationError(f"bitsandbytes has no backend for {device.type}; use quantization: none")
+
+
+def quantized_linear_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes the quantized Linear layers hold, bytes the same layers take in bf16)."""
+    quantized = dense = 0
+    for module in model.modules():
+        shape = _quantized_shape(module)
+        if shape is None:
+            continue
+        quantized += sum(t.numel() * t.element_size() for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
+        dense += shape[0] * shape[1] * 2
+    return quantized, dense
+
+
+def _quantized_shape(module: torch.nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of a GPTQ or bitsandbytes Linear; None for anything else."""
+    cls = type(module).__name__
+    if cls in ("Linear8bitLt", "Linear4bit") or hasattr(module, "qweight"):
+        return int(module.in_features), int(module.out_features)
+    return None
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer (quantized weights, scales and zero points included)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # tied weights once
+    return sum(t.numel() * t.element_size() for t in tensors.values())

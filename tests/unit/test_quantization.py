@@ -1,0 +1,104 @@
+"""Quantization settings that cannot work fail before any weights load, saying what to do."""
+
+import builtins
+import json
+
+import pytest
+import torch
+
+from app.models.gptq import GPTQSettings, GPTQSettingsError, check_group_size, load_calibration
+from app.models.quantization import QuantizationError, check_bitsandbytes, from_pretrained_kwargs
+
+CPU = torch.device("cpu")
+
+
+def _checkpoint(tmp_path, quantization_config=None):
+    config = {"model_type": "llama"}
+    if quantization_config:
+        config["quantization_config"] = quantization_config
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_gptq_needs_a_checkpoint_with_a_quantization_config(tmp_path):
+    with pytest.raises(QuantizationError, match="needs a GPTQ checkpoint.*python -m app quantize"):
+        from_pretrained_kwargs("gptq", _checkpoint(tmp_path), torch.bfloat16, CPU, {})
+
+
+def test_gptq_refuses_another_method_s_checkpoint(tmp_path):
+    path = _checkpoint(tmp_path, {"quant_method": "awq"})
+    with pytest.raises(QuantizationError, match="has a awq quantization_config"):
+        from_pretrained_kwargs("gptq", path, torch.bfloat16, CPU, {})
+
+
+def test_a_gptq_checkpoint_asks_for_quantization_gptq(tmp_path):
+    path = _checkpoint(tmp_path, {"quant_method": "gptq", "bits": 4})
+    with pytest.raises(QuantizationError, match="set model.quantization: gptq"):
+        from_pretrained_kwargs("none", path, torch.bfloat16, CPU, {})
+    assert from_pretrained_kwargs("gptq", path, torch.bfloat16, CPU, {}) == {}
+
+
+def test_bnb_refuses_an_already_quantized_checkpoint(tmp_path):
+    path = _checkpoint(tmp_path, {"quant_method": "gptq"})
+    with pytest.raises(QuantizationError, match="already quantized"):
+        from_pretrained_kwargs("bnb-nf4", path, torch.bfloat16, CPU, {})
+
+
+def test_bnb_configs_name_the_requested_format(tmp_path):
+    path = _checkpoint(tmp_path)
+    int8 = from_pretrained_kwargs("bnb-int8", path, torch.bfloat16, CPU, {})["quantization_config"]
+    nf4 = from_pretrained_kwargs("bnb-nf4", path, torch.bfloat16, CPU, {})["quantization_config"]
+    assert int8.load_in_8bit and not int8.load_in_4bit
+    assert nf4.load_in_4bit and nf4.bnb_4bit_quant_type == "nf4" and nf4.bnb_4bit_compute_dtype == torch.bfloat16
+
+
+def test_bnb_without_a_usable_library_says_how_to_get_one(monkeypatch):
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name == "bitsandbytes":
+            raise OSError("libbitsandbytes_cpu.so: cannot open shared object file")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    with pytest.raises(QuantizationError, match="bitsandbytes is not usable here.*pip install bitsandbytes"):
+        check_bitsandbytes(CPU)
+
+
+def test_bnb_on_a_device_it_has_no_backend_for():
+    with pytest.raises(QuantizationError, match="no backend for mps"):
+        check_bitsandbytes(torch.device("mps"))
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [({"bits": 5}, "bits must be one of"), ({"group_size": 0}, "group_size must be"), ({"damp_percent": 2}, "damp_percent")],
+)
+def test_bad_gptq_settings(fields, message):
+    with pytest.raises(GPTQSettingsError, match=message):
+        GPTQSettings(**fields)
+
+
+def test_group_size_must_divide_every_layer(tmp_path):
+    config = {
+        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "num_hidden_layers": 1, "vocab_size": 128,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(GPTQSettingsError, match=r"group_size 128 does not divide .*576.*use group_size 64"):
+        check_group_size(str(tmp_path), 128)
+    check_group_size(str(tmp_path), 64)
+    check_group_size(str(tmp_path), -1)
+
+
+def test_calibration_files(tmp_path):
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text('{"text": "one"}\n\n{"text": "two"}\n')
+    text = tmp_path / "c.txt"
+    text.write_text("first passage\nstill first\n\nsecond\n")
+    assert load_calibration(jsonl) == ["one", "two"]
+    assert load_calibration(text) == ["first passage\nstill first", "second"]
+    assert len(load_calibration()) == 64 and len(load_calibration(limit=5)) == 5
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(GPTQSettingsError, match="holds no texts"):
+        load_calibration(tmp_path / "empty.txt")
