@@ -2,7 +2,7 @@
 
 ``python -m app prepare [name ...]``
     make built-in models ready (convert the GGUF, GPTQ-quantize derived ones) and print their paths.
-``python -m app quantize SOURCE OUTPUT [--bits 4 --group-size 64 --desc-act --calibration FILE]``
+``python -m app quantize SOURCE OUTPUT [--bits 4 --group-size 64 --asym --desc-act --calibration FILE]``
     write a GPTQ checkpoint of any HF causal LM (hub id, local directory or built-in name) with GPTQModel.
 """
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _quantize(args: argparse.Namespace) -> None:
-    settings = GPTQSettings(bits=args.bits, group_size=args.group_size, desc_act=args.desc_act)
+    settings = GPTQSettings(bits=args.bits, group_size=args.group_size, desc_act=args.desc_act, sym=not args.asym)
     source = str(prepare_builtin(args.source)) if args.source in BUILTIN_MODELS else args.source
     check_group_size(source, settings.group_size, trust_remote_code=args.trust_remote_code)  # before anything slow
     calibration = load_calibration(args.calibration, limit=args.num_texts)
@@ -50,8 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     quantize.add_argument("--bits", type=int, default=4, choices=BITS)
     quantize.add_argument("--group-size", type=int, default=64, help="must divide every layer's input size; -1: per column")
     quantize.add_argument("--desc-act", action="store_true", help="act-order quantization (a little more accurate, slower)")
+    quantize.add_argument("--asym", action="store_true", help="asymmetric groups (a zero point per group)")
     quantize.add_argument("--calibration", help="a .jsonl of {\"text\": ...} lines or a text file of blank-line-separated passages "
-                          "(default: the project's 64 calibration texts)")
+                          "(default: the project's 48 calibration texts)")
     quantize.add_argument("--num-texts", type=int, default=None, help="use only the first N calibration texts")
     quantize.add_argument("--trust-remote-code", action="store_true")
     return parser

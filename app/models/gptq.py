@@ -19,7 +19,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 BITS = (2, 3, 4, 8)
-DEFAULT_CALIBRATION = "calibration.jsonl"  # app/models/data: 64 varied texts written for this project
+DEFAULT_CALIBRATION = "calibration.jsonl"  # app/models/data: 48 varied texts written for this project
 
 
 class GPTQSettingsError(ValueError):

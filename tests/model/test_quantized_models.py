@@ -21,10 +21,11 @@ BASE = "smollm2-135m-instruct"
 GPTQ = "smollm2-135m-instruct-gptq"
 LAYER_CLASSES = {"bnb-int8": "Linear8bitLt", "bnb-nf4": "Linear4bit", "gptq": "TorchAtenLinear"}
 # How far the engine's log-probabilities may sit from transformers' on the same quantized model (a bug in
-# positions, KV or masking moves them by whole nats). nf4 dequantizes and runs a plain matmul; GPTQ's int4
-# CPU kernel tiles by the number of rows, so sums round differently in a packed batch. LLM.int8 picks its
-# fp16 outlier columns from the whole batch (any row above 6.0): a token's logits depend on its batch-mates.
-LOGPROB_TOLERANCE = {"bnb-int8": 0.75, "bnb-nf4": 0.01, "gptq": 0.1}
+# positions, KV or masking moves them by whole nats). nf4 dequantizes and runs an fp32 matmul: only
+# summation order differs. GPTQ's CPU int4 kernel casts activations to bf16 whatever the model dtype, so
+# a packed batch rounds differently from one sequence. LLM.int8 computes in fp16 and picks its outlier
+# columns from the whole batch (any row above 6.0): a token's logits depend on its batch-mates.
+LOGPROB_TOLERANCE = {"bnb-int8": 0.75, "bnb-nf4": 0.01, "gptq": 0.3}
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
