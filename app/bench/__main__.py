@@ -93,14 +93,15 @@ def compare(args, spec: LoadSpec) -> dict:
 
 def quant(args, spec: LoadSpec) -> dict:
     from app.bench import quant as q
+    from app.models.loader import cpu_has_native_bf16
 
     base = yaml.safe_load(Path(args.config).read_text())
     source = base["models"][0]["model"]["source"]
-    report = {"config": args.config, "dtype": args.dtype}
-    report["fidelity"] = q.fidelity_report(args.methods or q.METHODS, source, args.gptq_source, args.dtype, args.agreement_tokens, 256)
+    report = {"config": args.config, "dtype": args.dtype, "cpu_native_bf16": cpu_has_native_bf16()}
+    report["fidelity"] = q.fidelity_report(args.methods or q.METHODS, source, args.gptq_source, args.dtype, args.agreement_tokens, 512)
     if not args.skip_serving:
         rows = [row for row in q.ROWS if row[1] in (args.methods or q.METHODS)]
-        report["serving"] = q.serving_report(rows, base, spec, args.port, args.gptq_source, RESULTS)
+        report["serving"] = q.serving_report(rows, base, spec, args.port, args.gptq_source, args.dtype, RESULTS)
     return report
 
 

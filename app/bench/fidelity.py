@@ -8,6 +8,8 @@ continuations of a prompt set through the engine's paged path, compared with the
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import math
 import multiprocessing
 import time
@@ -82,11 +84,22 @@ def measure(model: ModelConfig, max_tokens: int, kv_cache_memory_mb: int) -> Fid
         weight_mb=round(weight_bytes(loaded.model) / 2**20, 1),
         quantized_layers_mb=round(quantized / 2**20, 1),
         quantized_layers_bf16_mb=round(dense / 2**20, 1),
-        rss_mb=round(psutil.Process().memory_info().rss / 2**20, 1),
+        rss_mb=round(_settled_rss() / 2**20, 1),
         perplexity=round(perplexity(loaded, heldout_text()), 3),
         load_s=round(load_s, 1),
         greedy=greedy,
     )
+
+
+def _settled_rss() -> int:
+    """Resident bytes once loading's temporaries are gone (freed heap returned to the OS, as a
+    long-running replica's would be)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: report RSS as it is
+        pass
+    return psutil.Process().memory_info().rss
 
 
 def greedy_continuations(engine, loaded, max_tokens: int) -> list[list[int]]:

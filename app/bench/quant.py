@@ -17,14 +17,15 @@ from app.bench.load import LoadSpec, run_load
 from app.config import ModelConfig
 
 METHODS = ("none", "bnb-int8", "bnb-nf4", "gptq")
-# (row label, quantization, batching mode)
+# (row label, quantization, batching mode); {dtype} is the compute dtype of the run
 ROWS = (
-    ("naive bf16", "none", "none"),
-    ("batched bf16", "none", "continuous"),
+    ("naive {dtype}", "none", "none"),
+    ("batched {dtype}", "none", "continuous"),
     ("batched int8 (bnb)", "bnb-int8", "continuous"),
-    ("batched nf4 (bnb)", "bnb-nf4", "continuous"),
+    ("batched nf4 (bnb, {dtype} compute)", "bnb-nf4", "continuous"),
     ("batched GPTQ 4-bit", "gptq", "continuous"),
 )
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def model_for(method: str, base: str, gptq_source: str, dtype: str) -> ModelConfig:
@@ -41,15 +42,16 @@ def fidelity_report(methods, base: str, gptq_source: str, dtype: str, max_tokens
     return {method: report_row(result, reference) for method, result in results.items()}
 
 
-def serving_report(rows, app_config: dict, spec: LoadSpec, port: int, gptq_source: str, log_dir: Path) -> dict:
+def serving_report(rows, app_config: dict, spec: LoadSpec, port: int, gptq_source: str, dtype: str, log_dir: Path) -> dict:
     from app.bench.server import running_server
 
     results = {}
     for index, (label, method, batching) in enumerate(rows):
+        label = label.format(dtype=SHORT_DTYPES.get(dtype, dtype))
         config = copy.deepcopy(app_config)
         served = config["models"][0]
         served["model"].update(
-            {"source": gptq_source if method == "gptq" else served["model"]["source"], "quantization": method}
+            {"source": gptq_source if method == "gptq" else served["model"]["source"], "quantization": method, "dtype": dtype}
         )
         served.setdefault("engine", {})["batching"] = batching
         config["models"] = [served]  # each row alone on the machine

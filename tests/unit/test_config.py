@@ -67,3 +67,15 @@ def test_mode_none_runs_one_sequence_at_a_time():
 
     assert EngineConfig(batching="none", max_num_seqs=64).max_num_seqs == 1
     assert EngineConfig().batching == "continuous"
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_dtype_on_cpu_is_bf16_only_where_the_cpu_computes_it(monkeypatch, native, expected):
+    # Emulated bf16 (AVX2-only CPUs) made batched steps ~6x slower than fp32 on the dev machine.
+    import torch
+
+    from app.models import loader
+
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
+    assert loader.resolve_dtype("auto", torch.device("cpu")) == getattr(torch, expected)
+    assert loader.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
