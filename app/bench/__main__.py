@@ -93,15 +93,18 @@ def compare(args, spec: LoadSpec) -> dict:
 
 def quant(args, spec: LoadSpec) -> dict:
     from app.bench import quant as q
-    from app.models.loader import cpu_has_native_bf16
+    from app.models.loader import cpu_has_native_bf16, resolve_device, resolve_dtype
 
     base = yaml.safe_load(Path(args.config).read_text())
-    source = base["models"][0]["model"]["source"]
-    report = {"config": args.config, "dtype": args.dtype, "cpu_native_bf16": cpu_has_native_bf16()}
-    report["fidelity"] = q.fidelity_report(args.methods or q.METHODS, source, args.gptq_source, args.dtype, args.agreement_tokens, 512)
+    model = base["models"][0]["model"]
+    device = args.device or model.get("device", "auto")
+    # one concrete dtype for every row, so the rows compare like with like
+    dtype = str(resolve_dtype(args.dtype, resolve_device(device))).removeprefix("torch.")
+    report = {"config": args.config, "dtype": dtype, "device": device, "cpu_native_bf16": cpu_has_native_bf16()}
+    report["fidelity"] = q.fidelity_report(args.methods or q.METHODS, model["source"], args.gptq_source, dtype, device, args.agreement_tokens, 512)
     if not args.skip_serving:
         rows = [row for row in q.ROWS if row[1] in (args.methods or q.METHODS)]
-        report["serving"] = q.serving_report(rows, base, spec, args.port, args.gptq_source, args.dtype, RESULTS)
+        report["serving"] = q.serving_report(rows, base, spec, args.port, args.gptq_source, dtype, device, RESULTS)
     return report
 
 
@@ -135,7 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])
     parser.add_argument("--methods", nargs="+", default=None, help="quant: quantizations to measure (default: all four)")
     parser.add_argument("--gptq-source", default="smollm2-135m-instruct-gptq", help="quant: the GPTQ checkpoint of the model")
-    parser.add_argument("--dtype", default="bfloat16", help="quant: compute dtype")
+    parser.add_argument("--dtype", default="auto", help="quant: compute dtype (auto: as model.dtype auto would pick here)")
+    parser.add_argument("--device", default=None, help="quant: cpu or cuda (default: the config's model.device)")
     parser.add_argument("--agreement-tokens", type=int, default=32, help="quant: greedy tokens per agreement prompt")
     parser.add_argument("--skip-serving", action="store_true", help="quant: fidelity only, no serve run")
     parser.add_argument("--single-stream-modes", nargs="*", default=["continuous"], help="modes that also run W2")

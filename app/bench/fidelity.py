@@ -54,6 +54,7 @@ class FidelityResult:
     perplexity: float
     load_s: float
     greedy: list[list[int]] = field(repr=False)
+    gpu_mb: float | None = None  # on CUDA: GPU memory allocated by torch (weights + KV pool + workspace)
 
 
 def heldout_text() -> str:
@@ -88,7 +89,16 @@ def measure(model: ModelConfig, max_tokens: int, kv_cache_memory_mb: int) -> Fid
         perplexity=round(perplexity(loaded, heldout_text()), 3),
         load_s=round(load_s, 1),
         greedy=greedy,
+        gpu_mb=_gpu_allocated_mb(loaded.device),
     )
+
+
+def _gpu_allocated_mb(device) -> float | None:
+    import torch
+
+    if getattr(device, "type", str(device)) != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
 
 
 def _settled_rss() -> int:

@@ -28,21 +28,21 @@ ROWS = (
 SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
-def model_for(method: str, base: str, gptq_source: str, dtype: str) -> ModelConfig:
+def model_for(method: str, base: str, gptq_source: str, dtype: str, device: str) -> ModelConfig:
     source = gptq_source if method == "gptq" else base
-    return ModelConfig(source=source, quantization=method, dtype=dtype, device="cpu")
+    return ModelConfig(source=source, quantization=method, dtype=dtype, device=device)
 
 
-def fidelity_report(methods, base: str, gptq_source: str, dtype: str, max_tokens: int, kv_mb: int) -> dict:
+def fidelity_report(methods, base: str, gptq_source: str, dtype: str, device: str, max_tokens: int, kv_mb: int) -> dict:
     results = {}
     for method in methods:
-        results[method] = measure_in_subprocess(model_for(method, base, gptq_source, dtype), max_tokens, kv_mb)
+        results[method] = measure_in_subprocess(model_for(method, base, gptq_source, dtype, device), max_tokens, kv_mb)
         print(f"fidelity {method}: {results[method]}", flush=True)
     reference = results.get("none") or next(iter(results.values()))
     return {method: report_row(result, reference) for method, result in results.items()}
 
 
-def serving_report(rows, app_config: dict, spec: LoadSpec, port: int, gptq_source: str, dtype: str, log_dir: Path) -> dict:
+def serving_report(rows, app_config: dict, spec: LoadSpec, port: int, gptq_source: str, dtype: str, device: str, log_dir: Path) -> dict:
     from app.bench.server import running_server
 
     results = {}
@@ -51,7 +51,7 @@ def serving_report(rows, app_config: dict, spec: LoadSpec, port: int, gptq_sourc
         config = copy.deepcopy(app_config)
         served = config["models"][0]
         served["model"].update(
-            {"source": gptq_source if method == "gptq" else served["model"]["source"], "quantization": method, "dtype": dtype}
+            {"source": gptq_source if method == "gptq" else served["model"]["source"], "quantization": method, "dtype": dtype, "device": device}
         )
         served.setdefault("engine", {})["batching"] = batching
         config["models"] = [served]  # each row alone on the machine
@@ -66,12 +66,13 @@ def serving_report(rows, app_config: dict, spec: LoadSpec, port: int, gptq_sourc
 
 def markdown(report: dict) -> str:
     lines = ["### Fidelity", "",
-             "| quantization | weights (MB) | quantized layers (MB, vs bf16) | process RSS (MB) | perplexity (vs bf16) | greedy prefix agreement | identical greedy outputs |",
+             "| quantization | weights (MB) | quantized layers (MB, vs bf16) | process RSS (MB) | perplexity (vs unquantized) | greedy prefix agreement | identical greedy outputs |",
              "|---|---|---|---|---|---|---|"]
     for method, row in report["fidelity"].items():
         g = row["greedy_agreement"]
+        gpu = f" (GPU {row['gpu_mb']})" if row.get("gpu_mb") else ""
         layers = f"{row['quantized_layers_mb']} ({row.get('quantized_layers_fraction_of_bf16', 1.0):.0%})" if row["quantized_layers_mb"] else "-"
-        lines.append(f"| {method} | {row['weight_mb']} | {layers} | {row['rss_mb']} | {row['perplexity']} (x{row['perplexity_vs_reference']}) | "
+        lines.append(f"| {method} | {row['weight_mb']} | {layers} | {row['rss_mb']}{gpu} | {row['perplexity']} (x{row['perplexity_vs_reference']}) | "
                      f"{g['prefix_agreement']:.0%} | {g['identical_sequences']}/{g['num_sequences']} |")
     if report.get("serving"):
         lines += ["", "### Serving (W1: 32 concurrent x 128 tokens, through HTTP)", "",
@@ -81,5 +82,5 @@ def markdown(report: dict) -> str:
             if not r.get("num_requests"):
                 lines.append(f"| {label} | {weights} | failed: {r.get('first_error', '?')[:60]} | | | |")
                 continue
-            lines.append(f"| {label} | {weights} | {r['output_tok_per_s']} | {r['e2e_s']['p50']} | {r['ttft_s']['p50']} | {r['tpot_ms']['p50']} |")
+            lines.append(f"| {label} | {weights} | {r['output_tok_per_s']} | {r['e2e_s']['p50']:.1f} | {r['ttft_s']['p50']:.2f} | {r['tpot_ms']['p50']:.0f} |")
     return "\n".join(lines)
