@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from app.config import EngineConfig
+from app.engine.cpu_linear import pack_cpu_linears
 from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import PagedBatch, SequenceSlice, register_paged_attention
 from app.engine.request import Request, TokenLogprob
@@ -80,6 +81,8 @@ class ModelRunner:
         self.kv_bytes = self.kv_pool.numel() * self.kv_pool.element_size()
         self.sampler = Sampler()
         register_paged_attention(self.model)
+        if config.cpu_packed_linear:
+            pack_cpu_linears(self.model)  # plain fp32 CPU Linear layers only: quantized layers run as loaded
         logger.info("KV cache: %d blocks of %d tokens (%.0f MB)", self.num_blocks, self.block_size, self.kv_bytes / 2**20)
 
     @property
