@@ -89,6 +89,7 @@ class EngineConfig:
     num_kv_blocks: int = 0  # >0 overrides kv_cache_memory_mb (tests use it to force preemption)
     enable_prefix_caching: bool = True
     stream_interval_ms: int = 0  # under load (>1 running), send a request's tokens at most this often (0: each at once)
+    max_stream_chunks_per_s: float = 0  # under load, all streams together send at most this many chunks/s (0: no cap)
     separate_process: bool = True  # run the core in its own process (no GIL shared with the server's threads)
     torch_threads: int = 0  # 0: one thread per core the process may use
     cpu_packed_linear: bool = True  # fp32 on CPU: Linear weights prepacked for oneDNN (faster at 2-32 sequences)
@@ -101,6 +102,8 @@ class EngineConfig:
             _require_int(f"engine.{name}", getattr(self, name), minimum=1)
         for name in ("kv_cache_memory_mb", "num_kv_blocks", "torch_threads", "stream_interval_ms"):
             _require_int(f"engine.{name}", getattr(self, name), minimum=0)
+        if not isinstance(self.max_stream_chunks_per_s, (int, float)) or self.max_stream_chunks_per_s < 0:
+            raise ValueError(f"engine.max_stream_chunks_per_s must be a number >= 0, got {self.max_stream_chunks_per_s!r}")
         if not isinstance(self.batch_wait_timeout_s, (int, float)) or self.batch_wait_timeout_s < 0:
             raise ValueError(f"engine.batch_wait_timeout_s must be a number >= 0, got {self.batch_wait_timeout_s!r}")
         if self.batching == "none":

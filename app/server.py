@@ -83,6 +83,7 @@ def _front_options(config: ServedModelConfig) -> dict:
     return {
         "max_queued_requests": config.engine.max_queued_requests,
         "stream_interval_s": config.engine.stream_interval_ms / 1000,
+        "max_stream_chunks_per_s": config.engine.max_stream_chunks_per_s,
     }
 
 

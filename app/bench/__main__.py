@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "hf":
         from app.bench.hf_baseline import run_hf_baselines
 
-        result = run_hf_baselines(spec)
+        result = run_hf_baselines(spec, dtype=_concrete_dtype(args.dtype))
     elif args.command == "engine":
         from app.bench.engine_bench import run_engine_bench
 
-        result = run_engine_bench(spec, args.modes)
+        result = run_engine_bench(spec, args.modes, dtype=_concrete_dtype(args.dtype))
     elif args.command == "quant":
         result = quant(args, spec)
     else:
@@ -93,19 +93,26 @@ def compare(args, spec: LoadSpec) -> dict:
 
 def quant(args, spec: LoadSpec) -> dict:
     from app.bench import quant as q
-    from app.models.loader import cpu_has_native_bf16, resolve_device, resolve_dtype
+    from app.models.loader import cpu_has_native_bf16
 
     base = yaml.safe_load(Path(args.config).read_text())
     model = base["models"][0]["model"]
     device = args.device or model.get("device", "auto")
     # one concrete dtype for every row, so the rows compare like with like
-    dtype = str(resolve_dtype(args.dtype, resolve_device(device))).removeprefix("torch.")
+    dtype = _concrete_dtype(args.dtype, device)
     report = {"config": args.config, "dtype": dtype, "device": device, "cpu_native_bf16": cpu_has_native_bf16()}
     report["fidelity"] = q.fidelity_report(args.methods or q.METHODS, model["source"], args.gptq_source, dtype, device, args.agreement_tokens, 512)
     if not args.skip_serving:
         rows = [row for row in q.ROWS if row[1] in (args.methods or q.METHODS)]
         report["serving"] = q.serving_report(rows, base, spec, args.port, args.gptq_source, dtype, device, RESULTS)
     return report
+
+
+def _concrete_dtype(dtype: str, device: str = "cpu") -> str:
+    """``auto`` as the server would resolve it on this machine, so offline and served runs compare."""
+    from app.models.loader import resolve_device, resolve_dtype
+
+    return str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
 
 
 def format_table(result: dict) -> str:
@@ -138,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])
     parser.add_argument("--methods", nargs="+", default=None, help="quant: quantizations to measure (default: all four)")
     parser.add_argument("--gptq-source", default="smollm2-135m-instruct-gptq", help="quant: the GPTQ checkpoint of the model")
-    parser.add_argument("--dtype", default="auto", help="quant: compute dtype (auto: as model.dtype auto would pick here)")
+    parser.add_argument("--dtype", default="auto", help="quant, hf, engine: compute dtype (auto: as model.dtype auto picks here)")
     parser.add_argument("--device", default=None, help="quant: cpu or cuda (default: the config's model.device)")
     parser.add_argument("--agreement-tokens", type=int, default=32, help="quant: greedy tokens per agreement prompt")
     parser.add_argument("--skip-serving", action="store_true", help="quant: fidelity only, no serve run")

@@ -78,3 +78,31 @@ async def test_stream_interval_sends_fewer_larger_chunks_under_load():
     every_token, gathered = await chunks(0.0), await chunks(0.05)
     assert [t for o in gathered for t in o.new_token_ids] == [t for o in every_token for t in o.new_token_ids]
     assert len(gathered) < len(every_token) / 3
+
+
+async def test_chunk_rate_cap_grows_the_pause_with_the_number_of_streams():
+    from tests.unit.fakes import SlowCountingCore
+
+    async def chunks_per_stream(streams, rate):
+        engine = AsyncEngine(SlowCountingCore, max_stream_chunks_per_s=rate)
+        async def collect(rid):
+            return [o async for o in engine.generate(_request(rid, max_tokens=40))]
+
+        outputs = await asyncio.gather(*(collect(f"r{i}") for i in range(streams)))
+        engine.shutdown(1)
+        assert all(sum(len(o.new_token_ids) for o in out) == 40 for out in outputs)  # nothing dropped
+        return max(len(out) for out in outputs)
+
+    uncapped, two, four = await chunks_per_stream(2, 0), await chunks_per_stream(2, 40), await chunks_per_stream(4, 40)
+    assert two < uncapped / 2
+    assert four < two  # twice the streams under the same cap: each waits twice as long
+
+
+async def test_a_lone_stream_is_never_held_back_by_the_chunk_rate_cap():
+    from tests.unit.fakes import SlowCountingCore
+
+    engine = AsyncEngine(SlowCountingCore, max_stream_chunks_per_s=1)
+    outputs = [o async for o in engine.generate(_request("alone", max_tokens=10))]
+    engine.shutdown(1)
+    assert sum(len(o.new_token_ids) for o in outputs) == 10
+    assert len(outputs) >= 5  # tokens come as made (merged only if the reader lags), not one per second
