@@ -30,6 +30,7 @@ def test_dtype_aliases_are_normalised():
         ({"models": [{"engine": {"block_size": "16"}}]}, "engine.block_size"),
         ({"models": [{"engine": {"batch_wait_timeout_s": -1}}]}, "engine.batch_wait_timeout_s"),
         ({"models": [{"engine": {"kv_cache_memory_mb": -5}}]}, "engine.kv_cache_memory_mb"),
+        ({"models": [{"engine": {"max_stream_chunks_per_s": -1}}]}, "engine.max_stream_chunks_per_s"),
         (
             {"models": [{"engine": {"max_batch_size": 32}, "replica": {"max_ongoing_requests": 8}}]},
             "max_ongoing_requests .* must be at least engine.max_batch_size",
