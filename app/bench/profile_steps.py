@@ -1,0 +1,65 @@
+"""Where an engine step's time goes: decode steps at fixed batch sizes, timed and under torch's profiler.
+
+``python -m app.bench profile --batches 1 32`` loads the model (``--dtype``, auto as the server picks),
+fills the engine with ``batch`` copies of the workload's prompts, steps past the prefill, then times
+``--steps`` decode steps and profiles a few more. ``--no-packed-linear`` runs the same steps on
+torch's default Linear kernels, for the comparison in docs/engine.md. Figures for the README's
+"what limits us" come from here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from app.bench.load import LoadSpec, make_prompts
+from app.config import EngineConfig, ModelConfig
+from app.engine import LLMEngine, Request, SamplingParams
+from app.models import load_model
+
+_PROFILED_STEPS = 5
+_TOP_OPS = 12
+
+
+def run_step_profile(spec: LoadSpec, batches: list[int], dtype: str, steps: int, packed_linear: bool) -> dict:
+    loaded = load_model(ModelConfig(dtype=dtype))
+    prompts = [loaded.tokenizer.encode(p) for p in make_prompts(LoadSpec(**{**spec.__dict__, "num_requests": max(batches)}))]
+    report: dict = {"dtype": dtype, "packed_linear": packed_linear, "threads": torch.get_num_threads(), "batches": {}}
+    for batch in batches:
+        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=batch, cpu_packed_linear=packed_linear))
+        report["batches"][batch] = _profile_batch(engine, prompts[:batch], steps)
+        row = report["batches"][batch]
+        print(f"batch {batch}: {row['step_ms']} ms a step, {row['tok_per_s']} tok/s", flush=True)
+        for op in row["top_ops"]:
+            print(f"  {op['share']:5.1%}  {op['ms_per_step']:7.2f} ms  {op['name']}")
+    return report
+
+
+def _profile_batch(engine: LLMEngine, prompts: list[list[int]], steps: int) -> dict:
+    total = steps + _PROFILED_STEPS + 64  # enough tokens that every timed step is a decode of the whole batch
+    params = SamplingParams(max_tokens=total, min_tokens=total, temperature=0, ignore_eos=True)
+    engine.add_requests([Request(f"profile-{i}", p, params) for i, p in enumerate(prompts)])
+    while engine.stats()["num_waiting"] or engine.counters.last_step_tokens != len(prompts):
+        engine.step()  # prefill (in chunks) until a step is one decode token per sequence
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_s = (time.perf_counter() - started) / steps
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(_PROFILED_STEPS):
+            engine.step()
+    for request_id in [f"profile-{i}" for i in range(len(prompts))]:
+        engine.abort_request(request_id)
+    return {"step_ms": round(step_s * 1000, 1), "tok_per_s": round(len(prompts) / step_s, 1), "top_ops": _top_ops(prof)}
+
+
+def _top_ops(prof) -> list[dict]:
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    return [
+        {"name": e.key, "share": round(e.self_cpu_time_total / total, 3),
+         "ms_per_step": round(e.self_cpu_time_total / 1000 / _PROFILED_STEPS, 2)}
+        for e in events[:_TOP_OPS]
+    ]
