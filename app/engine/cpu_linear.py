@@ -1,15 +1,14 @@
 """fp32 Linear layers on CPU through oneDNN with prepacked weights (what IPEX and inductor's freezing do).
 
-torch runs an fp32 ``nn.Linear`` on CPU through MKL's sgemm. Measured on the 2-core AVX2 AMD EPYC
-dev machine (SmolLM2-135M fp32, engine decode steps, 2 threads): MKL's small-M path is slow there, so
-a step of 2 sequences took as long as 16 (120-130 ms, against 60 ms for one). With the weights
-reordered once into oneDNN's blocked layout, the same steps take 66 ms at 2 sequences, 74 ms at 8 and
-149 ms at 32 (MKL: 130, 136, 166). One sequence is unchanged.
+torch runs an fp32 ``nn.Linear`` on CPU through MKL's sgemm, whose small-M path is slow on the AVX2
+AMD EPYC dev machine: a decode step of 2 sequences took as long as one of 16. With the weights
+reordered once into oneDNN's blocked layout, steps of 1-32 sequences spend 1.2-2.6x less time in
+matrix multiplies (``python -m app.bench profile``; the table is in docs/engine.md).
 
 Only modules whose type is exactly ``nn.Linear`` with fp32 CPU weights are replaced, so quantized
 layers (bitsandbytes, GPTQ) and every other device or dtype run as loaded. The packed weight replaces
 the dense one (same bytes); a tied output head gets its own packed copy while the embedding keeps
-the original. Results differ from MKL's only by float summation order (~1e-4 relative).
+the original. Results differ from MKL's only in float summation order (the last few bits).
 """
 
 from __future__ import annotations
