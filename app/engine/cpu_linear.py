@@ -8,7 +8,7 @@ matrix multiplies (``python -m app.bench profile``; the table is in docs/engine.
 Only modules whose type is exactly ``nn.Linear`` with fp32 CPU weights are replaced, so quantized
 layers (bitsandbytes, GPTQ) and every other device or dtype run as loaded. The packed weight replaces
 the dense one (same bytes); a tied output head gets its own packed copy while the embedding keeps
-the original. Results differ from MKL's only in float summation order (the last few bits).
+the original, so packing costs about the head's size in memory. Results differ from MKL's only in float summation order (the last few bits).
 """
 
 from __future__ import annotations
@@ -56,8 +56,26 @@ def pack_cpu_linears(model: nn.Module) -> int:
                 setattr(parent, name, PackedLinear(child))
                 replaced += 1
     if replaced:
+        _release_checkpoint_mapping(model)
         logger.info("%d fp32 Linear layers run through oneDNN with prepacked weights", replaced)
     return replaced
+
+
+def _release_checkpoint_mapping(model: nn.Module) -> None:
+    """Copy the remaining CPU tensors out of the checkpoint's memory map, so the map can be closed.
+
+    transformers maps an fp32 safetensors checkpoint into memory as is. The dense Linear weights we
+    just replaced live in that map, and any tensor still viewing it (the embedding, the norms) keeps
+    every page of it resident. Copying those few tensors (mostly the embedding) lets it go: measured
+    on SmolLM2-135M fp32, RSS 1862 -> 1448 MB (unpacked: 1321).
+    """
+    for param in model.parameters():
+        if param.device.type == "cpu":
+            param.data = param.data.clone()  # the same Parameter object: tied modules stay tied
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device.type == "cpu" and not buffer.is_mkldnn:
+                module._buffers[name] = buffer.clone()
 
 
 def _packable(module: nn.Module) -> bool:

@@ -34,3 +34,12 @@ def test_packed_outputs_match_dense_for_any_row_count(rows):
         expected, got = dense(x), packed(x)
     assert got.shape == expected.shape == (1, rows, 32)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_packing_keeps_tied_parameters_tied_and_their_values():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Embedding(10, 8), nn.Linear(8, 8))
+    model[1].weight = model[0].weight  # tied, as input and output embeddings often are
+    before = model[0].weight.detach().clone()
+    pack_cpu_linears(model)
+    assert model[1].weight is model[0].weight
+    assert torch.equal(model[0].weight, before)
