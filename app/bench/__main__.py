@@ -62,11 +62,10 @@ def main(argv: list[str] | None = None) -> int:
 
         out.with_suffix(".md").write_text(markdown(result) + "\n")
         print(markdown(result))
-    else:
-        if args.command == "compare":
-            print(format_table(result))
-        elif args.command != "profile":  # profile printed its own tables as it went
-            print(json.dumps(result, indent=2))
+    elif args.command == "compare":
+        print(format_table(result))
+    elif args.command != "profile":  # profile printed its own tables as it went
+        print(json.dumps(result, indent=2))
     print(f"saved {out}")
     return 0
 

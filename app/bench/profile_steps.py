@@ -50,8 +50,8 @@ def _profile_batch(engine: LLMEngine, prompts: list[list[int]], steps: int) -> d
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(_PROFILED_STEPS):
             engine.step()
-    for request_id in [f"profile-{i}" for i in range(len(prompts))]:
-        engine.abort_request(request_id)
+    for i in range(len(prompts)):
+        engine.abort_request(f"profile-{i}")
     return {"step_ms": round(step_s * 1000, 1), "tok_per_s": round(len(prompts) / step_s, 1), "top_ops": _top_ops(prof)}
 
 

@@ -8,7 +8,8 @@ matrix multiplies (``python -m app.bench profile``; the table is in docs/engine.
 Only modules whose type is exactly ``nn.Linear`` with fp32 CPU weights are replaced, so quantized
 layers (bitsandbytes, GPTQ) and every other device or dtype run as loaded. The packed weight replaces
 the dense one (same bytes); a tied output head gets its own packed copy while the embedding keeps
-the original, so packing costs about the head's size in memory. Results differ from MKL's only in float summation order (the last few bits).
+the original, so packing costs about the head's size in memory. Results differ from MKL's only in
+float summation order (the last few bits).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _release_checkpoint_mapping(model: nn.Module) -> None:
     transformers maps an fp32 safetensors checkpoint into memory as is. The dense Linear weights we
     just replaced live in that map, and any tensor still viewing it (the embedding, the norms) keeps
     every page of it resident. Copying those few tensors (mostly the embedding) lets it go: measured
-    on SmolLM2-135M fp32, RSS 1862 -> 1448 MB (unpacked: 1321).
+    on SmolLM2-135M fp32, RSS 1862 -> 1415-1448 MB across runs (unpacked: 1321).
     """
     for param in model.parameters():
         if param.device.type == "cpu":
