@@ -8,7 +8,9 @@ single ``[1, T]`` row (mixed prefill chunks and decodes). Each attention layer c
 2. attends each request's queries to its own keys, read back from the pool through its block table.
 
 Requests are attended in at most two padded groups (decodes with one query each, and prefill
-chunks), so a step costs two SDPA calls per layer whatever the batch size. Everything that does not
+chunks), so a step costs two SDPA calls per layer whatever the batch size. A step of decodes only
+(the steady state) attends the queries where they lie, with no gather of queries or scatter of
+outputs. Everything that does not
 depend on the layer (slots, gather indices, masks) is built once per step in :class:`PagedBatch`.
 The model's own Linear layers are untouched, so bitsandbytes and GPTQ layers run as loaded.
 """
@@ -67,6 +69,7 @@ class PagedBatch:
     kv_pool: torch.Tensor  # [layers, 2, slots, kv_heads, head_dim], owned by the runner
     slot_mapping: torch.Tensor  # [T] where each new token's key/value is written
     groups: list[AttentionGroup]
+    decode_only: bool = False  # one group of one query per sequence, in packed order (steady-state decode)
 
     @classmethod
     def build(cls, kv_pool: torch.Tensor, block_size: int, slices: Sequence[SequenceSlice]) -> "PagedBatch":
@@ -75,7 +78,7 @@ class PagedBatch:
         decodes = [s for s in slices if s.num_queries == 1]
         prefills = [s for s in slices if s.num_queries > 1]
         groups = [_group(g, block_size, device, slot_mapping) for g in (decodes, prefills) if g]
-        return cls(kv_pool, slot_mapping.to(device), groups)
+        return cls(kv_pool, slot_mapping.to(device), groups, decode_only=bool(decodes) and not prefills)
 
 
 def _context_slots(s: SequenceSlice, block_size: int) -> torch.Tensor:
@@ -137,6 +140,8 @@ def paged_attention_forward(
     k_pool.index_copy_(0, paged_batch.slot_mapping, key[0].transpose(0, 1))
     v_pool.index_copy_(0, paged_batch.slot_mapping, value[0].transpose(0, 1))
 
+    if paged_batch.decode_only:
+        return _attend_decodes(query, k_pool, v_pool, paged_batch.groups[0], scaling), None
     packed = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(packed)  # [T, H, D]
     for group in paged_batch.groups:
@@ -148,15 +153,37 @@ def paged_attention_forward(
     return out.unsqueeze(0), None  # [1, T, H, D], as transformers' SDPA path returns
 
 
+def _attend_decodes(
+    query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: AttentionGroup, scaling: float | None
+) -> torch.Tensor:
+    """A decode-only step: query ``t`` is sequence ``t``'s only one, so queries and outputs are views, not copies."""
+    _, num_heads, num_seqs, head_dim = query.shape  # [1, H, B, D]
+    keys, values = _gather_kv(k_pool, v_pool, group, head_dim)  # [B, Hkv, L, D] each
+    kv_heads = keys.shape[1]
+    repeat = num_heads // kv_heads
+    folded = query[0].reshape(kv_heads, repeat, num_seqs, head_dim).permute(2, 0, 1, 3)  # [B, Hkv, R, D]
+    attended = F.scaled_dot_product_attention(folded, keys, values, attn_mask=group.folded_mask(repeat), scale=scaling)
+    return attended.reshape(1, num_seqs, num_heads, head_dim)  # [1, T, H, D]
+
+
+def _gather_kv(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, group: AttentionGroup, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's keys and values read back from the pool: [B, Hkv, L, D] each."""
+    slots = group.key_slots.view(-1)  # index_select: ~2x faster than advanced indexing on CPU for this gather
+    kv_heads = k_pool.shape[1]
+    keys = k_pool.index_select(0, slots).view(group.num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
+    values = v_pool.index_select(0, slots).view(group.num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
+    return keys, values
+
+
 def _attend_group(
     packed: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: AttentionGroup, scaling: float | None
 ) -> torch.Tensor:
     b, q = group.num_seqs, group.num_queries
     num_heads, head_dim = packed.shape[1], packed.shape[2]
-    slots = group.key_slots.view(-1)  # index_select: ~2x faster than advanced indexing on CPU for this gather
-    kv_heads = k_pool.shape[1]
-    keys = k_pool.index_select(0, slots).view(b, -1, kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_pool.index_select(0, slots).view(b, -1, kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+    keys, values = _gather_kv(k_pool, v_pool, group, head_dim)  # [B, Hkv, L, D] each
+    kv_heads = keys.shape[1]
     repeat = num_heads // kv_heads
     # Grouped-query attention without copying keys: the `repeat` query heads that share a key/value
     # head are folded into the query axis, so SDPA sees Hkv heads of repeat*Q queries each.

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from app.engine.cpu_linear import PackedLinear, pack_cpu_linears
+from app.engine.cpu_linear import PackedLinear, PackedSiblingLinear, pack_cpu_linears
 
 
 class QuantizedLinearStandIn(nn.Linear):
@@ -43,3 +43,54 @@ def test_packing_keeps_tied_parameters_tied_and_their_values():
     pack_cpu_linears(model)
     assert model[1].weight is model[0].weight
     assert torch.equal(model[0].weight, before)
+
+
+class AttentionProjections(nn.Module):
+    """The projections of a transformers attention + MLP block, with their usual names."""
+
+    def __init__(self, bias: bool = False) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(64, 96, bias=bias), nn.Linear(64, 32, bias=bias), nn.Linear(64, 32, bias=bias)
+        self.gate_proj, self.up_proj = nn.Linear(64, 128, bias=bias), nn.Linear(64, 128, bias=bias)
+
+    def forward(self, x: torch.Tensor, order: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+        return {name: getattr(self, name)(x) for name in order}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_sibling_projections_run_as_one_gemm_with_the_dense_results(bias, rows):
+    torch.manual_seed(0)
+    dense = AttentionProjections(bias)
+    fused = AttentionProjections(bias)
+    fused.load_state_dict(dense.state_dict())
+    assert pack_cpu_linears(fused) == 5
+    assert all(type(m) is PackedSiblingLinear for m in fused.children())
+    x = torch.randn(1, rows, 64)
+    with torch.inference_mode():
+        expected = dense(x)
+        for order in [("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("v_proj", "up_proj", "q_proj", "gate_proj", "k_proj")]:
+            got = fused(x, order)
+            for name in order:
+                torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_a_sibling_called_on_a_new_input_computes_for_that_input():
+    torch.manual_seed(0)
+    dense, fused = AttentionProjections(), AttentionProjections()
+    fused.load_state_dict(dense.state_dict())
+    pack_cpu_linears(fused)
+    a, b = torch.randn(1, 3, 64), torch.randn(1, 3, 64)
+    with torch.inference_mode():
+        fused.q_proj(a)  # leaves k and v of `a` unread
+        torch.testing.assert_close(fused.k_proj(b), dense.k_proj(b), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fused.k_proj(b), dense.k_proj(b), rtol=1e-4, atol=1e-5)  # read twice: recomputed
+        torch.testing.assert_close(fused.v_proj(a), dense.v_proj(a), rtol=1e-4, atol=1e-5)
+
+
+def test_siblings_are_fused_only_when_all_are_plain_fp32_linears_of_one_input():
+    model = AttentionProjections()
+    model.v_proj = QuantizedLinearStandIn(64, 32)  # a quantized sibling: q/k/v stay separate
+    model.up_proj = nn.Linear(64, 128, bias=True)  # gate has no bias, up has one: separate
+    assert pack_cpu_linears(model) == 4
+    assert [type(m) for m in model.children()] == [PackedLinear, PackedLinear, QuantizedLinearStandIn, PackedLinear, PackedLinear]
