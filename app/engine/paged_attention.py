@@ -10,8 +10,8 @@ single ``[1, T]`` row (mixed prefill chunks and decodes). Each attention layer c
 Requests are attended in at most two padded groups (decodes with one query each, and prefill
 chunks), so a step costs two SDPA calls per layer whatever the batch size. A step of decodes only
 (the steady state) attends the queries where they lie, with no gather of queries or scatter of
-outputs. Everything that does not
-depend on the layer (slots, gather indices, masks) is built once per step in :class:`PagedBatch`.
+outputs. Everything that does not depend on the layer (slots, gather indices, masks) is built once
+per step in :class:`PagedBatch`.
 The model's own Linear layers are untouched, so bitsandbytes and GPTQ layers run as loaded.
 """
 
