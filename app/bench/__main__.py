@@ -3,8 +3,10 @@ and ``hf``; ``make bench-quant`` runs ``quant``).
 
 - ``load``: drive an already running server (e.g. ``make serve``) with N concurrent streaming requests.
 - ``compare``: start the app once per batching mode with ``serve run``, run the standard workloads
-  (W1: 32 concurrent x 128 tokens; W2: 8 requests one at a time) and print a table.
-- ``engine``: the engine alone (no server) on the same workload, per mode: what serving costs.
+  (W1: 32 concurrent x 128 tokens; W2: 8 requests one at a time) and print a table, with the CPU
+  seconds each part of the server (engine core, replica, ingress, proxy, Ray) spent on W1.
+- ``engine``: the engine alone (no server) on the same workload, per mode: what serving costs
+  (W1's CPU seconds too, to set against the served engine core's).
 - ``hf``: transformers' own ``generate_batch`` and ``generate`` on the same workload, offline.
 - ``profile``: decode steps of the engine at fixed batch sizes, timed and under torch's profiler.
 - ``quant``: per quantization (none, bnb-int8, bnb-nf4, gptq) weight and resident memory, held-out
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compare(args, spec: LoadSpec) -> dict:
+    from app.bench.cpu_usage import cpu_seconds_by_part, process_cpu_snapshot
     from app.bench.server import running_server
 
     base = yaml.safe_load(Path(args.config).read_text())
@@ -89,7 +92,10 @@ def compare(args, spec: LoadSpec) -> dict:
             runs = {}
             warm = LoadSpec(**{**spec.__dict__, "base_url": url, "num_requests": 2, "concurrency": 2, "max_tokens": 8})
             asyncio.run(run_load(warm))  # first requests pay one-time costs (allocator, kernels)
+            before = process_cpu_snapshot()
             runs["W1"] = asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "base_url": url})))
+            runs["W1"]["cpu_s_by_part"] = cpu_seconds_by_part(before, process_cpu_snapshot())
+            print(f"{mode} W1 CPU seconds by part of the server: {runs['W1']['cpu_s_by_part']}", flush=True)
             if mode in args.single_stream_modes:
                 single = {**spec.__dict__, "base_url": url, "num_requests": 8, "concurrency": 1}
                 runs["W2"] = asyncio.run(run_load(LoadSpec(**single)))

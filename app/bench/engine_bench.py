@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+import psutil
+
 from app.bench.load import LoadSpec, make_prompts
 from app.config import EngineConfig, ModelConfig
 from app.engine import LLMEngine, Request, SamplingParams
@@ -27,6 +29,7 @@ def run_engine_bench(spec: LoadSpec, modes: list[str], dtype: str = "bfloat16") 
             "W1_output_tok_per_s": w1["output_tok_per_s"],
             "W1_wall_s": w1["wall_s"],
             "W1_mean_step_ms": w1["mean_step_ms"],
+            "W1_cpu_s": w1["cpu_s"],  # compare with `compare`'s W1 cpu_s_by_part["engine core"]
             "single_stream_tok_per_s": round(sum(r["output_tok_per_s"] for r in w2) / len(w2), 1),
         }
         print(mode, results["modes"][mode], flush=True)
@@ -37,6 +40,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str)
     params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0, ignore_eos=True)
     requests = [Request(f"{tag}-{i}", p, params) for i, p in enumerate(prompts)]
     steps_before, busy_before = engine.counters.num_steps, engine.counters.busy_s
+    cpu_before = _cpu_seconds()
     started = time.perf_counter()
     engine.add_requests(requests)
     while engine.has_unfinished_requests():
@@ -48,4 +52,10 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str)
         "wall_s": round(wall, 2),
         "output_tok_per_s": round(tokens / wall, 1),
         "mean_step_ms": round(1000 * (engine.counters.busy_s - busy_before) / max(steps, 1), 1),
+        "cpu_s": round(_cpu_seconds() - cpu_before, 1),
     }
+
+
+def _cpu_seconds() -> float:
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
