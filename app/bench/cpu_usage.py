@@ -19,20 +19,15 @@ _ROLES = (("LLMServer", "replica"), ("OpenAIIngress", "ingress"), ("ProxyActor",
 
 def process_cpu_snapshot() -> dict[int, tuple[str, float]]:
     """Every process's role and CPU seconds (user + system) so far; this process is left out."""
-    commands = {}
-    for process in psutil.process_iter(["pid", "ppid", "cmdline", "name"]):
-        commands[process.pid] = (process.info["ppid"], " ".join(process.info["cmdline"] or [process.info["name"] or ""]))
-    snapshot = {}
-    for pid, (ppid, command) in commands.items():
-        if pid == os.getpid():
-            continue
-        try:
-            times = psutil.Process(pid).cpu_times()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        parent_command = commands.get(ppid, (0, ""))[1]
-        snapshot[pid] = (role_of(command, parent_command), times.user + times.system)
-    return snapshot
+    processes = {
+        p.pid: p.info for p in psutil.process_iter(["ppid", "cmdline", "name", "cpu_times"]) if p.pid != os.getpid()
+    }
+    commands = {pid: " ".join(info["cmdline"] or [info["name"] or ""]) for pid, info in processes.items()}
+    return {
+        pid: (role_of(commands[pid], commands.get(info["ppid"], "")), info["cpu_times"].user + info["cpu_times"].system)
+        for pid, info in processes.items()
+        if info["cpu_times"] is not None  # None: the process went away or is not ours to read
+    }
 
 
 def role_of(command: str, parent_command: str) -> str:
