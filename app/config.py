@@ -20,6 +20,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
 BATCHING_MODES = ("none", "dynamic", "continuous")
+CPU_LINEAR_KERNELS = ("auto", "avx2", "onednn", "torch")  # app/engine/cpu_linear.py
 QUANTIZATION_METHODS = ("none", "bnb-int8", "bnb-nf4", "gptq")  # app.models.quantization implements them
 SERVED_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
 
@@ -92,7 +93,7 @@ class EngineConfig:
     max_stream_chunks_per_s: float = 0  # under load, all streams together send at most this many chunks/s (0: no cap)
     separate_process: bool = True  # run the core in its own process (no GIL shared with the server's threads)
     torch_threads: int = 0  # 0: one thread per core the process may use
-    cpu_packed_linear: bool = True  # fp32 on CPU: Linear weights prepacked for oneDNN (faster at 2-32 sequences)
+    cpu_linear_kernel: str = "auto"  # fp32 on CPU: auto | avx2 (ours) | onednn | torch (docs/engine.md)
     max_queued_requests: int = 1024  # beyond this, new requests get 503 instead of waiting forever
 
     def __post_init__(self) -> None:
@@ -106,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"engine.max_stream_chunks_per_s must be a number >= 0, got {self.max_stream_chunks_per_s!r}")
         if not isinstance(self.batch_wait_timeout_s, (int, float)) or self.batch_wait_timeout_s < 0:
             raise ValueError(f"engine.batch_wait_timeout_s must be a number >= 0, got {self.batch_wait_timeout_s!r}")
+        if self.cpu_linear_kernel not in CPU_LINEAR_KERNELS:
+            raise ValueError(f"engine.cpu_linear_kernel {self.cpu_linear_kernel!r} is not one of {', '.join(CPU_LINEAR_KERNELS)}")
         if self.batching == "none":
             self.max_num_seqs = 1  # the naive baseline: one request at a time, whatever else is set
 

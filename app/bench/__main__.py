@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m app.bench {load,compare,engine,hf,quant,profile}`` (``make bench`` runs ``compare``
+"""Benchmarks: ``python -m app.bench {load,compare,engine,hf,quant,profile,gemm}`` (``make bench`` runs ``compare``
 and ``hf``; ``make bench-quant`` runs ``quant``).
 
 - ``load``: drive an already running server (e.g. ``make serve``) with N concurrent streaming requests.
@@ -9,6 +9,7 @@ and ``hf``; ``make bench-quant`` runs ``quant``).
   (W1's CPU seconds too, to set against the served engine core's).
 - ``hf``: transformers' own ``generate_batch`` and ``generate`` on the same workload, offline.
 - ``profile``: decode steps of the engine at fixed batch sizes, timed and under torch's profiler.
+- ``gemm``: the CPU fp32 Linear kernels (our AVX2 GEMM, oneDNN, torch) on the model's matrix shapes.
 - ``quant``: per quantization (none, bnb-int8, bnb-nf4, gptq) weight and resident memory, held-out
   perplexity and greedy agreement with bf16 (the fidelity report), then naive bf16 and batched
   bf16/int8/nf4/GPTQ served through HTTP on W1 (the comparison table). JSON plus a markdown file.
@@ -52,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "profile":
         from app.bench.profile_steps import run_step_profile
 
-        result = run_step_profile(spec, args.batches, _concrete_dtype(args.dtype), args.steps, not args.no_packed_linear)
+        result = run_step_profile(spec, args.batches, _concrete_dtype(args.dtype), args.steps, args.linear_kernel)
+    elif args.command == "gemm":
+        from app.bench.gemm import run_gemm_bench
+
+        result = run_gemm_bench(args.batches, args.kernels)
     else:
         result = compare(args, spec)
     result["machine"] = _machine()
@@ -66,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(result))
     elif args.command == "compare":
         print(format_table(result))
-    elif args.command != "profile":  # profile printed its own tables as it went
+    elif args.command not in ("profile", "gemm"):  # these printed their own tables as they went
         print(json.dumps(result, indent=2))
     print(f"saved {out}")
     return 0
@@ -152,7 +157,7 @@ def _machine() -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["load", "compare", "engine", "hf", "quant", "profile"])
+    parser.add_argument("command", choices=["load", "compare", "engine", "hf", "quant", "profile", "gemm"])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="load: the server to drive")
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare: the app config to serve")
     parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])
@@ -163,9 +168,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--agreement-tokens", type=int, default=32, help="quant: greedy tokens per agreement prompt")
     parser.add_argument("--skip-serving", action="store_true", help="quant: fidelity only, no serve run")
     parser.add_argument("--single-stream-modes", nargs="*", default=["continuous"], help="modes that also run W2")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="profile: sequences per decode step")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="profile, gemm: sequences per decode step (gemm: rows)")
+    parser.add_argument("--kernels", nargs="+", default=["avx2", "onednn", "torch"], help="gemm: the Linear kernels to compare")
     parser.add_argument("--steps", type=int, default=20, help="profile: timed decode steps per batch size")
-    parser.add_argument("--no-packed-linear", action="store_true", help="profile: torch's default Linear kernels")
+    parser.add_argument("--linear-kernel", default="auto", choices=["auto", "avx2", "onednn", "torch"], help="profile: the fp32 Linear kernel")
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--dynamic-window-s", type=float, default=0.25, help="compare: batch_wait_timeout_s for dynamic")
     parser.add_argument("--model", default="smollm2-135m-instruct")

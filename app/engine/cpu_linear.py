@@ -1,9 +1,16 @@
-"""fp32 Linear layers on CPU through oneDNN with prepacked weights (what IPEX and inductor's freezing do).
+"""fp32 Linear layers on CPU through prepacked weights: our AVX2 GEMM, else oneDNN.
 
 torch runs an fp32 ``nn.Linear`` on CPU through MKL's sgemm, whose small-M path is slow on the AVX2
-AMD EPYC dev machine: a decode step of 2 sequences took as long as one of 16. With the weights
-reordered once into oneDNN's blocked layout, steps of 1-32 sequences spend 1.2-2.6x less time in
-matrix multiplies (``python -m app.bench profile``; the table is in docs/engine.md).
+AMD EPYC dev machine: a decode step of 2 sequences took as long as one of 16. The runner therefore
+packs every plain fp32 CPU Linear weight once into a kernel's own layout:
+
+- ``avx2``: our micro-kernel (``cpu_gemm.py``, ``kernels/linear_avx2.c``), which streams the weights of
+  the 1-4 row products of small decode steps ~1.5x faster than oneDNN and matches it from 16 rows up,
+  with results that do not depend on the batch;
+- ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn``, what IPEX and inductor's freezing use).
+
+``auto`` (the default) takes ``avx2`` where it builds (x86-64 with AVX2/FMA and a C compiler), else
+``onednn``; ``torch`` leaves torch's kernels. Measurements: docs/engine.md.
 
 Only modules whose type is exactly ``nn.Linear`` with fp32 CPU weights are replaced, so quantized
 layers (bitsandbytes, GPTQ) and every other device or dtype run as loaded. The packed weight replaces
@@ -21,9 +28,14 @@ them and the siblings return their slice of it.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 from torch import nn
+from torch.profiler import record_function
+
+from app.config import CPU_LINEAR_KERNELS
+from app.engine.cpu_gemm import AVX2Gemm, load_avx2_gemm, unsupported_reason
 
 logger = logging.getLogger(__name__)
 
@@ -32,29 +44,84 @@ _BATCH_HINT = 32  # oneDNN picks the packed layout for this many rows; it serves
 SIBLING_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` held in oneDNN's packed layout."""
+class LinearKernel(Protocol):
+    name: str
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def pack(self, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def apply(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor: ...
+
+
+class OneDNNKernel:
+    name = "onednn"
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
+
+    def apply(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class AVX2Kernel:
+    name = "avx2"
+    profiler_label = "llm_serve::avx2_linear"  # ctypes calls are invisible to torch's profiler unless labelled
+
+    def __init__(self, gemm: AVX2Gemm) -> None:
+        self._gemm = gemm
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return self._gemm.pack(weight)
+
+    def apply(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        if torch.autograd._profiler_enabled():  # cheap check; the label costs a few microseconds per call
+            with record_function(self.profiler_label):
+                return self._gemm.linear(x, packed, bias, out_features)
+        return self._gemm.linear(x, packed, bias, out_features)
+
+
+def select_kernel(choice: str) -> LinearKernel | None:
+    """The kernel ``engine.cpu_linear_kernel`` names (None: torch's own); asking for one this machine lacks is an error."""
+    if choice not in CPU_LINEAR_KERNELS:
+        raise ValueError(f"engine.cpu_linear_kernel {choice!r} is not one of {', '.join(CPU_LINEAR_KERNELS)}")
+    if choice == "torch":
+        return None
+    if choice in ("auto", "avx2"):
+        gemm = load_avx2_gemm()
+        if gemm is not None:
+            return AVX2Kernel(gemm)
+        if choice == "avx2":
+            raise ValueError(f"engine.cpu_linear_kernel is avx2, but {unsupported_reason() or 'its build failed (see the log)'}; use auto")
+    if onednn_supported():
+        return OneDNNKernel()
+    if choice == "onednn":
+        raise ValueError("engine.cpu_linear_kernel is onednn, but this torch build has no oneDNN; use auto")
+    logger.info("oneDNN is not available in this torch build: Linear layers stay on the default kernels")
+    return None
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` held in the kernel's packed layout."""
+
+    def __init__(self, linear: nn.Linear, kernel: LinearKernel) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _BATCH_HINT)
-        self.register_buffer("packed_weight", packed, persistent=False)
+        self.kernel = kernel
+        self.register_buffer("packed_weight", kernel.pack(linear.weight), persistent=False)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return self.kernel.apply(x, self.packed_weight, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn_packed=True"
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel.name}"
 
 
 class _SharedProjection:
     """One packed GEMM for sibling projections of the same input; each member reads its slice once."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
-        weight = torch.cat([linear.weight.detach() for linear in linears])
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
+    def __init__(self, linears: list[nn.Linear], kernel: LinearKernel) -> None:
+        self.kernel = kernel
+        self.packed_weight = kernel.pack(torch.cat([linear.weight.detach() for linear in linears]))
         biases = [linear.bias for linear in linears]
         self.bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
         self.sizes = [linear.out_features for linear in linears]
@@ -63,7 +130,7 @@ class _SharedProjection:
 
     def output(self, member: int, x: torch.Tensor) -> torch.Tensor:
         if x is not self._input or member not in self._unread:  # first sibling called on this input
-            fused = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            fused = self.kernel.apply(x, self.packed_weight, self.bias, sum(self.sizes))
             self._input, self._unread = x, dict(enumerate(fused.split(self.sizes, dim=-1)))
         out = self._unread.pop(member)
         if not self._unread:
@@ -85,38 +152,41 @@ class PackedSiblingLinear(nn.Module):
         return self.shared.output(self.member, x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn_packed=True, fused_with_siblings=True"
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.shared.kernel.name}, fused_with_siblings=True"
 
 
-def packing_supported() -> bool:
+def onednn_supported() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def pack_cpu_linears(model: nn.Module) -> int:
-    """Replace every plain fp32 CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`; returns how many."""
-    if not packing_supported():
-        logger.info("oneDNN is not available in this torch build: Linear layers stay on the default kernels")
+def pack_cpu_linears(model: nn.Module, kernel: str = "auto") -> int:
+    """Replace every plain fp32 CPU ``nn.Linear`` of ``model`` by a packed one; returns how many.
+
+    ``kernel`` is ``engine.cpu_linear_kernel``: auto, avx2, onednn or torch (nothing replaced).
+    """
+    chosen = select_kernel(kernel)
+    if chosen is None:
         return 0
-    replaced = sum(_fuse_siblings(parent) for parent in list(model.modules()))
+    replaced = sum(_fuse_siblings(parent, chosen) for parent in list(model.modules()))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _packable(child):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, chosen))
                 replaced += 1
     if replaced:
         _release_checkpoint_mapping(model)
-        logger.info("%d fp32 Linear layers run through oneDNN with prepacked weights", replaced)
+        logger.info("%d fp32 Linear layers run on the %s kernel with prepacked weights", replaced, chosen.name)
     return replaced
 
 
-def _fuse_siblings(parent: nn.Module) -> int:
+def _fuse_siblings(parent: nn.Module, kernel: LinearKernel) -> int:
     """Pack each group of ``parent``'s sibling projections as one weight; returns how many layers."""
     replaced = 0
     for names in SIBLING_PROJECTIONS:
         linears = [getattr(parent, name, None) for name in names]
         if not _fusable(linears):
             continue
-        shared = _SharedProjection(linears)
+        shared = _SharedProjection(linears, kernel)
         for member, (name, linear) in enumerate(zip(names, linears)):
             setattr(parent, name, PackedSiblingLinear(shared, member, linear))
         replaced += len(names)

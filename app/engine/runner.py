@@ -81,8 +81,7 @@ class ModelRunner:
         self.kv_bytes = self.kv_pool.numel() * self.kv_pool.element_size()
         self.sampler = Sampler()
         register_paged_attention(self.model)
-        if config.cpu_packed_linear:
-            pack_cpu_linears(self.model)  # plain fp32 CPU Linear layers only: quantized layers run as loaded
+        pack_cpu_linears(self.model, config.cpu_linear_kernel)  # plain fp32 CPU Linear layers only: quantized ones run as loaded
         logger.info("KV cache: %d blocks of %d tokens (%.0f MB)", self.num_blocks, self.block_size, self.kv_bytes / 2**20)
 
     @property

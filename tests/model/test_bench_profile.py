@@ -8,13 +8,17 @@ from app.bench.profile_steps import run_step_profile
 pytestmark = pytest.mark.model
 
 
-@pytest.mark.parametrize("packed, linear_op", [(True, "mkldnn::_linear_pointwise"), (False, "aten::mm")])
-def test_profile_times_decode_steps_and_names_the_linear_kernel(packed, linear_op):
-    report = run_step_profile(LoadSpec(prompt_words=8), batches=[1, 3], dtype="float32", steps=2, packed_linear=packed)
+KERNEL_OPS = {"avx2": "llm_serve::avx2_linear", "onednn": "mkldnn::_linear_pointwise", "torch": "aten::mm"}
+
+
+@pytest.mark.parametrize("kernel", list(KERNEL_OPS))
+def test_profile_times_decode_steps_and_names_the_linear_kernel(kernel):
+    linear_op = KERNEL_OPS[kernel]
+    report = run_step_profile(LoadSpec(prompt_words=8), batches=[1, 3], dtype="float32", steps=2, linear_kernel=kernel)
     assert set(report["batches"]) == {1, 3}
     for batch, row in report["batches"].items():
         assert row["step_ms"] > 0
         assert row["tok_per_s"] == pytest.approx(batch * 1000 / row["step_ms"], rel=0.01)
         names = [op["name"] for op in row["top_ops"]]
         assert names[0] == linear_op  # matrix multiplies dominate a decode step, through the chosen kernel
-        assert ("mkldnn::_linear_pointwise" in names) == packed
+        assert not {op for other, op in KERNEL_OPS.items() if other != kernel} & set(names)

@@ -1,0 +1,56 @@
+"""fp32 Linear kernels head to head on a model's own matrix shapes: ``python -m app.bench gemm``.
+
+For each row count (``--batches``: sequences in a decode step, or tokens in a prefill chunk) it runs
+the projections of every decoder layer of SmolLM2-135M (q/k/v fused, o, gate/up fused, down; 30
+layers of distinct random weights, 425 MB, so they stream from memory as in a real step, not from
+cache) through each CPU Linear kernel the engine can use, alternating kernels, and reports the time
+per pass, GFLOP/s and the weight bytes streamed per second. The figures in docs/engine.md come from here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from app.engine.cpu_linear import select_kernel
+
+LAYERS = 30
+# (out_features, in_features) of one SmolLM2-135M decoder layer, siblings fused as the engine runs them
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+_ROUNDS = 3
+
+
+def run_gemm_bench(batches: list[int], kernels: list[str], repeats: int = 5) -> dict:
+    torch.manual_seed(0)
+    weights = [torch.randn(*shape) for _ in range(LAYERS) for shape in LAYER_SHAPES]
+    weight_bytes = sum(w.numel() * 4 for w in weights)
+    packed = {name: _pack(name, weights) for name in kernels}
+    report: dict = {"threads": torch.get_num_threads(), "weight_mb": round(weight_bytes / 2**20), "rows": {}}
+    for rows in batches:
+        inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+        best = {name: min(_time(fn, inputs, repeats) for _ in range(_ROUNDS)) for name, fn in packed.items()}
+        report["rows"][rows] = {
+            name: {"ms": round(s * 1000, 2), "gflops": round(2 * rows * weight_bytes / 4 / s / 1e9, 1),
+                   "weight_gb_per_s": round(weight_bytes / s / 1e9, 1)}
+            for name, s in best.items()
+        }
+        print(f"{rows:4d} rows: " + " | ".join(f"{n} {r['ms']:7.2f} ms {r['gflops']:6.1f} GFLOP/s {r['weight_gb_per_s']:5.1f} GB/s"
+                                              for n, r in report["rows"][rows].items()), flush=True)
+    return report
+
+
+def _pack(name: str, weights: list[torch.Tensor]):
+    kernel = select_kernel(name)
+    if kernel is None:  # torch's own kernels on the dense weights
+        return lambda inputs: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights]
+    packed = [(kernel.pack(w), w.shape[0], w.shape[1]) for w in weights]
+    return lambda inputs: [kernel.apply(inputs[k], p, None, n) for p, n, k in packed]
+
+
+def _time(fn, inputs, repeats: int) -> float:
+    fn(inputs)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn(inputs)
+    return (time.perf_counter() - started) / repeats

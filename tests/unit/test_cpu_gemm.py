@@ -1,0 +1,110 @@
+"""Our AVX2 fp32 GEMM (app/engine/cpu_gemm.py): exact enough, batch-invariant, thread-invariant, and optional."""
+
+import pytest
+import torch
+
+from app.engine import cpu_gemm, cpu_linear
+from app.engine.cpu_linear import AVX2Kernel, OneDNNKernel, select_kernel
+
+needs_avx2 = pytest.mark.skipif(cpu_gemm.unsupported_reason() is not None, reason=f"{cpu_gemm.unsupported_reason()}")
+
+
+@pytest.fixture(scope="module")
+def gemm() -> cpu_gemm.AVX2Gemm:
+    loaded = cpu_gemm.load_avx2_gemm()
+    assert loaded is not None  # this host supports it (needs_avx2), so it must build
+    return loaded
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double()).float()
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 300])  # every tail of the 6-row tile, and x in several passes
+@pytest.mark.parametrize("k, n", [(1, 1), (7, 15), (64, 16), (576, 17), (1536, 49)])  # n around the 16-column panel
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_a_float64_reference(gemm, rows, k, n, bias):
+    torch.manual_seed(rows * 1000 + k + n)
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    b = torch.randn(n) if bias else None
+    got = gemm.linear(x, gemm.pack(w), b, n)
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got, _reference(x, w, b), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+@needs_avx2
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(gemm):
+    torch.manual_seed(0)
+    x, w, b = torch.randn(37, 576), torch.randn(100, 576), torch.randn(100)
+    packed = gemm.pack(w)
+    batched = gemm.linear(x, packed, b, 100)
+    for start, stop in [(0, 1), (5, 6), (3, 10), (30, 37), (0, 37)]:  # rows land in different tiles and tails
+        assert torch.equal(gemm.linear(x[start:stop], packed, b, 100), batched[start:stop])
+
+
+@needs_avx2
+def test_results_do_not_depend_on_the_thread_count(gemm):
+    torch.manual_seed(0)
+    x, w = torch.randn(9, 576), torch.randn(960, 576)
+    packed = gemm.pack(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm.linear(x, packed, None, 960)
+        torch.set_num_threads(max(2, threads))
+        many = gemm.linear(x, packed, None, 960)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+@needs_avx2
+def test_takes_any_leading_shape_and_strides_and_no_rows(gemm):
+    torch.manual_seed(0)
+    w = torch.randn(24, 40)
+    packed = gemm.pack(w)
+    x = torch.randn(40, 2, 3).permute(1, 2, 0)  # [2, 3, 40], not contiguous
+    torch.testing.assert_close(gemm.linear(x, packed, None, 24), _reference(x, w, None))
+    assert gemm.linear(torch.randn(1, 0, 40), packed, None, 24).shape == (1, 0, 24)
+
+
+@needs_avx2
+def test_builds_from_source_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLM_SERVE_CACHE", str(tmp_path))
+    library = cpu_gemm._build()
+    assert library.parent == tmp_path / "kernels" and library.stat().st_size > 0
+    assert cpu_gemm._build() == library  # the second call reuses the build
+
+
+def test_without_a_compiler_auto_falls_back_to_onednn_and_avx2_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLM_SERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    cpu_gemm.load_avx2_gemm.cache_clear()
+    try:
+        assert cpu_gemm.load_avx2_gemm() is None
+        assert isinstance(select_kernel("auto"), OneDNNKernel)
+        with pytest.raises(ValueError, match="avx2.*use auto"):
+            select_kernel("avx2")
+    finally:
+        cpu_gemm.load_avx2_gemm.cache_clear()
+    assert select_kernel("torch") is None
+
+
+def test_a_compiler_error_is_reported_not_raised(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLM_SERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setattr(cpu_gemm, "unsupported_reason", lambda: None)
+    cpu_gemm.load_avx2_gemm.cache_clear()
+    try:
+        assert cpu_gemm.load_avx2_gemm() is None
+    finally:
+        cpu_gemm.load_avx2_gemm.cache_clear()
+
+
+@needs_avx2
+def test_auto_picks_our_kernel_where_it_builds():
+    assert isinstance(select_kernel("auto"), AVX2Kernel)
+    with pytest.raises(ValueError, match="not one of"):
+        select_kernel("mkl")
+    assert cpu_linear.onednn_supported()
