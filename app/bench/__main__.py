@@ -47,13 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "engine":
         from app.bench.engine_bench import run_engine_bench
 
-        result = run_engine_bench(spec, args.modes, dtype=_concrete_dtype(args.dtype))
+        result = run_engine_bench(spec, args.modes, dtype=_concrete_dtype(args.dtype), linear_kernel=args.linear_kernel, attention_kernel=args.attention_kernel)
     elif args.command == "quant":
         result = quant(args, spec)
     elif args.command == "profile":
         from app.bench.profile_steps import run_step_profile
 
-        result = run_step_profile(spec, args.batches, _concrete_dtype(args.dtype), args.steps, args.linear_kernel)
+        result = run_step_profile(spec, args.batches, _concrete_dtype(args.dtype), args.steps, args.linear_kernel, args.attention_kernel)
     elif args.command == "gemm":
         from app.bench.gemm import run_gemm_bench
 
@@ -171,7 +171,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="profile, gemm: sequences per decode step (gemm: rows)")
     parser.add_argument("--kernels", nargs="+", default=["avx2", "onednn", "torch"], help="gemm: the Linear kernels to compare")
     parser.add_argument("--steps", type=int, default=20, help="profile: timed decode steps per batch size")
-    parser.add_argument("--linear-kernel", default="auto", choices=["auto", "avx2", "onednn", "torch"], help="profile: the fp32 Linear kernel")
+    parser.add_argument("--linear-kernel", default="auto", choices=["auto", "avx2", "onednn", "torch"], help="profile, engine: the fp32 Linear kernel")
+    parser.add_argument("--attention-kernel", default="auto", choices=["auto", "torch"], help="profile, engine: decode attention on CPU")
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--dynamic-window-s", type=float, default=0.25, help="compare: batch_wait_timeout_s for dynamic")
     parser.add_argument("--model", default="smollm2-135m-instruct")

@@ -14,12 +14,14 @@ from app.engine import LLMEngine, Request, SamplingParams
 from app.models import load_model
 
 
-def run_engine_bench(spec: LoadSpec, modes: list[str], dtype: str = "bfloat16") -> dict:
+def run_engine_bench(
+    spec: LoadSpec, modes: list[str], dtype: str = "bfloat16", linear_kernel: str = "auto", attention_kernel: str = "auto"
+) -> dict:
     loaded = load_model(ModelConfig(dtype=dtype))
     prompts = [loaded.tokenizer.encode(p) for p in make_prompts(spec)]
-    results: dict = {"spec": {**spec.__dict__, "dtype": dtype}, "modes": {}}
+    results: dict = {"spec": {**spec.__dict__, "dtype": dtype, "linear_kernel": linear_kernel, "attention_kernel": attention_kernel}, "modes": {}}
     for mode in modes:
-        engine = LLMEngine(loaded, EngineConfig(batching=mode))
+        engine = LLMEngine(loaded, EngineConfig(batching=mode, cpu_linear_kernel=linear_kernel, cpu_attention_kernel=attention_kernel))
         _run(engine, prompts[:2], 8, "warmup-" + mode)
         w1 = _run(engine, prompts, spec.max_tokens, mode)
         w2 = [_run(engine, [p], spec.max_tokens, f"{mode}-single{i}") for i, p in enumerate(prompts[:3])]

@@ -35,7 +35,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from app.config import CPU_LINEAR_KERNELS
-from app.engine.cpu_gemm import AVX2Gemm, load_avx2_gemm, unsupported_reason
+from app.engine.cpu_gemm import AVX2Gemm, load_avx2_gemm
+from app.engine.cpu_kernels import unsupported_reason
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ single ``[1, T]`` row (mixed prefill chunks and decodes). Each attention layer c
 Requests are attended in at most two padded groups (decodes with one query each, and prefill
 chunks), so a step costs two SDPA calls per layer whatever the batch size. A step of decodes only
 (the steady state) attends the queries where they lie, with no gather of queries or scatter of
-outputs. Everything that does not depend on the layer (slots, gather indices, masks) is built once
+outputs; on AVX2 CPUs with an fp32 pool it runs our kernel (``cpu_attention.py``), which reads each
+key and value once in the pool instead of gathering copies for SDPA. Everything that does not depend on the layer (slots, gather indices, masks) is built once
 per step in :class:`PagedBatch`.
 The model's own Linear layers are untouched, so bitsandbytes and GPTQ layers run as loaded.
 """
@@ -24,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from app.engine.cpu_attention import DecodeAttentionKernel
 
 ATTENTION_NAME = "llm_serve_paged"
 
@@ -44,6 +47,7 @@ class AttentionGroup:
 
     query_index: torch.Tensor  # [B*Q] packed index of each padded query (padding repeats a real one)
     key_slots: torch.Tensor  # [B, L] pool slot of each key (padding points at slot 0, masked out)
+    key_counts: torch.Tensor  # [B] keys of each sequence (its context up to the end of this step)
     mask: torch.Tensor  # [B, 1, Q, L] True where the query may attend the key
     real_rows: torch.Tensor | None  # [n] rows of the flattened [B*Q] output that are real queries
     num_seqs: int
@@ -70,15 +74,20 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # [T] where each new token's key/value is written
     groups: list[AttentionGroup]
     decode_only: bool = False  # one group of one query per sequence, in packed order (steady-state decode)
+    decode_kernel: DecodeAttentionKernel | None = None  # attends decode-only steps in place (CPU, fp32)
 
     @classmethod
-    def build(cls, kv_pool: torch.Tensor, block_size: int, slices: Sequence[SequenceSlice]) -> "PagedBatch":
+    def build(
+        cls, kv_pool: torch.Tensor, block_size: int, slices: Sequence[SequenceSlice],
+        decode_kernel: DecodeAttentionKernel | None = None,
+    ) -> "PagedBatch":
         device = kv_pool.device
         slot_mapping = torch.empty(sum(s.num_queries for s in slices), dtype=torch.long)  # filled by _group
         decodes = [s for s in slices if s.num_queries == 1]
         prefills = [s for s in slices if s.num_queries > 1]
         groups = [_group(g, block_size, device, slot_mapping) for g in (decodes, prefills) if g]
-        return cls(kv_pool, slot_mapping.to(device), groups, decode_only=bool(decodes) and not prefills)
+        decode_only = bool(decodes) and not prefills
+        return cls(kv_pool, slot_mapping.to(device), groups, decode_only, decode_kernel if decode_only else None)
 
 
 def _context_slots(s: SequenceSlice, block_size: int) -> torch.Tensor:
@@ -96,6 +105,7 @@ def _group(
     num_keys = max(s.num_computed + s.num_queries for s in slices)
     query_index = torch.zeros(len(slices), num_queries, dtype=torch.long)
     key_slots = torch.zeros(len(slices), num_keys, dtype=torch.long)
+    key_counts = torch.tensor([s.num_computed + s.num_queries for s in slices], dtype=torch.long)
     query_pos = torch.zeros(len(slices), num_queries, dtype=torch.long)  # position of each query
     real = torch.zeros(len(slices), num_queries, dtype=torch.bool)
     for row, s in enumerate(slices):
@@ -116,6 +126,7 @@ def _group(
     return AttentionGroup(
         query_index=query_index.flatten().to(device),
         key_slots=key_slots.to(device),
+        key_counts=key_counts.to(device),
         mask=mask.unsqueeze(1).to(device),
         real_rows=None if real_rows is None else real_rows.to(device),
         num_seqs=len(slices),
@@ -140,6 +151,9 @@ def paged_attention_forward(
     k_pool.index_copy_(0, paged_batch.slot_mapping, key[0].transpose(0, 1))
     v_pool.index_copy_(0, paged_batch.slot_mapping, value[0].transpose(0, 1))
 
+    if paged_batch.decode_kernel is not None:
+        group, scale = paged_batch.groups[0], scaling if scaling is not None else query.shape[-1] ** -0.5
+        return paged_batch.decode_kernel(query, k_pool, v_pool, group.key_slots, group.key_counts, scale), None
     if paged_batch.decode_only:
         return _attend_decodes(query, k_pool, v_pool, paged_batch.groups[0], scaling), None
     packed = query[0].transpose(0, 1)  # [T, H, D]

@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from app.config import EngineConfig
+from app.engine.cpu_attention import load_decode_attention
 from app.engine.cpu_linear import pack_cpu_linears
 from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import PagedBatch, SequenceSlice, register_paged_attention
@@ -82,6 +83,9 @@ class ModelRunner:
         self.sampler = Sampler()
         register_paged_attention(self.model)
         pack_cpu_linears(self.model, config.cpu_linear_kernel)  # plain fp32 CPU Linear layers only: quantized ones run as loaded
+        self.decode_kernel = None
+        if config.cpu_attention_kernel == "auto" and self.kv_pool.device.type == "cpu" and self.kv_pool.dtype == torch.float32:
+            self.decode_kernel = load_decode_attention()
         logger.info("KV cache: %d blocks of %d tokens (%.0f MB)", self.num_blocks, self.block_size, self.kv_bytes / 2**20)
 
     @property
@@ -103,7 +107,7 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(len(token_ids) - 1)
                 sampling.append(request)
-        batch = PagedBatch.build(self.kv_pool, self.block_size, slices)
+        batch = PagedBatch.build(self.kv_pool, self.block_size, slices, self.decode_kernel)
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([token_ids], device=self.device),  # [1, T]

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from app.engine import cpu_gemm, cpu_linear
+from app.engine import cpu_gemm, cpu_kernels, cpu_linear
 from app.engine.cpu_linear import AVX2Kernel, OneDNNKernel, select_kernel
 
-needs_avx2 = pytest.mark.skipif(cpu_gemm.unsupported_reason() is not None, reason=f"{cpu_gemm.unsupported_reason()}")
+needs_avx2 = pytest.mark.skipif(cpu_kernels.unsupported_reason() is not None, reason=f"{cpu_kernels.unsupported_reason()}")
 
 
 @pytest.fixture(scope="module")
@@ -14,6 +14,11 @@ def gemm() -> cpu_gemm.AVX2Gemm:
     loaded = cpu_gemm.load_avx2_gemm()
     assert loaded is not None  # this host supports it (needs_avx2), so it must build
     return loaded
+
+
+def _clear_caches() -> None:
+    cpu_kernels.load_library.cache_clear()
+    cpu_gemm.load_avx2_gemm.cache_clear()
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -72,34 +77,36 @@ def test_takes_any_leading_shape_and_strides_and_no_rows(gemm):
 @needs_avx2
 def test_builds_from_source_into_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("LLM_SERVE_CACHE", str(tmp_path))
-    library = cpu_gemm._build()
+    source = cpu_kernels.KERNELS_DIR / "linear_avx2.c"
+    library = cpu_kernels.build(source)
     assert library.parent == tmp_path / "kernels" and library.stat().st_size > 0
-    assert cpu_gemm._build() == library  # the second call reuses the build
+    assert cpu_kernels.build(source) == library  # the second call reuses the build
+    assert len(list(library.parent.iterdir())) == 1  # no partial files left behind
 
 
 def test_without_a_compiler_auto_falls_back_to_onednn_and_avx2_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("LLM_SERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    cpu_gemm.load_avx2_gemm.cache_clear()
+    _clear_caches()
     try:
         assert cpu_gemm.load_avx2_gemm() is None
         assert isinstance(select_kernel("auto"), OneDNNKernel)
         with pytest.raises(ValueError, match="avx2.*use auto"):
             select_kernel("avx2")
     finally:
-        cpu_gemm.load_avx2_gemm.cache_clear()
+        _clear_caches()
     assert select_kernel("torch") is None
 
 
 def test_a_compiler_error_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("LLM_SERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    monkeypatch.setattr(cpu_gemm, "unsupported_reason", lambda: None)
-    cpu_gemm.load_avx2_gemm.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "unsupported_reason", lambda: None)
+    _clear_caches()
     try:
         assert cpu_gemm.load_avx2_gemm() is None
     finally:
-        cpu_gemm.load_avx2_gemm.cache_clear()
+        _clear_caches()
 
 
 @needs_avx2

@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from app.engine.cpu_attention import load_decode_attention
+from app.engine.cpu_kernels import unsupported_reason
 from app.engine.paged_attention import PagedBatch, SequenceSlice, paged_attention_forward
 
 KV_HEADS, REPEAT, HEAD_DIM, BLOCK = 2, 3, 8, 4
@@ -16,8 +18,9 @@ TABLES = {"a": [3, 7, 0], "b": [1, 6], "c": [5, 2, 4]}  # scattered blocks, as a
 class Sequences:
     """Runs steps through paged attention and keeps each sequence's whole K/V for the reference."""
 
-    def __init__(self) -> None:
+    def __init__(self, decode_kernel=None) -> None:
         torch.manual_seed(0)
+        self.decode_kernel = decode_kernel
         self.pool = torch.zeros(1, 2, 8 * BLOCK, KV_HEADS, HEAD_DIM)  # [layers, k/v, slots, Hkv, D]
         self.keys = {name: torch.empty(KV_HEADS, 0, HEAD_DIM) for name in TABLES}
         self.values = {name: torch.empty(KV_HEADS, 0, HEAD_DIM) for name in TABLES}
@@ -35,7 +38,7 @@ class Sequences:
             self.values[name] = torch.cat([self.values[name], value[0, :, start : start + n]], dim=1)
             expected.append(_reference(query[0, :, start : start + n], self.keys[name], self.values[name], computed))
             start += n
-        batch = PagedBatch.build(self.pool, BLOCK, slices)
+        batch = PagedBatch.build(self.pool, BLOCK, slices, self.decode_kernel)
         out, _ = paged_attention_forward(SimpleNamespace(layer_idx=0), query, key, value, None, paged_batch=batch)
         assert out.shape == (1, total, HEADS, HEAD_DIM)
         return out[0], torch.cat(expected), batch
@@ -62,3 +65,59 @@ def test_paged_attention_equals_causal_attention_over_each_sequence(steps):
         got, expected, batch = sequences.step(new_tokens)
         assert batch.decode_only == all(n == 1 for n in new_tokens.values())
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+needs_kernel = pytest.mark.skipif(unsupported_reason() is not None, reason=f"{unsupported_reason()}")
+
+
+@needs_kernel
+def test_decode_steps_through_our_cpu_kernel_equal_causal_attention():
+    kernel = load_decode_attention()
+    assert kernel is not None
+    sequences = Sequences(kernel)
+    for new_tokens in [{"a": 6, "b": 3, "c": 9}, {"a": 1, "b": 1, "c": 1}, {"c": 1, "a": 1}, {"a": 1, "b": 2}]:
+        got, expected, batch = sequences.step(new_tokens)
+        decode_only = all(n == 1 for n in new_tokens.values())
+        assert (batch.decode_kernel is kernel) == decode_only  # prefill and mixed steps keep gather + SDPA
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _kernel_case(seqs: int, heads: int, kv_heads: int, head_dim: int, key_counts: list[int]):
+    torch.manual_seed(seqs + head_dim)
+    slots = 4 * sum(key_counts)
+    k_pool, v_pool = torch.randn(slots, kv_heads, head_dim), torch.randn(slots, kv_heads, head_dim)
+    width = max(key_counts)
+    key_slots = torch.zeros(seqs, width, dtype=torch.long)
+    for b, n in enumerate(key_counts):
+        key_slots[b, :n] = torch.randperm(slots)[:n]  # keys anywhere in the pool, in any order
+    query = torch.randn(1, seqs, heads, head_dim).transpose(1, 2)  # [1, H, B, D] view, as transformers passes it
+    return query, k_pool, v_pool, key_slots, torch.tensor(key_counts)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 12), (8, 1, 128)])
+def test_decode_kernel_matches_sdpa_for_any_head_layout_and_length(heads, kv_heads, head_dim):
+    key_counts = [1, 7, 8, 9, 33, 130]  # lengths around the 8-wide vector exp, and a long one
+    query, k_pool, v_pool, key_slots, counts = _kernel_case(len(key_counts), heads, kv_heads, head_dim, key_counts)
+    scale = 0.125
+    got = load_decode_attention()(query, k_pool, v_pool, key_slots, counts, scale)
+    for b, n in enumerate(key_counts):
+        keys = k_pool[key_slots[b, :n]].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)  # [H, n, D]
+        values = v_pool[key_slots[b, :n]].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+        expected = F.scaled_dot_product_attention(query[0, :, b : b + 1], keys, values, scale=scale)  # [H, 1, D]
+        torch.testing.assert_close(got[0, b], expected[:, 0], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_decode_kernel_gives_a_sequence_the_same_bits_alone_in_a_batch_and_on_one_thread():
+    query, k_pool, v_pool, key_slots, counts = _kernel_case(5, 9, 3, 64, [3, 50, 17, 64, 9])
+    kernel = load_decode_attention()
+    batched = kernel(query, k_pool, v_pool, key_slots, counts, 0.125)
+    alone = kernel(query[:, :, 1:2], k_pool, v_pool, key_slots[1:2, :50], counts[1:2], 0.125)
+    assert torch.equal(alone[0, 0], batched[0, 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernel(query, k_pool, v_pool, key_slots, counts, 0.125), batched)
+    finally:
+        torch.set_num_threads(threads)

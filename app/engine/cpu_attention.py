@@ -1,0 +1,61 @@
+"""Paged attention of decode steps on AVX2 CPUs (``kernels/decode_attention_avx2.c``; built by ``cpu_kernels``).
+
+torch's attention wants each sequence's keys and values as one tensor, so the paged path gathers
+them out of the pool into a copy that SDPA then reads: three passes over the K/V bytes. This kernel
+reads each key and value once, in place, through the sequence's slot list; measured in docs/engine.md.
+It serves fp32 pools on CPU; everything else (and prefill chunks) keeps the gather + SDPA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch.profiler import record_function
+
+from app.engine.cpu_kernels import load_library
+
+
+class DecodeAttentionKernel:
+    profiler_label = "llm_serve::decode_attention"  # ctypes calls are invisible to torch's profiler unless labelled
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.decode_attention.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+        lib.decode_attention.restype = None
+        self._lib = lib
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [1, H, B, D]: one query per sequence
+        k_pool: torch.Tensor,  # [slots, Hkv, D]
+        v_pool: torch.Tensor,
+        key_slots: torch.Tensor,  # [B, L] int64: pool slot of each key, padded past each sequence's count
+        key_counts: torch.Tensor,  # [B] int64: keys of each sequence
+        scale: float,
+    ) -> torch.Tensor:  # [1, B, H, D], as transformers' attention functions return
+        _, heads, seqs, head_dim = query.shape
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        out = torch.empty(1, seqs, heads, head_dim, dtype=torch.float32)
+        if torch.autograd._profiler_enabled():
+            with record_function(self.profiler_label):
+                self._run(query, k_pool, v_pool, key_slots, key_counts, scale, out)
+        else:
+            self._run(query, k_pool, v_pool, key_slots, key_counts, scale, out)
+        return out
+
+    def _run(self, query, k_pool, v_pool, key_slots, key_counts, scale: float, out: torch.Tensor) -> None:
+        _, heads, seqs, head_dim = query.shape
+        self._lib.decode_attention(
+            query.data_ptr(), query.stride(2), query.stride(1), k_pool.data_ptr(), v_pool.data_ptr(),
+            key_slots.data_ptr(), key_counts.data_ptr(), out.data_ptr(),
+            seqs, heads, k_pool.shape[1], head_dim, key_slots.shape[1], scale,
+        )
+
+
+@functools.cache
+def load_decode_attention() -> DecodeAttentionKernel | None:
+    lib = load_library("decode_attention_avx2")
+    return DecodeAttentionKernel(lib) if lib is not None else None
