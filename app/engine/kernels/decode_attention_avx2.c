@@ -69,45 +69,95 @@ static float exp_shifted(float* scores, int64_t n) {
   return sum;
 }
 
+/* Four dot products of q with four keys, sharing each load of q; returns them in out[0..4). */
+static inline void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3,
+                        int64_t d, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    __m256 qv = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+  }
+  __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* [s0 s1 s2 s3 | s0 s1 s2 s3] halves */
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  _mm_storeu_ps(out, s);
+  for (; i < d; i++) {
+    out[0] += q[i] * k0[i];
+    out[1] += q[i] * k1[i];
+    out[2] += q[i] * k2[i];
+    out[3] += q[i] * k3[i];
+  }
+}
+
+/* scores[l] = scale * <q, key l> for the keys of one sequence and KV head. */
+static void key_scores(const float* q, const float* k_pool, const int64_t* slots, int64_t keys, int64_t kv_heads,
+                       int64_t g, int64_t d, float scale, float* scores) {
+#define KEY(j) (k_pool + (slots[l + (j)] * kv_heads + g) * d)
+  int64_t l = 0;
+  for (; l + 4 <= keys; l += 4) {
+    dot4(q, KEY(0), KEY(1), KEY(2), KEY(3), d, scores + l);
+    for (int j = 0; j < 4; j++) scores[l + j] *= scale;
+  }
+  for (; l < keys; l++) scores[l] = dot(q, KEY(0), d) * scale;
+#undef KEY
+}
+
+/* o[0..d) = inv_sum * sum_l p[l] * value l, with the output chunk held in registers across the keys. */
+static void weighted_values(const float* p, const float* v_pool, const int64_t* slots, int64_t keys,
+                            int64_t kv_heads, int64_t g, int64_t d, float inv_sum, float* o) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= d; d0 += 32) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t l = 0; l < keys; l++) {
+      const float* v = v_pool + (slots[l] * kv_heads + g) * d + d0;
+      __m256 w = _mm256_set1_ps(p[l]);
+      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+    }
+    __m256 scale = _mm256_set1_ps(inv_sum);
+    _mm256_storeu_ps(o + d0, _mm256_mul_ps(a0, scale));
+    _mm256_storeu_ps(o + d0 + 8, _mm256_mul_ps(a1, scale));
+    _mm256_storeu_ps(o + d0 + 16, _mm256_mul_ps(a2, scale));
+    _mm256_storeu_ps(o + d0 + 24, _mm256_mul_ps(a3, scale));
+  }
+  for (; d0 < d; d0++) { /* head_dim not a multiple of 32: the rest one lane at a time */
+    float a = 0.0f;
+    for (int64_t l = 0; l < keys; l++) a += p[l] * v_pool[(slots[l] * kv_heads + g) * d + d0];
+    o[d0] = a * inv_sum;
+  }
+}
+
 /* q: query head h of sequence b at q + b*q_seq_stride + h*q_head_stride, head_dim contiguous.
  * k_pool, v_pool: [slots, kv_heads, head_dim] contiguous. key_slots: [seqs, max_keys] pool slot of each
- * key; context_lens: [seqs] keys of each sequence (its first context_lens[b] slots are real).
+ * key; key_counts: [seqs] keys of each sequence (its first key_counts[b] slots are real).
  * out: [seqs, heads, head_dim] contiguous. */
 void decode_attention(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* k_pool,
-                      const float* v_pool, const int64_t* key_slots, const int64_t* context_lens, float* out,
+                      const float* v_pool, const int64_t* key_slots, const int64_t* key_counts, float* out,
                       int64_t seqs, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_keys,
                       float scale) {
-  const int64_t group = heads / kv_heads;
+  const int64_t group = heads / kv_heads; /* query heads sharing one KV head */
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
   for (int64_t b = 0; b < seqs; b++) {
     for (int64_t g = 0; g < kv_heads; g++) {
-      const int64_t keys = context_lens[b];
+      const int64_t keys = key_counts[b];
       const int64_t* slots = key_slots + b * max_keys;
-      float* scores = malloc(sizeof(float) * (size_t)(group * (keys + head_dim + 1)));
-      float* o = out + (b * heads + g * group) * head_dim; /* this task's group of query heads */
-      if (!scores) { /* cannot happen in practice (a few KB); leave NaN rather than crash the server */
-        for (int64_t i = 0; i < group * head_dim; i++) o[i] = NAN;
-        continue;
-      }
-      float* acc = scores + group * keys;
-      float* inv_sum = acc + group * head_dim;
+      float* scores = malloc(sizeof(float) * (size_t)keys);
       for (int64_t r = 0; r < group; r++) {
-        const float* qh = q + b * q_seq_stride + (g * group + r) * q_head_stride;
-        for (int64_t l = 0; l < keys; l++)
-          scores[r * keys + l] = dot(qh, k_pool + (slots[l] * kv_heads + g) * head_dim, head_dim) * scale;
-      }
-      for (int64_t r = 0; r < group; r++) inv_sum[r] = 1.0f / exp_shifted(scores + r * keys, keys);
-      for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
-      for (int64_t l = 0; l < keys; l++) {
-        const float* vl = v_pool + (slots[l] * kv_heads + g) * head_dim;
-        for (int64_t r = 0; r < group; r++) {
-          const float p = scores[r * keys + l];
-          float* a = acc + r * head_dim;
-          for (int64_t d = 0; d < head_dim; d++) a[d] += p * vl[d];
+        const int64_t h = g * group + r;
+        float* o = out + (b * heads + h) * head_dim;
+        if (!scores) { /* cannot happen in practice (a few KB); leave NaN rather than crash the server */
+          for (int64_t i = 0; i < head_dim; i++) o[i] = NAN;
+          continue;
         }
+        key_scores(q + b * q_seq_stride + h * q_head_stride, k_pool, slots, keys, kv_heads, g, head_dim, scale, scores);
+        float inv_sum = 1.0f / exp_shifted(scores, keys);
+        weighted_values(scores, v_pool, slots, keys, kv_heads, g, head_dim, inv_sum, o);
       }
-      for (int64_t r = 0; r < group; r++)
-        for (int64_t d = 0; d < head_dim; d++) o[r * head_dim + d] = acc[r * head_dim + d] * inv_sum[r];
       free(scores);
     }
   }
