@@ -169,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-serving", action="store_true", help="quant: fidelity only, no serve run")
     parser.add_argument("--single-stream-modes", nargs="*", default=["continuous"], help="modes that also run W2")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="profile, gemm: sequences per decode step (gemm: rows)")
-    parser.add_argument("--kernels", nargs="+", default=["avx2", "onednn", "torch"], help="gemm: the Linear kernels to compare")
+    parser.add_argument("--kernels", nargs="+", default=["avx2", "onednn", "torch"], help="gemm: the Linear kernels to compare (auto, avx2, avx2-bf16, onednn, torch)")
     parser.add_argument("--steps", type=int, default=20, help="profile: timed decode steps per batch size")
     parser.add_argument("--linear-kernel", default="auto", choices=["auto", "avx2", "onednn", "torch"], help="profile, engine: the fp32 Linear kernel")
     parser.add_argument("--attention-kernel", default="auto", choices=["auto", "torch"], help="profile, engine: decode attention on CPU")

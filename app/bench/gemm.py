@@ -4,7 +4,7 @@ For each row count (``--batches``: sequences in a decode step, or tokens in a pr
 the projections of every decoder layer of SmolLM2-135M (q/k/v fused, o, gate/up fused, down; 30
 layers of distinct random weights, 425 MB, so they stream from memory as in a real step, not from
 cache) through each CPU Linear kernel the engine can use, alternating kernels, and reports the time
-per pass, GFLOP/s and the weight bytes streamed per second. The figures in docs/engine.md come from here.
+per pass, GFLOP/s and the fp32 weight bytes per second (``avx2-bf16``, bf16 weights, reads half). The figures in docs/engine.md come from here.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def run_gemm_bench(batches: list[int], kernels: list[str], repeats: int = 5) -> 
 
 
 def _pack(name: str, weights: list[torch.Tensor]):
-    kernel = select_kernel(name)
+    # "avx2-bf16": our kernel with bf16 weights (what dtype bfloat16 runs on a CPU without native bf16)
+    kernel = select_kernel("avx2", torch.bfloat16) if name == "avx2-bf16" else select_kernel(name)
     if kernel is None:  # torch's own kernels on the dense weights
         return lambda inputs: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights]
     packed = [(kernel.pack(w), w.shape[0], w.shape[1]) for w in weights]

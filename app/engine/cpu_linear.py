@@ -67,11 +67,14 @@ class AVX2Kernel:
     name = "avx2"
     profiler_label = "llm_serve::avx2_linear"  # ctypes calls are invisible to torch's profiler unless labelled
 
-    def __init__(self, gemm: AVX2Gemm) -> None:
+    def __init__(self, gemm: AVX2Gemm, weight_dtype: torch.dtype = torch.float32) -> None:
         self._gemm = gemm
+        self.weight_dtype = weight_dtype  # bfloat16: half the bytes, widened to fp32 in registers
+        if weight_dtype == torch.bfloat16:
+            self.name = "avx2-bf16-weights"
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return self._gemm.pack(weight)
+        return self._gemm.pack(weight, self.weight_dtype)
 
     def apply(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
         if torch.autograd._profiler_enabled():  # cheap check; the label costs a few microseconds per call
@@ -80,8 +83,11 @@ class AVX2Kernel:
         return self._gemm.linear(x, packed, bias, out_features)
 
 
-def select_kernel(choice: str) -> LinearKernel | None:
-    """The kernel ``engine.cpu_linear_kernel`` names (None: torch's own); asking for one this machine lacks is an error."""
+def select_kernel(choice: str, weight_dtype: torch.dtype = torch.float32) -> LinearKernel | None:
+    """The kernel ``engine.cpu_linear_kernel`` names (None: torch's own); asking for one this machine lacks is an error.
+
+    ``weight_dtype`` bfloat16 asks for bf16 weights on fp32 activations, which only our kernel does.
+    """
     if choice not in CPU_LINEAR_KERNELS:
         raise ValueError(f"engine.cpu_linear_kernel {choice!r} is not one of {', '.join(CPU_LINEAR_KERNELS)}")
     if choice == "torch":
@@ -89,9 +95,11 @@ def select_kernel(choice: str) -> LinearKernel | None:
     if choice in ("auto", "avx2"):
         gemm = load_avx2_gemm()
         if gemm is not None:
-            return AVX2Kernel(gemm)
+            return AVX2Kernel(gemm, weight_dtype)
         if choice == "avx2":
             raise ValueError(f"engine.cpu_linear_kernel is avx2, but {unsupported_reason() or 'its build failed (see the log)'}; use auto")
+    if weight_dtype != torch.float32:
+        logger.warning("bf16 weights need the avx2 kernel (engine.cpu_linear_kernel %s): they stay fp32", choice)
     if onednn_supported():
         return OneDNNKernel()
     if choice == "onednn":
@@ -160,12 +168,13 @@ def onednn_supported() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def pack_cpu_linears(model: nn.Module, kernel: str = "auto") -> int:
+def pack_cpu_linears(model: nn.Module, kernel: str = "auto", weight_dtype: torch.dtype = torch.float32) -> int:
     """Replace every plain fp32 CPU ``nn.Linear`` of ``model`` by a packed one; returns how many.
 
-    ``kernel`` is ``engine.cpu_linear_kernel``: auto, avx2, onednn or torch (nothing replaced).
+    ``kernel`` is ``engine.cpu_linear_kernel``: auto, avx2, onednn or torch (nothing replaced);
+    ``weight_dtype`` the packed weights' dtype (bfloat16 with the avx2 kernel only).
     """
-    chosen = select_kernel(kernel)
+    chosen = select_kernel(kernel, weight_dtype)
     if chosen is None:
         return 0
     replaced = sum(_fuse_siblings(parent, chosen) for parent in list(model.modules()))

@@ -82,7 +82,8 @@ class ModelRunner:
         self.kv_bytes = self.kv_pool.numel() * self.kv_pool.element_size()
         self.sampler = Sampler()
         register_paged_attention(self.model)
-        pack_cpu_linears(self.model, config.cpu_linear_kernel)  # plain fp32 CPU Linear layers only: quantized ones run as loaded
+        # plain fp32 CPU Linear layers only (quantized ones run as loaded); bf16 weights where the loader chose them
+        pack_cpu_linears(self.model, config.cpu_linear_kernel, loaded.weight_dtype or torch.float32)
         self.decode_kernel = None
         if config.cpu_attention_kernel == "auto" and self.kv_pool.device.type == "cpu" and self.kv_pool.dtype == torch.float32:
             self.decode_kernel = load_decode_attention()

@@ -33,9 +33,10 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object  # a transformers tokenizer
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # what activations (and the KV cache) are computed in
     max_model_len: int
     eos_token_ids: frozenset[int]
+    weight_dtype: torch.dtype | None = None  # set when Linear weights are stored narrower than dtype (see below)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -92,6 +93,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    weight_dtype = None
+    if _bf16_weights_on_fp32(config, device, dtype):
+        dtype, weight_dtype = torch.float32, torch.bfloat16
     path, gguf_file = resolve_source(config.source)
     common = {"revision": config.revision, "trust_remote_code": config.trust_remote_code}
     if gguf_file:
@@ -112,12 +116,30 @@ def load_model(config: ModelConfig) -> LoadedModel:
         dtype=dtype,
         max_model_len=_context_length(config, model, config.source),
         eos_token_ids=_eos_token_ids(model, tokenizer),
+        weight_dtype=weight_dtype,
     )
     logger.info(
-        "Loaded %s from %s on %s as %s, quantization %s (context %d)",
-        config.name, path, device, dtype, config.quantization, loaded.max_model_len,
+        "Loaded %s from %s on %s as %s%s, quantization %s (context %d)",
+        config.name, path, device, dtype, " with bf16 Linear weights" if weight_dtype else "",
+        config.quantization, loaded.max_model_len,
     )
     return loaded
+
+
+def _bf16_weights_on_fp32(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """bf16 asked for on a CPU without native bf16: bf16 Linear weights, fp32 activations, if our kernel builds.
+
+    torch would emulate every bf16 matmul there (~6x slower batched, see cpu_has_native_bf16). Our
+    AVX2 GEMM instead widens bf16 weights to fp32 in registers: the weights keep bf16's memory and
+    bandwidth (a decode step of one sequence reads half the bytes) while activations, norms and the
+    KV cache stay fp32, which is at least as exact as a bf16 model. The engine packs the weights
+    (``app/engine/cpu_linear.py``); quantized models keep the requested dtype.
+    """
+    if device.type != "cpu" or dtype != torch.bfloat16 or config.quantization != "none" or cpu_has_native_bf16():
+        return False
+    from app.engine.cpu_gemm import load_avx2_gemm  # the engine's kernel; imported only when it matters
+
+    return load_avx2_gemm() is not None
 
 
 def _quantization_kwargs(config: ModelConfig, path: str, gguf_file: str | None, dtype, device, common: dict) -> dict:

@@ -115,3 +115,26 @@ def test_auto_picks_our_kernel_where_it_builds():
     with pytest.raises(ValueError, match="not one of"):
         select_kernel("mkl")
     assert cpu_linear.onednn_supported()
+
+
+@needs_avx2
+@pytest.mark.parametrize("rows", [1, 6, 13])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_weights_compute_in_fp32_exactly_like_the_rounded_fp32_weights(gemm, rows, bias):
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 576), torch.randn(49, 576)
+    b = torch.randn(49) if bias else None
+    rounded = w.bfloat16().float()  # what the bf16 panels hold
+    packed = gemm.pack(w, torch.bfloat16)
+    assert packed.dtype == torch.bfloat16 and packed.numel() == gemm.pack(w).numel()
+    got = gemm.linear(x, packed, b, 49)
+    # the same fp32 arithmetic, in the same order, as the fp32 kernel on the rounded weights: same bits
+    assert torch.equal(got, gemm.linear(x, gemm.pack(rounded), b, 49))
+    torch.testing.assert_close(got, _reference(x, rounded, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_avx2
+def test_bf16_packing_rounds_as_torch_does(gemm):
+    w = torch.tensor([[1.0 + 2**-8, 1.0 + 3 * 2**-8, -3.14159, 1e-40, float("inf"), -0.0, 65504.0, 3.0e38]])  # ties, denormal, inf
+    packed = gemm.pack(w, torch.bfloat16)
+    assert torch.equal(packed.view(-1, 16)[:8, 0], w[0].bfloat16())  # panel layout: k-major, 16 columns

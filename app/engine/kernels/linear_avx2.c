@@ -5,6 +5,10 @@
  * one sequence is exactly such products. This kernel streams them at ~20 GB/s and matches oneDNN's
  * prepacked GEMM at 16-256 rows (measured in docs/engine.md).
  *
+ * Weights are fp32 or bf16 (``linear_bf16w``): bf16 weights are widened to fp32 in registers (a
+ * 16-bit shift) and everything else is fp32, so a decode step of one sequence streams half the bytes
+ * and a CPU without native bf16 still computes in fp32.
+ *
  * Layout: the weight [N, K] is packed once into panels of 16 output columns, [N/16][K][16], so a
  * panel is one contiguous stream. A tile of up to 6 input rows x 16 columns keeps 12 accumulators
  * in registers (BLIS-style 6x16 micro-kernel). Every output y[m, n] is one accumulator summed over
@@ -14,6 +18,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #define NR 16 /* output columns per panel: two AVX2 registers */
 #define MR 6  /* input rows per tile: 12 accumulators + 2 weight registers + 1 broadcast <= 16 */
@@ -32,15 +37,42 @@ void pack_weight(const float* w, float* packed, int64_t n_total, int64_t k_total
       }
 }
 
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+void pack_weight_bf16(const float* w, uint16_t* packed, int64_t n_total, int64_t k_total) {
+  int64_t panels = (n_total + NR - 1) / NR;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; p++)
+    for (int64_t k = 0; k < k_total; k++)
+      for (int64_t j = 0; j < NR; j++) {
+        int64_t n = p * NR + j;
+        packed[(p * k_total + k) * NR + j] = to_bf16(n < n_total ? w[n * k_total + k] : 0.0f);
+      }
+}
+
+/* 8 weights of a panel row as fp32: loaded as is, or bf16 widened by a 16-bit shift. */
+static inline __attribute__((always_inline)) __m256 load_weights(const void* panel, int64_t at, const int bf16) {
+  if (bf16)
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const uint16_t*)panel + at))), 16));
+  return _mm256_loadu_ps((const float*)panel + at);
+}
+
 /* Rows [0, mr) of x against one panel; mr is a constant after inlining, so unused rows vanish. */
-static inline __attribute__((always_inline)) void tile(const int mr, const float* x, int64_t k_total,
-                                                       const float* panel, float* y, int64_t ldy,
-                                                       int ncols, const float* bias) {
+static inline __attribute__((always_inline)) void tile(const int mr, const int bf16, const float* x,
+                                                       int64_t k_total, const void* panel, float* y,
+                                                       int64_t ldy, int ncols, const float* bias) {
   __m256 z = _mm256_setzero_ps();
   /* Named accumulators, not an array: gcc spills an array of vectors to the stack every iteration. */
   __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
   for (int64_t k = 0; k < k_total; k++) {
-    __m256 b0 = _mm256_loadu_ps(panel + k * NR), b1 = _mm256_loadu_ps(panel + k * NR + 8), a;
+    __m256 b0 = load_weights(panel, k * NR, bf16), b1 = load_weights(panel, k * NR + 8, bf16), a;
 #define ROW(i)                                           \
   if (mr > i) {                                          \
     a = _mm256_broadcast_ss(x + i * k_total + k);        \
@@ -69,25 +101,38 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
   }
 }
 
-static void panel_rows(const float* x, int64_t m_total, int64_t k_total, const float* panel, float* y,
-                       int64_t ldy, int ncols, const float* bias) {
+/* Every row of x against one panel, 6 rows at a time; bf16 is a constant in each caller below. */
+static inline __attribute__((always_inline)) void panel_rows(const int bf16, const float* x, int64_t m_total,
+                                                             int64_t k_total, const void* panel, float* y,
+                                                             int64_t ldy, int ncols, const float* bias) {
   int64_t m = 0;
-  for (; m + MR <= m_total; m += MR) tile(MR, x + m * k_total, k_total, panel, y + m * ldy, ldy, ncols, bias);
+  for (; m + MR <= m_total; m += MR) tile(MR, bf16, x + m * k_total, k_total, panel, y + m * ldy, ldy, ncols, bias);
   const float* xr = x + m * k_total;
   float* yr = y + m * ldy;
   switch (m_total - m) {
-    case 1: tile(1, xr, k_total, panel, yr, ldy, ncols, bias); break;
-    case 2: tile(2, xr, k_total, panel, yr, ldy, ncols, bias); break;
-    case 3: tile(3, xr, k_total, panel, yr, ldy, ncols, bias); break;
-    case 4: tile(4, xr, k_total, panel, yr, ldy, ncols, bias); break;
-    case 5: tile(5, xr, k_total, panel, yr, ldy, ncols, bias); break;
+    case 1: tile(1, bf16, xr, k_total, panel, yr, ldy, ncols, bias); break;
+    case 2: tile(2, bf16, xr, k_total, panel, yr, ldy, ncols, bias); break;
+    case 3: tile(3, bf16, xr, k_total, panel, yr, ldy, ncols, bias); break;
+    case 4: tile(4, bf16, xr, k_total, panel, yr, ldy, ncols, bias); break;
+    case 5: tile(5, bf16, xr, k_total, panel, yr, ldy, ncols, bias); break;
     default: break;
   }
 }
 
-/* x [m_total, k_total], packed from pack_weight, bias [n_total] or NULL, y [m_total, n_total]. */
-void linear(const float* x, const float* packed, const float* bias, float* y, int64_t m_total, int64_t k_total,
-            int64_t n_total) {
+typedef void (*panel_fn)(const float*, int64_t, int64_t, const void*, float*, int64_t, int, const float*);
+
+static void panel_rows_f32(const float* x, int64_t m, int64_t k, const void* panel, float* y, int64_t ldy, int ncols,
+                           const float* bias) {
+  panel_rows(0, x, m, k, panel, y, ldy, ncols, bias);
+}
+
+static void panel_rows_bf16(const float* x, int64_t m, int64_t k, const void* panel, float* y, int64_t ldy, int ncols,
+                            const float* bias) {
+  panel_rows(1, x, m, k, panel, y, ldy, ncols, bias);
+}
+
+static void linear_panels(panel_fn rows_of, size_t weight_bytes, const float* x, const void* packed,
+                          const float* bias, float* y, int64_t m_total, int64_t k_total, int64_t n_total) {
   int64_t panels = (n_total + NR - 1) / NR;
   int64_t rows_per_pass = X_BLOCK_BYTES / (k_total * 4);
   rows_per_pass = rows_per_pass < MR ? MR : rows_per_pass - rows_per_pass % MR;
@@ -100,8 +145,20 @@ void linear(const float* x, const float* packed, const float* bias, float* y, in
     for (int64_t p = 0; p < panels; p++) {
       int64_t n0 = p * NR;
       int ncols = n_total - n0 < NR ? (int)(n_total - n0) : NR;
-      panel_rows(x + m0 * k_total, rows, k_total, packed + p * k_total * NR, y + m0 * n_total + n0, n_total,
-                 ncols, bias ? bias + n0 : 0);
+      const char* panel = (const char*)packed + (size_t)(p * k_total * NR) * weight_bytes;
+      rows_of(x + m0 * k_total, rows, k_total, panel, y + m0 * n_total + n0, n_total, ncols, bias ? bias + n0 : 0);
     }
   }
+}
+
+/* x [m_total, k_total], packed from pack_weight, bias [n_total] or NULL, y [m_total, n_total]. */
+void linear(const float* x, const float* packed, const float* bias, float* y, int64_t m_total, int64_t k_total,
+            int64_t n_total) {
+  linear_panels(panel_rows_f32, sizeof(float), x, packed, bias, y, m_total, k_total, n_total);
+}
+
+/* The same with weights from pack_weight_bf16. */
+void linear_bf16w(const float* x, const uint16_t* packed, const float* bias, float* y, int64_t m_total,
+                  int64_t k_total, int64_t n_total) {
+  linear_panels(panel_rows_bf16, sizeof(uint16_t), x, packed, bias, y, m_total, k_total, n_total);
 }

@@ -1,0 +1,52 @@
+"""dtype bfloat16 on a CPU without native bf16: bf16 Linear weights on fp32 activations, exact against transformers."""
+
+import pytest
+import torch
+
+from app.config import EngineConfig, ModelConfig
+from app.engine import LLMEngine, Request, SamplingParams
+from app.engine.cpu_gemm import load_avx2_gemm
+from app.models import load_model
+from app.models.loader import cpu_has_native_bf16
+from tests.model.conftest import PROMPTS
+
+pytestmark = pytest.mark.model
+
+WEIGHT_ONLY_BF16 = not cpu_has_native_bf16() and load_avx2_gemm() is not None
+
+
+@pytest.fixture(scope="module")
+def loaded_bf16():
+    return load_model(ModelConfig(dtype="bfloat16"))
+
+
+def test_bf16_resolves_to_bf16_weights_on_fp32_activations_where_bf16_is_not_native(loaded_bf16):
+    if WEIGHT_ONLY_BF16:
+        assert (loaded_bf16.dtype, loaded_bf16.weight_dtype) == (torch.float32, torch.bfloat16)
+    else:  # native bf16 (or no kernel): the model is plain bf16
+        assert (loaded_bf16.dtype, loaded_bf16.weight_dtype) == (torch.bfloat16, None)
+
+
+@pytest.mark.skipif(not WEIGHT_ONLY_BF16, reason="this CPU runs bf16 natively (or cannot build the kernel)")
+def test_engine_with_bf16_weights_equals_generate_on_the_same_rounded_weights(loaded_bf16):
+    engine = LLMEngine(loaded_bf16, EngineConfig(max_num_seqs=8))
+    packed = [m for m in loaded_bf16.model.modules() if getattr(m, "kernel", None) is not None]
+    assert packed and all(m.packed_weight.dtype == torch.bfloat16 for m in packed if hasattr(m, "packed_weight"))
+
+    reference = load_model(ModelConfig(dtype="float32")).model
+    with torch.no_grad():  # the reference holds exactly the weights the bf16 panels hold; the embedding stays fp32
+        reference.lm_head.weight = torch.nn.Parameter(reference.lm_head.weight.detach().clone())
+        for module in reference.modules():
+            if type(module) is torch.nn.Linear:
+                module.weight.copy_(module.weight.bfloat16().float())
+
+    tokenizer = loaded_bf16.tokenizer
+    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0, ignore_eos=True)
+    requests = [Request(f"bf16-{i}", tokenizer.encode(p), params) for i, p in enumerate(PROMPTS[:6])]
+    engine.add_requests(requests)  # all six in one batch
+    while engine.has_unfinished_requests():
+        engine.step()
+    for request in requests:
+        with torch.inference_mode():
+            expected = reference.generate(torch.tensor([request.prompt_token_ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        assert request.output_token_ids == expected[0, len(request.prompt_token_ids):].tolist()
