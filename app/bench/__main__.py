@@ -82,10 +82,12 @@ def compare(args, spec: LoadSpec) -> dict:
     from app.bench.server import running_server
 
     base = yaml.safe_load(Path(args.config).read_text())
-    results: dict = {"config": args.config, "modes": {}}
+    results: dict = {"config": args.config, "dtype": args.dtype, "modes": {}}
     for index, mode in enumerate(args.modes):
         app_config = copy.deepcopy(base)
         app_config["models"] = app_config["models"][:1]  # the first model alone on the machine
+        if args.dtype != "auto":
+            app_config["models"][0]["model"]["dtype"] = args.dtype
         engine = app_config["models"][0].setdefault("engine", {})
         engine["batching"] = mode
         if mode == "dynamic":  # static batches need a window long enough to gather a burst's stragglers
@@ -163,7 +165,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])
     parser.add_argument("--methods", nargs="+", default=None, help="quant: quantizations to measure (default: all four)")
     parser.add_argument("--gptq-source", default="smollm2-135m-instruct-gptq", help="quant: the GPTQ checkpoint of the model")
-    parser.add_argument("--dtype", default="auto", help="quant, hf, engine: compute dtype (auto: as model.dtype auto picks here)")
+    parser.add_argument("--dtype", default="auto", help="quant, hf, engine, compare: model dtype (auto: as model.dtype auto picks here)")
     parser.add_argument("--device", default=None, help="quant: cpu or cuda (default: the config's model.device)")
     parser.add_argument("--agreement-tokens", type=int, default=32, help="quant: greedy tokens per agreement prompt")
     parser.add_argument("--skip-serving", action="store_true", help="quant: fidelity only, no serve run")
