@@ -26,17 +26,6 @@
 
 int64_t packed_weight_numel(int64_t n, int64_t k) { return (n + NR - 1) / NR * k * NR; }
 
-void pack_weight(const float* w, float* packed, int64_t n_total, int64_t k_total) {
-  int64_t panels = (n_total + NR - 1) / NR;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; p++)
-    for (int64_t k = 0; k < k_total; k++)
-      for (int64_t j = 0; j < NR; j++) {
-        int64_t n = p * NR + j;
-        packed[(p * k_total + k) * NR + j] = n < n_total ? w[n * k_total + k] : 0.0f;
-      }
-}
-
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(torch.bfloat16) */
   uint32_t u;
   memcpy(&u, &f, sizeof u);
@@ -45,15 +34,28 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .
   return (uint16_t)(u >> 16);
 }
 
-void pack_weight_bf16(const float* w, uint16_t* packed, int64_t n_total, int64_t k_total) {
+/* The weight [N, K] as panels [N/16][K][16], zero-padded past N; once per weight, so a branch per value is fine. */
+static void pack_panels(const float* w, void* packed, int64_t n_total, int64_t k_total, const int bf16) {
   int64_t panels = (n_total + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; p++)
     for (int64_t k = 0; k < k_total; k++)
       for (int64_t j = 0; j < NR; j++) {
-        int64_t n = p * NR + j;
-        packed[(p * k_total + k) * NR + j] = to_bf16(n < n_total ? w[n * k_total + k] : 0.0f);
+        int64_t n = p * NR + j, at = (p * k_total + k) * NR + j;
+        float value = n < n_total ? w[n * k_total + k] : 0.0f;
+        if (bf16)
+          ((uint16_t*)packed)[at] = to_bf16(value);
+        else
+          ((float*)packed)[at] = value;
       }
+}
+
+void pack_weight(const float* w, float* packed, int64_t n_total, int64_t k_total) {
+  pack_panels(w, packed, n_total, k_total, 0);
+}
+
+void pack_weight_bf16(const float* w, uint16_t* packed, int64_t n_total, int64_t k_total) {
+  pack_panels(w, packed, n_total, k_total, 1);
 }
 
 /* 8 weights of a panel row as fp32: loaded as is, or bf16 widened by a 16-bit shift. */
