@@ -4,9 +4,9 @@ torch runs an fp32 ``nn.Linear`` on CPU through MKL's sgemm, whose small-M path 
 AMD EPYC dev machine: a decode step of 2 sequences took as long as one of 16. The runner therefore
 packs every plain fp32 CPU Linear weight once into a kernel's own layout:
 
-- ``avx2``: our micro-kernel (``cpu_gemm.py``, ``kernels/linear_avx2.c``), 1.4-1.5x oneDNN on the 1-4
-  row products of small decode steps (it streams the weights at memory speed) and 1.1-1.3x from 8
-  rows up, with results that do not depend on the batch;
+- ``avx2``: our micro-kernel (``cpu_gemm.py``, ``kernels/linear_avx2.c``), 1.3-1.4x oneDNN on the 1-8
+  row products of decode steps (it streams the weights at memory speed), 1.05-1.1x at 16-64 rows,
+  with results that do not depend on the batch; it also takes bf16 weights (``weight_dtype``);
 - ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn``, what IPEX and inductor's freezing use).
 
 ``auto`` (the default) takes ``avx2`` where it builds (x86-64 with AVX2/FMA and a C compiler), else
