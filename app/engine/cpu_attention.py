@@ -8,6 +8,7 @@ It serves fp32 pools on CPU; everything else (and prefill chunks) keeps the gath
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
@@ -39,20 +40,14 @@ class DecodeAttentionKernel:
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty(1, seqs, heads, head_dim, dtype=torch.float32)
-        if torch.autograd._profiler_enabled():
-            with record_function(self.profiler_label):
-                self._run(query, k_pool, v_pool, key_slots, key_counts, scale, out)
-        else:
-            self._run(query, k_pool, v_pool, key_slots, key_counts, scale, out)
+        # the label costs a few microseconds, so only while torch's profiler records
+        with record_function(self.profiler_label) if torch.autograd._profiler_enabled() else contextlib.nullcontext():
+            self._lib.decode_attention(
+                query.data_ptr(), query.stride(2), query.stride(1), k_pool.data_ptr(), v_pool.data_ptr(),
+                key_slots.data_ptr(), key_counts.data_ptr(), out.data_ptr(),
+                seqs, heads, k_pool.shape[1], head_dim, key_slots.shape[1], scale,
+            )
         return out
-
-    def _run(self, query, k_pool, v_pool, key_slots, key_counts, scale: float, out: torch.Tensor) -> None:
-        _, heads, seqs, head_dim = query.shape
-        self._lib.decode_attention(
-            query.data_ptr(), query.stride(2), query.stride(1), k_pool.data_ptr(), v_pool.data_ptr(),
-            key_slots.data_ptr(), key_counts.data_ptr(), out.data_ptr(),
-            seqs, heads, k_pool.shape[1], head_dim, key_slots.shape[1], scale,
-        )
 
 
 @functools.cache

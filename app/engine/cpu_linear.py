@@ -27,6 +27,7 @@ them and the siblings return their slice of it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Protocol
 
@@ -77,10 +78,9 @@ class AVX2Kernel:
         return self._gemm.pack(weight, self.weight_dtype)
 
     def apply(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-        if torch.autograd._profiler_enabled():  # cheap check; the label costs a few microseconds per call
-            with record_function(self.profiler_label):
-                return self._gemm.linear(x, packed, bias, out_features)
-        return self._gemm.linear(x, packed, bias, out_features)
+        # the label costs a few microseconds, so only while torch's profiler records
+        with record_function(self.profiler_label) if torch.autograd._profiler_enabled() else contextlib.nullcontext():
+            return self._gemm.linear(x, packed, bias, out_features)
 
 
 def select_kernel(choice: str, weight_dtype: torch.dtype = torch.float32) -> LinearKernel | None:
