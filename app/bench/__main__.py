@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from app.bench.load import LoadSpec, run_load
+from app.config import CPU_ATTENTION_KERNELS, CPU_LINEAR_KERNELS
 
 RESULTS = Path("results/bench")
 
@@ -173,8 +174,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="profile, gemm: sequences per decode step (gemm: rows)")
     parser.add_argument("--kernels", nargs="+", default=["avx2", "onednn", "torch"], help="gemm: the Linear kernels to compare (auto, avx2, avx2-bf16, onednn, torch)")
     parser.add_argument("--steps", type=int, default=20, help="profile: timed decode steps per batch size")
-    parser.add_argument("--linear-kernel", default="auto", choices=["auto", "avx2", "onednn", "torch"], help="profile, engine: the fp32 Linear kernel")
-    parser.add_argument("--attention-kernel", default="auto", choices=["auto", "torch"], help="profile, engine: decode attention on CPU")
+    parser.add_argument("--linear-kernel", default="auto", choices=CPU_LINEAR_KERNELS, help="profile, engine: the fp32 Linear kernel")
+    parser.add_argument("--attention-kernel", default="auto", choices=CPU_ATTENTION_KERNELS, help="profile, engine: decode attention on CPU")
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--dynamic-window-s", type=float, default=0.25, help="compare: batch_wait_timeout_s for dynamic")
     parser.add_argument("--model", default="smollm2-135m-instruct")

@@ -4,7 +4,8 @@ For each row count (``--batches``: sequences in a decode step, or tokens in a pr
 the projections of every decoder layer of SmolLM2-135M (q/k/v fused, o, gate/up fused, down; 30
 layers of distinct random weights, 425 MB, so they stream from memory as in a real step, not from
 cache) through each CPU Linear kernel the engine can use, alternating kernels, and reports the time
-per pass, GFLOP/s and the fp32 weight bytes per second (``avx2-bf16``, bf16 weights, reads half). The figures in docs/engine.md come from here.
+per pass, GFLOP/s and the fp32 weight bytes per second (``avx2-bf16``, bf16 weights, reads half of
+them). The figures in docs/engine.md come from here.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 ``python -m app.bench profile --batches 1 32`` loads the model (``--dtype``, auto as the server picks),
 fills the engine with ``batch`` copies of the workload's prompts, steps past the prefill, then times
 ``--steps`` decode steps and profiles a few more. ``--linear-kernel`` (auto, avx2, onednn, torch)
-and ``--attention-kernel`` (auto, torch) pick the CPU kernels, for the comparisons in docs/engine.md. Figures for the README's
-"what limits us" come from here.
+and ``--attention-kernel`` (auto, torch) pick the CPU kernels, for the comparisons in docs/engine.md.
+Figures for the README's "what limits us" come from here.
 """
 
 from __future__ import annotations
