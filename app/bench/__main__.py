@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m app.bench {load,compare,engine,hf,quant,profile,gemm}`` (``make bench`` runs ``compare``
+"""Benchmarks: ``python -m app.bench {load,compare,engine,hf,quant,profile,gemm,norm-pairs}`` (``make bench`` runs ``compare``
 and ``hf``; ``make bench-quant`` runs ``quant``).
 
 - ``load``: drive an already running server (e.g. ``make serve``) with N concurrent streaming requests.
@@ -10,6 +10,7 @@ and ``hf``; ``make bench-quant`` runs ``quant``).
 - ``hf``: transformers' own ``generate_batch`` and ``generate`` on the same workload, offline.
 - ``profile``: decode steps of the engine at fixed batch sizes, timed and under torch's profiler.
 - ``gemm``: the CPU fp32 Linear kernels (our AVX2 GEMM, oneDNN, torch) on the model's matrix shapes.
+- ``norm-pairs``: decode steps with our fused RMSNorm and with torch's, alternated inside one engine.
 - ``quant``: per quantization (none, bnb-int8, bnb-nf4, gptq) weight and resident memory, held-out
   perplexity and greedy agreement with bf16 (the fidelity report), then naive bf16 and batched
   bf16/int8/nf4/GPTQ served through HTTP on W1 (the comparison table). JSON plus a markdown file.
@@ -30,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from app.bench.load import LoadSpec, run_load
-from app.config import CPU_ATTENTION_KERNELS, CPU_LINEAR_KERNELS
+from app.config import CPU_ATTENTION_KERNELS, CPU_LINEAR_KERNELS, CPU_NORM_KERNELS
 
 RESULTS = Path("results/bench")
 
@@ -48,13 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "engine":
         from app.bench.engine_bench import run_engine_bench
 
-        result = run_engine_bench(spec, args.modes, dtype=_concrete_dtype(args.dtype), linear_kernel=args.linear_kernel, attention_kernel=args.attention_kernel)
+        result = run_engine_bench(spec, args.modes, dtype=_concrete_dtype(args.dtype), **_kernel_args(args))
     elif args.command == "quant":
         result = quant(args, spec)
     elif args.command == "profile":
         from app.bench.profile_steps import run_step_profile
 
-        result = run_step_profile(spec, args.batches, _concrete_dtype(args.dtype), args.steps, args.linear_kernel, args.attention_kernel)
+        result = run_step_profile(spec, args.batches, _concrete_dtype(args.dtype), args.steps, **_kernel_args(args))
+    elif args.command == "norm-pairs":
+        from app.bench.norm_pairs import run_norm_pairs
+
+        result = run_norm_pairs(spec, args.batches, _concrete_dtype(args.dtype), args.pairs, args.steps)
     elif args.command == "gemm":
         from app.bench.gemm import run_gemm_bench
 
@@ -72,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(result))
     elif args.command == "compare":
         print(format_table(result))
-    elif args.command not in ("profile", "gemm"):  # these printed their own tables as they went
+    elif args.command not in ("profile", "gemm", "norm-pairs"):  # these printed their own tables as they went
         print(json.dumps(result, indent=2))
     print(f"saved {out}")
     return 0
@@ -129,6 +134,10 @@ def quant(args, spec: LoadSpec) -> dict:
     return report
 
 
+def _kernel_args(args: argparse.Namespace) -> dict:
+    return {"linear_kernel": args.linear_kernel, "attention_kernel": args.attention_kernel, "norm_kernel": args.norm_kernel}
+
+
 def _concrete_dtype(dtype: str, device: str = "cpu") -> str:
     """``auto`` as the server would resolve it on this machine, so offline and served runs compare."""
     from app.models.loader import resolve_device, resolve_dtype
@@ -160,7 +169,7 @@ def _machine() -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["load", "compare", "engine", "hf", "quant", "profile", "gemm"])
+    parser.add_argument("command", choices=["load", "compare", "engine", "hf", "quant", "profile", "gemm", "norm-pairs"])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="load: the server to drive")
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare: the app config to serve")
     parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])
@@ -173,9 +182,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--single-stream-modes", nargs="*", default=["continuous"], help="modes that also run W2")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="profile, gemm: sequences per decode step (gemm: rows)")
     parser.add_argument("--kernels", nargs="+", default=["avx2", "onednn", "torch"], help="gemm: the Linear kernels to compare (auto, avx2, avx2-bf16, onednn, torch)")
-    parser.add_argument("--steps", type=int, default=20, help="profile: timed decode steps per batch size")
+    parser.add_argument("--steps", type=int, default=20, help="profile: timed decode steps per batch size; norm-pairs: steps per block")
+    parser.add_argument("--pairs", type=int, default=12, help="norm-pairs: fused/torch block pairs per batch size")
     parser.add_argument("--linear-kernel", default="auto", choices=CPU_LINEAR_KERNELS, help="profile, engine: the fp32 Linear kernel")
     parser.add_argument("--attention-kernel", default="auto", choices=CPU_ATTENTION_KERNELS, help="profile, engine: decode attention on CPU")
+    parser.add_argument("--norm-kernel", default="auto", choices=CPU_NORM_KERNELS, help="profile, engine: RMSNorm on CPU")
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--dynamic-window-s", type=float, default=0.25, help="compare: batch_wait_timeout_s for dynamic")
     parser.add_argument("--model", default="smollm2-135m-instruct")

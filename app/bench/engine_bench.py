@@ -15,13 +15,15 @@ from app.models import load_model
 
 
 def run_engine_bench(
-    spec: LoadSpec, modes: list[str], dtype: str = "bfloat16", linear_kernel: str = "auto", attention_kernel: str = "auto"
+    spec: LoadSpec, modes: list[str], dtype: str = "bfloat16", linear_kernel: str = "auto", attention_kernel: str = "auto",
+    norm_kernel: str = "auto",
 ) -> dict:
     loaded = load_model(ModelConfig(dtype=dtype))
     prompts = [loaded.tokenizer.encode(p) for p in make_prompts(spec)]
-    results: dict = {"spec": {**spec.__dict__, "dtype": dtype, "linear_kernel": linear_kernel, "attention_kernel": attention_kernel}, "modes": {}}
+    kernels = {"cpu_linear_kernel": linear_kernel, "cpu_attention_kernel": attention_kernel, "cpu_norm_kernel": norm_kernel}
+    results: dict = {"spec": {**spec.__dict__, "dtype": dtype, **kernels}, "modes": {}}
     for mode in modes:
-        engine = LLMEngine(loaded, EngineConfig(batching=mode, cpu_linear_kernel=linear_kernel, cpu_attention_kernel=attention_kernel))
+        engine = LLMEngine(loaded, EngineConfig(batching=mode, **kernels))
         _run(engine, prompts[:2], 8, "warmup-" + mode)
         w1 = _run(engine, prompts, spec.max_tokens, mode)
         w2 = [_run(engine, [p], spec.max_tokens, f"{mode}-single{i}") for i, p in enumerate(prompts[:3])]

@@ -2,8 +2,8 @@
 
 ``python -m app.bench profile --batches 1 32`` loads the model (``--dtype``, auto as the server picks),
 fills the engine with ``batch`` copies of the workload's prompts, steps past the prefill, then times
-``--steps`` decode steps and profiles a few more. ``--linear-kernel`` (auto, avx2, onednn, torch)
-and ``--attention-kernel`` (auto, torch) pick the CPU kernels, for the comparisons in docs/engine.md.
+``--steps`` decode steps and profiles a few more. ``--linear-kernel`` (auto, avx2, onednn, torch),
+``--attention-kernel`` and ``--norm-kernel`` (auto, torch) pick the CPU kernels, for the comparisons in docs/engine.md.
 Figures for the README's "what limits us" come from here.
 """
 
@@ -24,13 +24,15 @@ _TOP_OPS = 12
 
 
 def run_step_profile(
-    spec: LoadSpec, batches: list[int], dtype: str, steps: int, linear_kernel: str = "auto", attention_kernel: str = "auto"
+    spec: LoadSpec, batches: list[int], dtype: str, steps: int, linear_kernel: str = "auto", attention_kernel: str = "auto",
+    norm_kernel: str = "auto",
 ) -> dict:
     loaded = load_model(ModelConfig(dtype=dtype))
     prompts = [loaded.tokenizer.encode(p) for p in make_prompts(LoadSpec(**{**spec.__dict__, "num_requests": max(batches)}))]
-    report: dict = {"dtype": dtype, "linear_kernel": linear_kernel, "attention_kernel": attention_kernel, "threads": torch.get_num_threads(), "batches": {}}
+    kernels = {"cpu_linear_kernel": linear_kernel, "cpu_attention_kernel": attention_kernel, "cpu_norm_kernel": norm_kernel}
+    report: dict = {"dtype": dtype, "linear_kernel": linear_kernel, "attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "threads": torch.get_num_threads(), "batches": {}}
     for batch in batches:
-        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=batch, cpu_linear_kernel=linear_kernel, cpu_attention_kernel=attention_kernel))
+        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=batch, **kernels))
         report["batches"][batch] = _profile_batch(engine, prompts[:batch], steps)
         row = report["batches"][batch]
         print(f"batch {batch}: {row['step_ms']} ms a step, {row['tok_per_s']} tok/s", flush=True)

@@ -17,6 +17,7 @@ import torch
 from app.config import EngineConfig
 from app.engine.cpu_attention import load_decode_attention
 from app.engine.cpu_linear import pack_cpu_linears
+from app.engine.cpu_norm import fuse_rms_norms
 from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import PagedBatch, SequenceSlice, register_paged_attention
 from app.engine.request import Request, TokenLogprob
@@ -84,6 +85,8 @@ class ModelRunner:
         register_paged_attention(self.model)
         # plain fp32 CPU Linear layers only (quantized ones run as loaded); bf16 weights where the loader chose them
         pack_cpu_linears(self.model, config.cpu_linear_kernel, loaded.weight_dtype or torch.float32)
+        if config.cpu_norm_kernel == "auto":
+            fuse_rms_norms(self.model)  # fp32 CPU norms whose formula our kernel reproduces
         self.decode_kernel = None
         if config.cpu_attention_kernel == "auto" and self.kv_pool.device.type == "cpu" and self.kv_pool.dtype == torch.float32:
             self.decode_kernel = load_decode_attention()
