@@ -46,14 +46,19 @@ class AVX2Gemm:
         return packed
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        # Called ~120 times a decode step: only pointers go to C, no reshaped views are built
+        # (this wrapper took 14 us a call with them, 3 of which are the C call itself).
+        if not x.is_contiguous():
+            x = x.contiguous()
         in_features = x.shape[-1]
-        rows = x.reshape(-1, in_features).contiguous()
-        out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-        if rows.shape[0]:
-            bias_ptr = bias.detach().contiguous().data_ptr() if bias is not None else None
+        out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
+        rows = x.numel() // in_features if in_features else 0
+        if rows:
+            if bias is not None and not bias.is_contiguous():
+                bias = bias.contiguous()
             run = self._lib.linear_bf16w if packed.dtype == torch.bfloat16 else self._lib.linear
-            run(rows.data_ptr(), packed.data_ptr(), bias_ptr, out.data_ptr(), rows.shape[0], in_features, out_features)
-        return out.view(*x.shape[:-1], out_features)
+            run(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), rows, in_features, out_features)
+        return out
 
 
 @functools.cache

@@ -35,19 +35,19 @@ class RMSNormKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float]
+        lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
         lib.rms_norm.restype = None
         self._lib = lib
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # 61 calls a decode step: pointers only, no reshaped views (each costs about as much as the C call)
+        if not x.is_contiguous():
+            x = x.contiguous()
         hidden = weight.shape[0]
-        rows = x.reshape(-1, hidden)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty(x.shape, dtype=torch.float32)
+        out = torch.empty_like(x)
         # the label costs a few microseconds, so only while torch's profiler records
         with record_function(self.profiler_label) if torch.autograd._profiler_enabled() else contextlib.nullcontext():
-            self._lib.rms_norm(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], hidden, eps)
+            self._lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
         return out
 
 

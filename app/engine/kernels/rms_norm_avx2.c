@@ -37,9 +37,9 @@ static void norm_row(const float* x, const float* w, float* y, int64_t n, float 
   for (; i < n; i++) y[i] = w[i] * (x[i] * scale);
 }
 
-/* x [rows, n] with rows `x_stride` floats apart, w [n], y [rows, n] contiguous. */
-void rms_norm(const float* x, int64_t x_stride, const float* w, float* y, int64_t rows, int64_t n, float eps) {
+/* x [rows, n], w [n], y [rows, n], all contiguous. */
+void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps) {
   /* A row is ~1 us of work: threads only pay off for prefill-sized inputs. */
 #pragma omp parallel for schedule(static) if (rows >= 64)
-  for (int64_t r = 0; r < rows; r++) norm_row(x + r * x_stride, w, y + r * n, n, eps);
+  for (int64_t r = 0; r < rows; r++) norm_row(x + r * n, w, y + r * n, n, eps);
 }
