@@ -6,7 +6,9 @@ packs every plain fp32 CPU Linear weight once into a kernel's own layout:
 
 - ``avx2``: our micro-kernel (``cpu_gemm.py``, ``kernels/linear_avx2.c``), 1.3-1.4x oneDNN on the 1-8
   row products of decode steps (it streams the weights at memory speed), 1.05-1.1x at 16-64 rows,
-  with results that do not depend on the batch; it also takes bf16 weights (``weight_dtype``);
+  with results that do not depend on the batch; it also takes bf16 weights (``weight_dtype``), and
+  stores an fp32 weight as bf16 by itself when every value is a bf16 value (a bf16 checkpoint loaded
+  as fp32): half the bytes, bit-identical results;
 - ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn``, what IPEX and inductor's freezing use).
 
 ``auto`` (the default) takes ``avx2`` where it builds (x86-64 with AVX2/FMA and a C compiler), else
@@ -14,7 +16,7 @@ packs every plain fp32 CPU Linear weight once into a kernel's own layout:
 
 Only modules whose type is exactly ``nn.Linear`` with fp32 CPU weights are replaced, so quantized
 layers (bitsandbytes, GPTQ) and every other device or dtype run as loaded. The packed weight replaces
-the dense one (same bytes); a tied output head gets its own packed copy while the embedding keeps
+the dense one (same bytes, or half); a tied output head gets its own packed copy while the embedding keeps
 the original, so packing costs about the head's size in memory. Results differ from MKL's only in
 float summation order (the last few bits).
 
@@ -75,7 +77,12 @@ class AVX2Kernel:
             self.name = "avx2-bf16-weights"
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        return self._gemm.pack(weight, self.weight_dtype)
+        dtype = self.weight_dtype
+        if dtype == torch.float32 and bf16_exact(weight):
+            # e.g. a bf16 checkpoint loaded as fp32: bf16 holds every value exactly, so half the
+            # bytes to stream and the same bits out (the kernel widens them back before any FMA)
+            dtype = torch.bfloat16
+        return self._gemm.pack(weight, dtype)
 
     def apply(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
         # the label costs a few microseconds, so only while torch's profiler records
@@ -164,6 +171,11 @@ class PackedSiblingLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.shared.kernel.name}, fused_with_siblings=True"
 
 
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Is every value of this fp32 weight a bf16 value (so storing it as bf16 loses nothing)?"""
+    return torch.equal(weight, weight.detach().to(torch.bfloat16).to(torch.float32))
+
+
 def onednn_supported() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -185,7 +197,10 @@ def pack_cpu_linears(model: nn.Module, kernel: str = "auto", weight_dtype: torch
                 replaced += 1
     if replaced:
         _release_checkpoint_mapping(model)
-        logger.info("%d fp32 Linear layers run on the %s kernel with prepacked weights", replaced, chosen.name)
+        packed = [getattr(m, "packed_weight", None) for m in model.modules()]  # one per packed (fused) weight
+        stored_bf16 = sum(1 for p in packed if p is not None and p.dtype == torch.bfloat16)
+        logger.info("%d fp32 Linear layers run on the %s kernel with prepacked weights (%d weights stored as bf16)",
+                    replaced, chosen.name, stored_bf16)
     return replaced
 
 

@@ -138,3 +138,22 @@ def test_bf16_packing_rounds_as_torch_does(gemm):
     w = torch.tensor([[1.0 + 2**-8, 1.0 + 3 * 2**-8, -3.14159, 1e-40, float("inf"), -0.0, 65504.0, 3.0e38]])  # ties, denormal, inf
     packed = gemm.pack(w, torch.bfloat16)
     assert torch.equal(packed.view(-1, 16)[:8, 0], w[0].bfloat16())  # panel layout: k-major, 16 columns
+
+
+@needs_avx2
+def test_an_fp32_weight_of_bf16_values_is_stored_as_bf16_with_the_same_bits_out(gemm):
+    kernel = AVX2Kernel(gemm)  # fp32 weights, as `dtype: auto` loads a bf16 checkpoint on this CPU
+    bf16_valued = torch.randn(40, 24).to(torch.bfloat16).float()
+    packed = kernel.pack(bf16_valued)
+    assert packed.dtype == torch.bfloat16 and packed.numel() == gemm.pack(bf16_valued).numel()
+    x = torch.randn(7, 24)
+    as_fp32 = gemm.linear(x, gemm.pack(bf16_valued, torch.float32), None, 40)
+    assert torch.equal(kernel.apply(x, packed, None, 40), as_fp32)
+
+
+@needs_avx2
+def test_an_fp32_weight_with_finer_values_stays_fp32(gemm):
+    weight = torch.randn(40, 24).to(torch.bfloat16).float()
+    weight[3, 5] += 2.0**-20  # one value bf16 cannot hold
+    assert AVX2Kernel(gemm).pack(weight).dtype == torch.float32
+    assert not cpu_linear.bf16_exact(weight)
