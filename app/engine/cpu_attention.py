@@ -8,18 +8,16 @@ It serves fp32 pools on CPU; everything else (and prefill chunks) keeps the gath
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 
 import torch
-from torch.profiler import record_function
 
-from app.engine.cpu_kernels import load_library
+from app.engine.cpu_kernels import load_library, profiler_label
 
 
 class DecodeAttentionKernel:
-    profiler_label = "llm_serve::decode_attention"  # ctypes calls are invisible to torch's profiler unless labelled
+    label = "llm_serve::decode_attention"  # its name in torch's profiler
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -40,8 +38,7 @@ class DecodeAttentionKernel:
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty(1, seqs, heads, head_dim, dtype=torch.float32)
-        # the label costs a few microseconds, so only while torch's profiler records
-        with record_function(self.profiler_label) if torch.autograd._profiler_enabled() else contextlib.nullcontext():
+        with profiler_label(self.label):
             self._lib.decode_attention(
                 query.data_ptr(), query.stride(2), query.stride(1), k_pool.data_ptr(), v_pool.data_ptr(),
                 key_slots.data_ptr(), key_counts.data_ptr(), out.data_ptr(),

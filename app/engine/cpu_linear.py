@@ -29,17 +29,15 @@ them and the siblings return their slice of it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Protocol
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from app.config import CPU_LINEAR_KERNELS
 from app.engine.cpu_gemm import AVX2Gemm, load_avx2_gemm
-from app.engine.cpu_kernels import unsupported_reason
+from app.engine.cpu_kernels import profiler_label, unsupported_reason
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +66,7 @@ class OneDNNKernel:
 
 class AVX2Kernel:
     name = "avx2"
-    profiler_label = "llm_serve::avx2_linear"  # ctypes calls are invisible to torch's profiler unless labelled
+    label = "llm_serve::avx2_linear"  # its name in torch's profiler
 
     def __init__(self, gemm: AVX2Gemm, weight_dtype: torch.dtype = torch.float32) -> None:
         self._gemm = gemm
@@ -85,8 +83,7 @@ class AVX2Kernel:
         return self._gemm.pack(weight, dtype)
 
     def apply(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-        # the label costs a few microseconds, so only while torch's profiler records
-        with record_function(self.profiler_label) if torch.autograd._profiler_enabled() else contextlib.nullcontext():
+        with profiler_label(self.label):
             return self._gemm.linear(x, packed, bias, out_features)
 
 

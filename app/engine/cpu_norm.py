@@ -13,16 +13,14 @@ input; any module that does not match, and any input that is not fp32 on CPU, ke
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import logging
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
-from app.engine.cpu_kernels import load_library
+from app.engine.cpu_kernels import load_library, profiler_label
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +29,7 @@ _CHECK_ROWS = 3
 
 
 class RMSNormKernel:
-    profiler_label = "llm_serve::rms_norm"  # ctypes calls are invisible to torch's profiler unless labelled
+    label = "llm_serve::rms_norm"  # its name in torch's profiler
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -45,8 +43,7 @@ class RMSNormKernel:
             x = x.contiguous()
         hidden = weight.shape[0]
         out = torch.empty_like(x)
-        # the label costs a few microseconds, so only while torch's profiler records
-        with record_function(self.profiler_label) if torch.autograd._profiler_enabled() else contextlib.nullcontext():
+        with profiler_label(self.label):
             self._lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
         return out
 
