@@ -27,7 +27,8 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 
 @needs_avx2
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 300])  # every tail of the 6-row tile, and x in several passes
-@pytest.mark.parametrize("k, n", [(1, 1), (7, 15), (64, 16), (576, 17), (1536, 49)])  # n around the 16-column panel
+# n around the 16-column panel; 132 = 8 whole panels + 4 columns: one or two rows take 6 or 2 panels at once, then the rest singly
+@pytest.mark.parametrize("k, n", [(1, 1), (7, 15), (64, 16), (576, 17), (1536, 49), (576, 132)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_a_float64_reference(gemm, rows, k, n, bias):
     torch.manual_seed(rows * 1000 + k + n)
@@ -41,11 +42,11 @@ def test_matches_a_float64_reference(gemm, rows, k, n, bias):
 @needs_avx2
 def test_a_row_gets_the_same_bits_alone_and_in_any_batch(gemm):
     torch.manual_seed(0)
-    x, w, b = torch.randn(37, 576), torch.randn(100, 576), torch.randn(100)
+    x, w, b = torch.randn(37, 576), torch.randn(132, 576), torch.randn(132)
     packed = gemm.pack(w)
-    batched = gemm.linear(x, packed, b, 100)
-    for start, stop in [(0, 1), (5, 6), (3, 10), (30, 37), (0, 37)]:  # rows land in different tiles and tails
-        assert torch.equal(gemm.linear(x[start:stop], packed, b, 100), batched[start:stop])
+    batched = gemm.linear(x, packed, b, 132)
+    for start, stop in [(0, 1), (5, 6), (3, 5), (3, 10), (30, 37), (0, 37)]:  # rows land in different tiles, tails and panel groups
+        assert torch.equal(gemm.linear(x[start:stop], packed, b, 132), batched[start:stop])
 
 
 @needs_avx2
@@ -118,18 +119,18 @@ def test_auto_picks_our_kernel_where_it_builds():
 
 
 @needs_avx2
-@pytest.mark.parametrize("rows", [1, 6, 13])
+@pytest.mark.parametrize("rows", [1, 2, 6, 13])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_weights_compute_in_fp32_exactly_like_the_rounded_fp32_weights(gemm, rows, bias):
     torch.manual_seed(rows)
-    x, w = torch.randn(rows, 576), torch.randn(49, 576)
-    b = torch.randn(49) if bias else None
+    x, w = torch.randn(rows, 576), torch.randn(132, 576)
+    b = torch.randn(132) if bias else None
     rounded = w.bfloat16().float()  # what the bf16 panels hold
     packed = gemm.pack(w, torch.bfloat16)
     assert packed.dtype == torch.bfloat16 and packed.numel() == gemm.pack(w).numel()
-    got = gemm.linear(x, packed, b, 49)
+    got = gemm.linear(x, packed, b, 132)
     # the same fp32 arithmetic, in the same order, as the fp32 kernel on the rounded weights: same bits
-    assert torch.equal(got, gemm.linear(x, gemm.pack(rounded), b, 49))
+    assert torch.equal(got, gemm.linear(x, gemm.pack(rounded), b, 132))
     torch.testing.assert_close(got, _reference(x, rounded, b), rtol=1e-5, atol=1e-4)
 
 

@@ -103,6 +103,61 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int b
   }
 }
 
+/* One or two rows against several adjacent whole panels at once (a decode step of one or two
+ * sequences). Against one panel they give only 2-4 independent sums, so every k waits on the FMA
+ * latency and a thread streams its weights below memory speed; one row against 6 panels (12 sums) or
+ * two rows against 2 (8 sums) keep several weight streams in flight. All projections of SmolLM2-135M
+ * (30 layers and the output head), old and new kernel alternated in one process on the dev machine:
+ * one row 1.2x faster with fp32 weights (25.8 -> 21.3 ms) and 1.3x with bf16 (13.8 -> 10.7 ms), two
+ * rows 1.2x and 1.15x. Each output is still one sum over k in order: the same bits as the 6x16 tiles
+ * give it. */
+static inline __attribute__((always_inline)) void row_against_6_panels(const int bf16, const float* x, int64_t k_total,
+                                                                       const void* panels, float* y,
+                                                                       const float* bias) {
+  const int64_t stride = k_total * NR; /* elements from one panel to the next */
+  __m256 z = _mm256_setzero_ps();
+  __m256 c0 = z, c1 = z, c2 = z, c3 = z, c4 = z, c5 = z, c6 = z, c7 = z, c8 = z, c9 = z, c10 = z, c11 = z;
+  for (int64_t k = 0; k < k_total; k++) {
+    __m256 a = _mm256_broadcast_ss(x + k);
+    c0 = _mm256_fmadd_ps(a, load_weights(panels, k * NR, bf16), c0);
+    c1 = _mm256_fmadd_ps(a, load_weights(panels, k * NR + 8, bf16), c1);
+    c2 = _mm256_fmadd_ps(a, load_weights(panels, stride + k * NR, bf16), c2);
+    c3 = _mm256_fmadd_ps(a, load_weights(panels, stride + k * NR + 8, bf16), c3);
+    c4 = _mm256_fmadd_ps(a, load_weights(panels, 2 * stride + k * NR, bf16), c4);
+    c5 = _mm256_fmadd_ps(a, load_weights(panels, 2 * stride + k * NR + 8, bf16), c5);
+    c6 = _mm256_fmadd_ps(a, load_weights(panels, 3 * stride + k * NR, bf16), c6);
+    c7 = _mm256_fmadd_ps(a, load_weights(panels, 3 * stride + k * NR + 8, bf16), c7);
+    c8 = _mm256_fmadd_ps(a, load_weights(panels, 4 * stride + k * NR, bf16), c8);
+    c9 = _mm256_fmadd_ps(a, load_weights(panels, 4 * stride + k * NR + 8, bf16), c9);
+    c10 = _mm256_fmadd_ps(a, load_weights(panels, 5 * stride + k * NR, bf16), c10);
+    c11 = _mm256_fmadd_ps(a, load_weights(panels, 5 * stride + k * NR + 8, bf16), c11);
+  }
+  __m256 sums[12] = {c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11};
+  for (int i = 0; i < 12; i++) _mm256_storeu_ps(y + 8 * i, _mm256_add_ps(sums[i], bias ? _mm256_loadu_ps(bias + 8 * i) : z));
+}
+
+static inline __attribute__((always_inline)) void two_rows_against_2_panels(const int bf16, const float* x, int64_t k_total,
+                                                                            const void* panels, float* y, int64_t ldy,
+                                                                            const float* bias) {
+  const int64_t stride = k_total * NR;
+  __m256 z = _mm256_setzero_ps();
+  __m256 c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z;
+  for (int64_t k = 0; k < k_total; k++) {
+    __m256 b0 = load_weights(panels, k * NR, bf16), b1 = load_weights(panels, k * NR + 8, bf16);
+    __m256 b2 = load_weights(panels, stride + k * NR, bf16), b3 = load_weights(panels, stride + k * NR + 8, bf16);
+    __m256 a = _mm256_broadcast_ss(x + k);
+    c00 = _mm256_fmadd_ps(a, b0, c00), c01 = _mm256_fmadd_ps(a, b1, c01);
+    c02 = _mm256_fmadd_ps(a, b2, c02), c03 = _mm256_fmadd_ps(a, b3, c03);
+    a = _mm256_broadcast_ss(x + k_total + k);
+    c10 = _mm256_fmadd_ps(a, b0, c10), c11 = _mm256_fmadd_ps(a, b1, c11);
+    c12 = _mm256_fmadd_ps(a, b2, c12), c13 = _mm256_fmadd_ps(a, b3, c13);
+  }
+  __m256 sums[2][4] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}};
+  for (int r = 0; r < 2; r++)
+    for (int i = 0; i < 4; i++)
+      _mm256_storeu_ps(y + r * ldy + 8 * i, _mm256_add_ps(sums[r][i], bias ? _mm256_loadu_ps(bias + 8 * i) : z));
+}
+
 /* Every row of x against one panel, 6 rows at a time; bf16 is a constant in each caller below. */
 static inline __attribute__((always_inline)) void panel_rows(const int bf16, const float* x, int64_t m_total,
                                                              int64_t k_total, const void* panel, float* y,
@@ -122,6 +177,7 @@ static inline __attribute__((always_inline)) void panel_rows(const int bf16, con
 }
 
 typedef void (*panel_fn)(const float*, int64_t, int64_t, const void*, float*, int64_t, int, const float*);
+typedef void (*group_fn)(const float*, int64_t, int64_t, const void*, float*, int64_t, const float*);
 
 static void panel_rows_f32(const float* x, int64_t m, int64_t k, const void* panel, float* y, int64_t ldy, int ncols,
                            const float* bias) {
@@ -133,8 +189,46 @@ static void panel_rows_bf16(const float* x, int64_t m, int64_t k, const void* pa
   panel_rows(1, x, m, k, panel, y, ldy, ncols, bias);
 }
 
-static void linear_panels(panel_fn rows_of, size_t weight_bytes, const float* x, const void* packed,
+/* m_total (1 or 2) rows against group_panels(m_total) adjacent whole panels. */
+static inline int64_t group_panels(int64_t m_total) { return m_total == 1 ? 6 : 2; }
+
+static void group_f32(const float* x, int64_t m, int64_t k, const void* panels, float* y, int64_t ldy, const float* bias) {
+  if (m == 1)
+    row_against_6_panels(0, x, k, panels, y, bias);
+  else
+    two_rows_against_2_panels(0, x, k, panels, y, ldy, bias);
+}
+
+static void group_bf16(const float* x, int64_t m, int64_t k, const void* panels, float* y, int64_t ldy, const float* bias) {
+  if (m == 1)
+    row_against_6_panels(1, x, k, panels, y, bias);
+  else
+    two_rows_against_2_panels(1, x, k, panels, y, ldy, bias);
+}
+
+/* One or two rows: groups of whole panels, then the panels left over one at a time. */
+static void few_rows(panel_fn rows_of, group_fn group_of, size_t weight_bytes, const float* x, const void* packed,
+                     const float* bias, float* y, int64_t m_total, int64_t k_total, int64_t n_total) {
+  int64_t panels = (n_total + NR - 1) / NR, per_group = group_panels(m_total);
+  int64_t groups = n_total / NR / per_group, grouped = groups * per_group;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t g = 0; g < groups + panels - grouped; g++) {
+    int64_t p = g < groups ? g * per_group : grouped + g - groups, n0 = p * NR;
+    const char* panel = (const char*)packed + (size_t)(p * k_total * NR) * weight_bytes;
+    const float* b = bias ? bias + n0 : 0;
+    if (g < groups)
+      group_of(x, m_total, k_total, panel, y + n0, n_total, b);
+    else
+      rows_of(x, m_total, k_total, panel, y + n0, n_total, n_total - n0 < NR ? (int)(n_total - n0) : NR, b);
+  }
+}
+
+static void linear_panels(panel_fn rows_of, group_fn group_of, size_t weight_bytes, const float* x, const void* packed,
                           const float* bias, float* y, int64_t m_total, int64_t k_total, int64_t n_total) {
+  if (m_total <= 2) {
+    few_rows(rows_of, group_of, weight_bytes, x, packed, bias, y, m_total, k_total, n_total);
+    return;
+  }
   int64_t panels = (n_total + NR - 1) / NR;
   int64_t rows_per_pass = X_BLOCK_BYTES / (k_total * 4);
   rows_per_pass = rows_per_pass < MR ? MR : rows_per_pass - rows_per_pass % MR;
@@ -156,11 +250,11 @@ static void linear_panels(panel_fn rows_of, size_t weight_bytes, const float* x,
 /* x [m_total, k_total], packed from pack_weight, bias [n_total] or NULL, y [m_total, n_total]. */
 void linear(const float* x, const float* packed, const float* bias, float* y, int64_t m_total, int64_t k_total,
             int64_t n_total) {
-  linear_panels(panel_rows_f32, sizeof(float), x, packed, bias, y, m_total, k_total, n_total);
+  linear_panels(panel_rows_f32, group_f32, sizeof(float), x, packed, bias, y, m_total, k_total, n_total);
 }
 
 /* The same with weights from pack_weight_bf16. */
 void linear_bf16w(const float* x, const uint16_t* packed, const float* bias, float* y, int64_t m_total,
                   int64_t k_total, int64_t n_total) {
-  linear_panels(panel_rows_bf16, sizeof(uint16_t), x, packed, bias, y, m_total, k_total, n_total);
+  linear_panels(panel_rows_bf16, group_bf16, sizeof(uint16_t), x, packed, bias, y, m_total, k_total, n_total);
 }
