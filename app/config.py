@@ -23,6 +23,7 @@ BATCHING_MODES = ("none", "dynamic", "continuous")
 CPU_LINEAR_KERNELS = ("auto", "avx2", "onednn", "torch")  # app/engine/cpu_linear.py
 CPU_ATTENTION_KERNELS = ("auto", "torch")  # app/engine/cpu_attention.py
 CPU_NORM_KERNELS = ("auto", "torch")  # app/engine/cpu_norm.py
+CPU_ROTARY_KERNELS = ("auto", "torch")  # app/engine/cpu_rotary.py
 QUANTIZATION_METHODS = ("none", "bnb-int8", "bnb-nf4", "gptq")  # app.models.quantization implements them
 SERVED_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
 
@@ -98,6 +99,7 @@ class EngineConfig:
     cpu_linear_kernel: str = "auto"  # fp32 on CPU: auto | avx2 (ours) | onednn | torch (docs/engine.md)
     cpu_attention_kernel: str = "auto"  # fp32 on CPU, decode steps: auto (ours where it builds) | torch (gather + SDPA)
     cpu_norm_kernel: str = "auto"  # fp32 RMSNorm on CPU: auto (ours where it builds and matches the model's) | torch
+    cpu_rotary_kernel: str = "auto"  # fp32 RoPE on CPU: auto (ours where it builds and gives the model's bits) | torch; process-wide
     max_queued_requests: int = 1024  # beyond this, new requests get 503 instead of waiting forever
 
     def __post_init__(self) -> None:
@@ -117,6 +119,8 @@ class EngineConfig:
             raise ValueError(f"engine.cpu_attention_kernel {self.cpu_attention_kernel!r} is not one of {', '.join(CPU_ATTENTION_KERNELS)}")
         if self.cpu_norm_kernel not in CPU_NORM_KERNELS:
             raise ValueError(f"engine.cpu_norm_kernel {self.cpu_norm_kernel!r} is not one of {', '.join(CPU_NORM_KERNELS)}")
+        if self.cpu_rotary_kernel not in CPU_ROTARY_KERNELS:
+            raise ValueError(f"engine.cpu_rotary_kernel {self.cpu_rotary_kernel!r} is not one of {', '.join(CPU_ROTARY_KERNELS)}")
         if self.batching == "none":
             self.max_num_seqs = 1  # the naive baseline: one request at a time, whatever else is set
 

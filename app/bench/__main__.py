@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from app.bench.load import LoadSpec, run_load
-from app.config import CPU_ATTENTION_KERNELS, CPU_LINEAR_KERNELS, CPU_NORM_KERNELS
+from app.config import CPU_ATTENTION_KERNELS, CPU_LINEAR_KERNELS, CPU_NORM_KERNELS, CPU_ROTARY_KERNELS
 
 RESULTS = Path("results/bench")
 
@@ -135,7 +135,10 @@ def quant(args, spec: LoadSpec) -> dict:
 
 
 def _kernel_args(args: argparse.Namespace) -> dict:
-    return {"linear_kernel": args.linear_kernel, "attention_kernel": args.attention_kernel, "norm_kernel": args.norm_kernel}
+    """The engine's CPU kernel settings the command line picked (EngineConfig field names)."""
+    kernels = {"cpu_linear_kernel": args.linear_kernel, "cpu_attention_kernel": args.attention_kernel,
+               "cpu_norm_kernel": args.norm_kernel, "cpu_rotary_kernel": args.rotary_kernel}
+    return {"kernels": kernels}
 
 
 def _concrete_dtype(dtype: str, device: str = "cpu") -> str:
@@ -187,6 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--linear-kernel", default="auto", choices=CPU_LINEAR_KERNELS, help="profile, engine: the fp32 Linear kernel")
     parser.add_argument("--attention-kernel", default="auto", choices=CPU_ATTENTION_KERNELS, help="profile, engine: decode attention on CPU")
     parser.add_argument("--norm-kernel", default="auto", choices=CPU_NORM_KERNELS, help="profile, engine: RMSNorm on CPU")
+    parser.add_argument("--rotary-kernel", default="auto", choices=CPU_ROTARY_KERNELS, help="profile, engine: RoPE on CPU")
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--dynamic-window-s", type=float, default=0.25, help="compare: batch_wait_timeout_s for dynamic")
     parser.add_argument("--model", default="smollm2-135m-instruct")

@@ -14,13 +14,11 @@ from app.engine import LLMEngine, Request, SamplingParams
 from app.models import load_model
 
 
-def run_engine_bench(
-    spec: LoadSpec, modes: list[str], dtype: str = "bfloat16", linear_kernel: str = "auto", attention_kernel: str = "auto",
-    norm_kernel: str = "auto",
-) -> dict:
+def run_engine_bench(spec: LoadSpec, modes: list[str], dtype: str = "bfloat16", kernels: dict | None = None) -> dict:
+    """``kernels``: EngineConfig's ``cpu_*_kernel`` settings to use (default: the config's defaults)."""
     loaded = load_model(ModelConfig(dtype=dtype))
     prompts = [loaded.tokenizer.encode(p) for p in make_prompts(spec)]
-    kernels = {"cpu_linear_kernel": linear_kernel, "cpu_attention_kernel": attention_kernel, "cpu_norm_kernel": norm_kernel}
+    kernels = kernels or {}
     results: dict = {"spec": {**spec.__dict__, "dtype": dtype, **kernels}, "modes": {}}
     for mode in modes:
         engine = LLMEngine(loaded, EngineConfig(batching=mode, **kernels))

@@ -3,7 +3,7 @@
 ``python -m app.bench profile --batches 1 32`` loads the model (``--dtype``, auto as the server picks),
 fills the engine with ``batch`` copies of the workload's prompts, steps past the prefill, then times
 ``--steps`` decode steps and profiles a few more. ``--linear-kernel`` (auto, avx2, onednn, torch),
-``--attention-kernel`` and ``--norm-kernel`` (auto, torch) pick the CPU kernels, for the comparisons in docs/engine.md.
+``--attention-kernel``, ``--norm-kernel`` and ``--rotary-kernel`` (auto, torch) pick the CPU kernels, for the comparisons in docs/engine.md.
 Figures for the README's "what limits us" come from here.
 """
 
@@ -23,14 +23,12 @@ _PROFILED_STEPS = 5
 _TOP_OPS = 12
 
 
-def run_step_profile(
-    spec: LoadSpec, batches: list[int], dtype: str, steps: int, linear_kernel: str = "auto", attention_kernel: str = "auto",
-    norm_kernel: str = "auto",
-) -> dict:
+def run_step_profile(spec: LoadSpec, batches: list[int], dtype: str, steps: int, kernels: dict | None = None) -> dict:
+    """``kernels``: EngineConfig's ``cpu_*_kernel`` settings to use (default: the config's defaults)."""
     loaded = load_model(ModelConfig(dtype=dtype))
     prompts = [loaded.tokenizer.encode(p) for p in make_prompts(LoadSpec(**{**spec.__dict__, "num_requests": max(batches)}))]
-    kernels = {"cpu_linear_kernel": linear_kernel, "cpu_attention_kernel": attention_kernel, "cpu_norm_kernel": norm_kernel}
-    report: dict = {"dtype": dtype, "linear_kernel": linear_kernel, "attention_kernel": attention_kernel, "norm_kernel": norm_kernel, "threads": torch.get_num_threads(), "batches": {}}
+    kernels = kernels or {}
+    report: dict = {"dtype": dtype, **kernels, "threads": torch.get_num_threads(), "batches": {}}
     for batch in batches:
         engine = LLMEngine(loaded, EngineConfig(max_num_seqs=batch, **kernels))
         report["batches"][batch] = _profile_batch(engine, prompts[:batch], steps)

@@ -18,6 +18,7 @@ from app.config import EngineConfig
 from app.engine.cpu_attention import load_decode_attention
 from app.engine.cpu_linear import pack_cpu_linears
 from app.engine.cpu_norm import fuse_rms_norms
+from app.engine.cpu_rotary import fuse_rotary, unfuse_rotary
 from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import PagedBatch, SequenceSlice, register_paged_attention
 from app.engine.request import Request, TokenLogprob
@@ -87,6 +88,8 @@ class ModelRunner:
         pack_cpu_linears(self.model, config.cpu_linear_kernel, loaded.weight_dtype or torch.float32)
         if config.cpu_norm_kernel == "auto":
             fuse_rms_norms(self.model)  # fp32 CPU norms whose formula our kernel reproduces
+        if self.device.type == "cpu":  # process-wide, and only where it gives the model's own bits
+            fuse_rotary(self.model) if config.cpu_rotary_kernel == "auto" else unfuse_rotary(self.model)
         self.decode_kernel = None
         if config.cpu_attention_kernel == "auto" and self.kv_pool.device.type == "cpu" and self.kv_pool.dtype == torch.float32:
             self.decode_kernel = load_decode_attention()

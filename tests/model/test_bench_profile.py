@@ -16,7 +16,7 @@ KERNEL_OPS = {"avx2": "llm_serve::avx2_linear", "onednn": "mkldnn::_linear_point
 @pytest.mark.parametrize("kernel", list(KERNEL_OPS))
 def test_profile_times_decode_steps_and_names_the_linear_kernel(kernel):
     linear_op = KERNEL_OPS[kernel]
-    report = run_step_profile(LoadSpec(prompt_words=8), batches=[1, 3], dtype="float32", steps=2, linear_kernel=kernel)
+    report = run_step_profile(LoadSpec(prompt_words=8), batches=[1, 3], dtype="float32", steps=2, kernels={"cpu_linear_kernel": kernel})
     assert set(report["batches"]) == {1, 3}
     for batch, row in report["batches"].items():
         assert row["step_ms"] > 0
