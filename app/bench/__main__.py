@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m app.bench {load,compare,engine,hf,quant,profile,gemm,norm-pairs}`` (``make bench`` runs ``compare``
+"""Benchmarks: ``python -m app.bench {load,compare,engine,hf,quant,profile,gemm,kernel-pairs}`` (``make bench`` runs ``compare``
 and ``hf``; ``make bench-quant`` runs ``quant``).
 
 - ``load``: drive an already running server (e.g. ``make serve``) with N concurrent streaming requests.
@@ -10,7 +10,8 @@ and ``hf``; ``make bench-quant`` runs ``quant``).
 - ``hf``: transformers' own ``generate_batch`` and ``generate`` on the same workload, offline.
 - ``profile``: decode steps of the engine at fixed batch sizes, timed and under torch's profiler.
 - ``gemm``: the CPU fp32 Linear kernels (our AVX2 GEMM, oneDNN, torch) on the model's matrix shapes.
-- ``norm-pairs``: decode steps with our fused RMSNorm and with torch's, alternated inside one engine.
+- ``kernel-pairs``: decode steps with one of our small kernels (``--kernel norm``: RMSNorm; ``rotary``:
+  RoPE) and with torch's ops, alternated inside one engine.
 - ``quant``: per quantization (none, bnb-int8, bnb-nf4, gptq) weight and resident memory, held-out
   perplexity and greedy agreement with bf16 (the fidelity report), then naive bf16 and batched
   bf16/int8/nf4/GPTQ served through HTTP on W1 (the comparison table). JSON plus a markdown file.
@@ -56,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         from app.bench.profile_steps import run_step_profile
 
         result = run_step_profile(spec, args.batches, _concrete_dtype(args.dtype), args.steps, **_kernel_args(args))
-    elif args.command == "norm-pairs":
-        from app.bench.norm_pairs import run_norm_pairs
+    elif args.command == "kernel-pairs":
+        from app.bench.kernel_pairs import run_kernel_pairs
 
-        result = run_norm_pairs(spec, args.batches, _concrete_dtype(args.dtype), args.pairs, args.steps)
+        result = run_kernel_pairs(spec, args.kernel, args.batches, _concrete_dtype(args.dtype), args.pairs, args.steps)
     elif args.command == "gemm":
         from app.bench.gemm import run_gemm_bench
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(result))
     elif args.command == "compare":
         print(format_table(result))
-    elif args.command not in ("profile", "gemm", "norm-pairs"):  # these printed their own tables as they went
+    elif args.command not in ("profile", "gemm", "kernel-pairs"):  # these printed their own tables as they went
         print(json.dumps(result, indent=2))
     print(f"saved {out}")
     return 0
@@ -172,7 +173,7 @@ def _machine() -> dict:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["load", "compare", "engine", "hf", "quant", "profile", "gemm", "norm-pairs"])
+    parser.add_argument("command", choices=["load", "compare", "engine", "hf", "quant", "profile", "gemm", "kernel-pairs"])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="load: the server to drive")
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare: the app config to serve")
     parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])
@@ -185,8 +186,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--single-stream-modes", nargs="*", default=["continuous"], help="modes that also run W2")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="profile, gemm: sequences per decode step (gemm: rows)")
     parser.add_argument("--kernels", nargs="+", default=["avx2", "onednn", "torch"], help="gemm: the Linear kernels to compare (auto, avx2, avx2-bf16, onednn, torch)")
-    parser.add_argument("--steps", type=int, default=20, help="profile: timed decode steps per batch size; norm-pairs: steps per block")
-    parser.add_argument("--pairs", type=int, default=12, help="norm-pairs: fused/torch block pairs per batch size")
+    parser.add_argument("--steps", type=int, default=20, help="profile: timed decode steps per batch size; kernel-pairs: steps per block")
+    parser.add_argument("--pairs", type=int, default=12, help="kernel-pairs: ours/torch block pairs per batch size")
+    parser.add_argument("--kernel", default="norm", choices=["norm", "rotary"], help="kernel-pairs: which of our kernels to pair with torch's ops")
     parser.add_argument("--linear-kernel", default="auto", choices=CPU_LINEAR_KERNELS, help="profile, engine: the fp32 Linear kernel")
     parser.add_argument("--attention-kernel", default="auto", choices=CPU_ATTENTION_KERNELS, help="profile, engine: decode attention on CPU")
     parser.add_argument("--norm-kernel", default="auto", choices=CPU_NORM_KERNELS, help="profile, engine: RMSNorm on CPU")

@@ -113,10 +113,17 @@ def fuse_rotary(model: nn.Module) -> bool:
 
 def unfuse_rotary(model: nn.Module) -> None:
     """Give ``model``'s modeling module its own ``apply_rotary_pos_emb`` back (``cpu_rotary_kernel: torch``)."""
+    installed = installed_rotary(model)
+    if installed is not None:
+        namespace, fused = installed
+        setattr(namespace, _FUNCTION, fused.original)
+
+
+def installed_rotary(model: nn.Module):
+    """(modeling module, our FusedRotary) where ``fuse_rotary`` installed it for ``model``, else None (benchmarks)."""
     namespace = _modeling_module(model)
     current = getattr(namespace, _FUNCTION, None)
-    if isinstance(current, FusedRotary):
-        setattr(namespace, _FUNCTION, current.original)
+    return (namespace, current) if isinstance(current, FusedRotary) else None
 
 
 def _modeling_module(model: nn.Module):

@@ -26,14 +26,15 @@ def test_profile_times_decode_steps_and_names_the_linear_kernel(kernel):
         assert not {op for other, op in KERNEL_OPS.items() if other != kernel} & set(names)
 
 
-def test_norm_pairs_times_decode_steps_with_fused_and_with_torch_norms():
-    from app.bench.norm_pairs import run_norm_pairs
+@pytest.mark.parametrize("kernel, replaced", [("norm", 61), ("rotary", 1)])  # SmolLM2-135M: 2 norms x 30 layers + the final one
+def test_kernel_pairs_times_decode_steps_with_ours_and_with_torchs(kernel, replaced):
+    from app.bench.kernel_pairs import run_kernel_pairs
     from app.engine.cpu_kernels import unsupported_reason
 
     if unsupported_reason() is not None:
         pytest.skip(unsupported_reason())
-    report = run_norm_pairs(LoadSpec(prompt_words=8), batches=[2], dtype="float32", pairs=2, steps=1)
+    report = run_kernel_pairs(LoadSpec(prompt_words=8), kernel, batches=[2], dtype="float32", pairs=2, steps=1)
     row = report["batches"][2]
-    assert row["fused_norms"] == 61  # SmolLM2-135M: 2 per layer x 30 layers + the final norm
-    assert row["fused_step_ms"] > 0 and row["torch_step_ms"] > 0
+    assert row["replaced"] == replaced
+    assert row["ours_step_ms"] > 0 and row["torch_step_ms"] > 0
     assert math.isfinite(row["paired_saving_ms"])
