@@ -2,8 +2,9 @@
 
 torch's attention wants each sequence's keys and values as one tensor, so the paged path gathers
 them out of the pool into a copy that SDPA then reads: three passes over the K/V bytes. This kernel
-reads each key and value once, in place, through the sequence's slot list; measured in docs/engine.md.
-It serves fp32 pools on CPU; everything else (and prefill chunks) keeps the gather + SDPA path.
+reads each key and value once, in place, through the sequence's slot list, and writes the step's new
+keys and values into the pool itself (no index_copy_ calls); measured in docs/engine.md. It serves
+fp32 pools on CPU; everything else (and prefill chunks) keeps the gather + SDPA path.
 """
 
 from __future__ import annotations
@@ -21,28 +22,33 @@ class DecodeAttentionKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.decode_attention.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+        lib.decode_attention.argtypes = [
+            ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
+        ]
         lib.decode_attention.restype = None
         self._lib = lib
 
     def __call__(
         self,
         query: torch.Tensor,  # [1, H, B, D]: one query per sequence
+        key: torch.Tensor,  # [1, Hkv, B, D]: this step's key of each sequence, written into k_pool first
+        value: torch.Tensor,  # [1, Hkv, B, D]
         k_pool: torch.Tensor,  # [slots, Hkv, D]
         v_pool: torch.Tensor,
-        key_slots: torch.Tensor,  # [B, L] int64: pool slot of each key, padded past each sequence's count
+        new_slots: torch.Tensor,  # [B] int64: the pool slot of each sequence's new key and value
+        key_slots: torch.Tensor,  # [B, L] int64: pool slot of each key (the new one too), padded past each count
         key_counts: torch.Tensor,  # [B] int64: keys of each sequence
         scale: float,
     ) -> torch.Tensor:  # [1, B, H, D], as transformers' attention functions return
         _, heads, seqs, head_dim = query.shape
-        if query.stride(-1) != 1:
-            query = query.contiguous()
+        query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+        qs, ks, vs = query.stride(), key.stride(), value.stride()
         out = torch.empty(1, seqs, heads, head_dim, dtype=torch.float32)
         with profiler_label(self.label):
             self._lib.decode_attention(
-                query.data_ptr(), query.stride(2), query.stride(1), k_pool.data_ptr(), v_pool.data_ptr(),
-                key_slots.data_ptr(), key_counts.data_ptr(), out.data_ptr(),
-                seqs, heads, k_pool.shape[1], head_dim, key_slots.shape[1], scale,
+                query.data_ptr(), qs[2], qs[1], key.data_ptr(), ks[2], ks[1], value.data_ptr(), vs[2], vs[1],
+                new_slots.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), key_slots.data_ptr(), key_counts.data_ptr(),
+                out.data_ptr(), seqs, heads, k_pool.shape[1], head_dim, key_slots.shape[1], scale,
             )
         return out
 

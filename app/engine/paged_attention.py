@@ -148,12 +148,13 @@ def paged_attention_forward(
     if paged_batch is None:  # plain transformers use of the model (e.g. generate): behave as SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     k_pool, v_pool = paged_batch.kv_pool[module.layer_idx]  # [slots, Hkv, D] each
+    if paged_batch.decode_kernel is not None:  # it writes the new keys and values into the pool itself
+        group, scale = paged_batch.groups[0], scaling if scaling is not None else query.shape[-1] ** -0.5
+        kernel = paged_batch.decode_kernel
+        return kernel(query, key, value, k_pool, v_pool, paged_batch.slot_mapping, group.key_slots, group.key_counts, scale), None
     k_pool.index_copy_(0, paged_batch.slot_mapping, key[0].transpose(0, 1))
     v_pool.index_copy_(0, paged_batch.slot_mapping, value[0].transpose(0, 1))
 
-    if paged_batch.decode_kernel is not None:
-        group, scale = paged_batch.groups[0], scaling if scaling is not None else query.shape[-1] ** -0.5
-        return paged_batch.decode_kernel(query, k_pool, v_pool, group.key_slots, group.key_counts, scale), None
     if paged_batch.decode_only:
         return _attend_decodes(query, k_pool, v_pool, paged_batch.groups[0], scaling), None
     packed = query[0].transpose(0, 1)  # [T, H, D]

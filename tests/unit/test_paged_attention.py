@@ -82,7 +82,8 @@ def test_decode_steps_through_our_cpu_kernel_equal_causal_attention():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def _kernel_case(seqs: int, heads: int, kv_heads: int, head_dim: int, key_counts: list[int]):
+def _kernel_case(seqs: int, heads: int, kv_heads: int, head_dim: int, key_counts: list[int]) -> dict:
+    """A decode step's kernel arguments: each sequence's last key slot is where its new key and value go."""
     torch.manual_seed(seqs + head_dim)
     slots = 4 * sum(key_counts)
     k_pool, v_pool = torch.randn(slots, kv_heads, head_dim), torch.randn(slots, kv_heads, head_dim)
@@ -90,34 +91,47 @@ def _kernel_case(seqs: int, heads: int, kv_heads: int, head_dim: int, key_counts
     key_slots = torch.zeros(seqs, width, dtype=torch.long)
     for b, n in enumerate(key_counts):
         key_slots[b, :n] = torch.randperm(slots)[:n]  # keys anywhere in the pool, in any order
-    query = torch.randn(1, seqs, heads, head_dim).transpose(1, 2)  # [1, H, B, D] view, as transformers passes it
-    return query, k_pool, v_pool, key_slots, torch.tensor(key_counts)
+    # [1, H, B, D] views of one projection's [B, (H + 2 Hkv) * D] output, as transformers passes them
+    fused = torch.randn(seqs, (heads + 2 * kv_heads) * head_dim)
+    query, key, value = (part.view(1, seqs, -1, head_dim).transpose(1, 2)
+                         for part in fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1))
+    new_slots = key_slots[torch.arange(seqs), torch.tensor(key_counts) - 1]
+    return {"query": query, "key": key, "value": value, "k_pool": k_pool, "v_pool": v_pool, "new_slots": new_slots,
+            "key_slots": key_slots, "key_counts": torch.tensor(key_counts)}
+
+
+def _run_kernel(case: dict, scale: float = 0.125) -> torch.Tensor:
+    return load_decode_attention()(**case, scale=scale)
 
 
 @needs_kernel
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 12), (8, 1, 128)])
-def test_decode_kernel_matches_sdpa_for_any_head_layout_and_length(heads, kv_heads, head_dim):
+def test_decode_kernel_writes_the_new_keys_and_matches_sdpa_for_any_head_layout_and_length(heads, kv_heads, head_dim):
     key_counts = [1, 7, 8, 9, 33, 130]  # lengths around the 8-wide vector exp, and a long one
-    query, k_pool, v_pool, key_slots, counts = _kernel_case(len(key_counts), heads, kv_heads, head_dim, key_counts)
-    scale = 0.125
-    got = load_decode_attention()(query, k_pool, v_pool, key_slots, counts, scale)
+    case = _kernel_case(len(key_counts), heads, kv_heads, head_dim, key_counts)
+    k_pool, v_pool = case["k_pool"].clone(), case["v_pool"].clone()  # what the pool must hold afterwards
+    k_pool.index_copy_(0, case["new_slots"], case["key"][0].transpose(0, 1))
+    v_pool.index_copy_(0, case["new_slots"], case["value"][0].transpose(0, 1))
+    got = _run_kernel(case)
+    assert torch.equal(case["k_pool"], k_pool) and torch.equal(case["v_pool"], v_pool)
     for b, n in enumerate(key_counts):
-        keys = k_pool[key_slots[b, :n]].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)  # [H, n, D]
-        values = v_pool[key_slots[b, :n]].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
-        expected = F.scaled_dot_product_attention(query[0, :, b : b + 1], keys, values, scale=scale)  # [H, 1, D]
+        slots = case["key_slots"][b, :n]
+        keys = k_pool[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)  # [H, n, D]
+        values = v_pool[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
+        expected = F.scaled_dot_product_attention(case["query"][0, :, b : b + 1], keys, values, scale=0.125)  # [H, 1, D]
         torch.testing.assert_close(got[0, b], expected[:, 0], rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
 def test_decode_kernel_gives_a_sequence_the_same_bits_alone_in_a_batch_and_on_one_thread():
-    query, k_pool, v_pool, key_slots, counts = _kernel_case(5, 9, 3, 64, [3, 50, 17, 64, 9])
-    kernel = load_decode_attention()
-    batched = kernel(query, k_pool, v_pool, key_slots, counts, 0.125)
-    alone = kernel(query[:, :, 1:2], k_pool, v_pool, key_slots[1:2, :50], counts[1:2], 0.125)
-    assert torch.equal(alone[0, 0], batched[0, 1])
+    case = _kernel_case(5, 9, 3, 64, [3, 50, 17, 64, 9])
+    batched = _run_kernel(case)
+    one = {name: t[:, :, 1:2] if name in ("query", "key", "value") else t for name, t in case.items()}
+    one.update(new_slots=case["new_slots"][1:2], key_slots=case["key_slots"][1:2, :50], key_counts=case["key_counts"][1:2])
+    assert torch.equal(_run_kernel(one)[0, 0], batched[0, 1])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(kernel(query, k_pool, v_pool, key_slots, counts, 0.125), batched)
+        assert torch.equal(_run_kernel(case), batched)
     finally:
         torch.set_num_threads(threads)

@@ -4,7 +4,8 @@
  * Why: torch's attention needs each sequence's keys and values as one tensor, so the paged pool was
  * first gathered into a copy and SDPA then read the copy: three passes over the K/V bytes, which on
  * the 2-core AVX2 machine were ~20% of a 32-sequence decode step. This kernel reads every key and
- * value once, where it lies in the pool, through the sequence's slot list.
+ * value once, where it lies in the pool, through the sequence's slot list. It also writes the step's
+ * new keys and values into the pool (two torch index_copy_ calls a layer before, ~0.5-1.5 ms a step).
  *
  * One task per (sequence, KV head) computes all the query heads that share that KV head (grouped-query
  * attention): scores, softmax, weighted sum of values, in a fixed order on one thread, so a
@@ -132,20 +133,33 @@ static void weighted_values(const float* p, const float* v_pool, const int64_t* 
   }
 }
 
+/* Sequence b's new key or value of KV head g (at x + b*seq_stride + g*head_stride) into its pool slot. */
+static inline void store_new(const float* x, int64_t seq_stride, int64_t head_stride, float* pool, int64_t slot,
+                             int64_t b, int64_t g, int64_t kv_heads, int64_t d) {
+  const float* src = x + b * seq_stride + g * head_stride;
+  float* dst = pool + (slot * kv_heads + g) * d;
+  for (int64_t i = 0; i < d; i++) dst[i] = src[i];
+}
+
 /* q: query head h of sequence b at q + b*q_seq_stride + h*q_head_stride, head_dim contiguous.
+ * new_k, new_v: this step's key and value of each sequence, laid out like q (their own strides), written
+ * first into the pool at new_slots[b] (one task writes what it then reads: no other thread touches it).
  * k_pool, v_pool: [slots, kv_heads, head_dim] contiguous. key_slots: [seqs, max_keys] pool slot of each
- * key; key_counts: [seqs] keys of each sequence (its first key_counts[b] slots are real).
- * out: [seqs, heads, head_dim] contiguous. */
-void decode_attention(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* k_pool,
-                      const float* v_pool, const int64_t* key_slots, const int64_t* key_counts, float* out,
-                      int64_t seqs, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t max_keys,
-                      float scale) {
+ * key, the new one included; key_counts: [seqs] keys of each sequence (its first key_counts[b] slots are
+ * real). out: [seqs, heads, head_dim] contiguous. */
+void decode_attention(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* new_k,
+                      int64_t k_seq_stride, int64_t k_head_stride, const float* new_v, int64_t v_seq_stride,
+                      int64_t v_head_stride, const int64_t* new_slots, float* k_pool, float* v_pool,
+                      const int64_t* key_slots, const int64_t* key_counts, float* out, int64_t seqs, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, int64_t max_keys, float scale) {
   const int64_t group = heads / kv_heads; /* query heads sharing one KV head */
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
   for (int64_t b = 0; b < seqs; b++) {
     for (int64_t g = 0; g < kv_heads; g++) {
       const int64_t keys = key_counts[b];
       const int64_t* slots = key_slots + b * max_keys;
+      store_new(new_k, k_seq_stride, k_head_stride, k_pool, new_slots[b], b, g, kv_heads, head_dim);
+      store_new(new_v, v_seq_stride, v_head_stride, v_pool, new_slots[b], b, g, kv_heads, head_dim);
       float* scores = malloc(sizeof(float) * (size_t)keys);
       for (int64_t r = 0; r < group; r++) {
         const int64_t h = g * group + r;
