@@ -66,14 +66,16 @@ static inline __attribute__((always_inline)) __m256 load_weights(const void* pan
   return _mm256_loadu_ps((const float*)panel + at);
 }
 
-/* Rows [0, mr) of x against one panel; mr is a constant after inlining, so unused rows vanish. */
+/* Rows [0, mr) of x against one panel; mr is a constant after inlining, so unused rows vanish. With
+ * `next`, it also prefetches the panel after this one, a cache line per k. */
 static inline __attribute__((always_inline)) void tile(const int mr, const int bf16, const float* x,
                                                        int64_t k_total, const void* panel, float* y,
-                                                       int64_t ldy, int ncols, const float* bias) {
+                                                       int64_t ldy, int ncols, const float* bias, const char* next) {
   __m256 z = _mm256_setzero_ps();
   /* Named accumulators, not an array: gcc spills an array of vectors to the stack every iteration. */
   __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
   for (int64_t k = 0; k < k_total; k++) {
+    if (next) _mm_prefetch(next + k * NR * (bf16 ? 2 : 4), _MM_HINT_T0);
     __m256 b0 = load_weights(panel, k * NR, bf16), b1 = load_weights(panel, k * NR + 8, bf16), a;
 #define ROW(i)                                           \
   if (mr > i) {                                          \
@@ -162,16 +164,25 @@ static inline __attribute__((always_inline)) void two_rows_against_2_panels(cons
 static inline __attribute__((always_inline)) void panel_rows(const int bf16, const float* x, int64_t m_total,
                                                              int64_t k_total, const void* panel, float* y,
                                                              int64_t ldy, int ncols, const float* bias) {
+  /* The first tile prefetches the next panel, most often this thread's next one (they go out 4 at a
+   * time): it comes from memory while this one computes instead of stalling the next panel's first
+   * tile. With and without it alternated in one process, all projections of SmolLM2-135M: 1.02-1.07x
+   * faster at 4-64 rows with fp32 weights, 1.04-1.2x with bf16. */
+  const char* next = (const char*)panel + k_total * NR * (bf16 ? 2 : 4);
   int64_t m = 0;
-  for (; m + MR <= m_total; m += MR) tile(MR, bf16, x + m * k_total, k_total, panel, y + m * ldy, ldy, ncols, bias);
+  if (m_total >= MR) {
+    tile(MR, bf16, x, k_total, panel, y, ldy, ncols, bias, next);
+    for (m = MR; m + MR <= m_total; m += MR) tile(MR, bf16, x + m * k_total, k_total, panel, y + m * ldy, ldy, ncols, bias, 0);
+  }
   const float* xr = x + m * k_total;
   float* yr = y + m * ldy;
+  const char* tail_next = m == 0 ? next : 0;
   switch (m_total - m) {
-    case 1: tile(1, bf16, xr, k_total, panel, yr, ldy, ncols, bias); break;
-    case 2: tile(2, bf16, xr, k_total, panel, yr, ldy, ncols, bias); break;
-    case 3: tile(3, bf16, xr, k_total, panel, yr, ldy, ncols, bias); break;
-    case 4: tile(4, bf16, xr, k_total, panel, yr, ldy, ncols, bias); break;
-    case 5: tile(5, bf16, xr, k_total, panel, yr, ldy, ncols, bias); break;
+    case 1: tile(1, bf16, xr, k_total, panel, yr, ldy, ncols, bias, tail_next); break;
+    case 2: tile(2, bf16, xr, k_total, panel, yr, ldy, ncols, bias, tail_next); break;
+    case 3: tile(3, bf16, xr, k_total, panel, yr, ldy, ncols, bias, tail_next); break;
+    case 4: tile(4, bf16, xr, k_total, panel, yr, ldy, ncols, bias, tail_next); break;
+    case 5: tile(5, bf16, xr, k_total, panel, yr, ldy, ncols, bias, tail_next); break;
     default: break;
   }
 }
