@@ -26,7 +26,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
 
 
 @needs_avx2
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 300])  # every tail of the 6-row tile, and x in several passes
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 14, 32, 64, 300])  # every tail of the 6-row tile (13, 14, 32: as 4 + 3-4), x in several passes
 # n around the 16-column panel; 132 = 8 whole panels + 4 columns: one or two rows take 6 or 2 panels at once, then the rest singly
 @pytest.mark.parametrize("k, n", [(1, 1), (7, 15), (64, 16), (576, 17), (1536, 49), (576, 132)])
 @pytest.mark.parametrize("bias", [False, True])
