@@ -90,33 +90,28 @@ class PagedBatch:
         return cls(kv_pool, slot_mapping.to(device), groups, decode_only, decode_kernel if decode_only else None)
 
 
-def _context_slots(s: SequenceSlice, block_size: int) -> torch.Tensor:
-    """Pool slots of every position of one sequence up to the end of this step's tokens."""
-    positions = torch.arange(s.num_computed + s.num_queries)
-    table = torch.tensor(s.block_table, dtype=torch.long)
-    return table[positions // block_size] * block_size + positions % block_size
-
-
 def _group(
     slices: Sequence[SequenceSlice], block_size: int, device: torch.device, slot_mapping: torch.Tensor
 ) -> AttentionGroup:
-    """Padded attention metadata for ``slices``; also writes their new tokens' slots into ``slot_mapping``."""
-    num_queries = max(s.num_queries for s in slices)
-    num_keys = max(s.num_computed + s.num_queries for s in slices)
-    query_index = torch.zeros(len(slices), num_queries, dtype=torch.long)
-    key_slots = torch.zeros(len(slices), num_keys, dtype=torch.long)
-    key_counts = torch.tensor([s.num_computed + s.num_queries for s in slices], dtype=torch.long)
-    query_pos = torch.zeros(len(slices), num_queries, dtype=torch.long)  # position of each query
-    real = torch.zeros(len(slices), num_queries, dtype=torch.bool)
-    for row, s in enumerate(slices):
-        n, context = s.num_queries, s.num_computed + s.num_queries
-        query_index[row, :n] = torch.arange(s.query_start, s.query_start + n)
-        query_index[row, n:] = s.query_start  # padded queries repeat a real one, then get dropped
-        query_pos[row, :n] = torch.arange(s.num_computed, context)
-        real[row, :n] = True
-        slots = _context_slots(s, block_size)  # [context]; the last n are where this step writes
-        key_slots[row, :context] = slots
-        slot_mapping[s.query_start : s.query_start + n] = slots[s.num_computed :]
+    """Padded attention metadata for ``slices``; also writes their new tokens' slots into ``slot_mapping``.
+
+    A few whole-batch tensor ops, not a few per sequence: per-sequence ops took 5 ms of a 32-sequence
+    decode step (~140 ms) on the 2-core dev machine.
+    """
+    counts = [s.num_computed + s.num_queries for s in slices]
+    num_queries, num_keys = max(s.num_queries for s in slices), max(counts)
+    num_blocks = -(-num_keys // block_size)
+    # [B, blocks] block tables padded with block 0; slots past a sequence's count are padding, masked out
+    tables = torch.tensor([list(s.block_table[:num_blocks]) + [0] * (num_blocks - min(len(s.block_table), num_blocks)) for s in slices])
+    key_slots = (tables.unsqueeze(-1) * block_size + torch.arange(block_size)).view(len(slices), -1)[:, :num_keys].contiguous()
+    per_seq = torch.tensor([[s.query_start, s.num_queries, s.num_computed] for s in slices]).T  # [3, B]
+    starts, lengths, computed = per_seq[0].unsqueeze(1), per_seq[1].unsqueeze(1), per_seq[2].unsqueeze(1)
+    offsets = torch.arange(num_queries)
+    real = offsets < lengths  # [B, Q]
+    query_index = torch.where(real, starts + offsets, starts)  # padded queries repeat a real one, then get dropped
+    query_pos = computed + offsets  # position of each query (past the context for padded ones)
+    slot_mapping[query_index[real]] = key_slots.gather(1, query_pos.clamp(max=num_keys - 1))[real]
+    key_counts = torch.tensor(counts, dtype=torch.long)
     key_pos = torch.arange(num_keys)
     # Causal within the sequence; keys past its context are padding. Padded queries see key 0 only
     # (a fully masked row would make SDPA return NaN).
