@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from app.engine.cpu_argmax import argmax_rows
 from app.engine.request import Request, TokenLogprob
 
 _NEG_INF = float("-inf")
@@ -41,7 +42,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         logits = _apply_penalties(logits, requests)
         logits = _mask_stop_tokens_before_min(logits, requests)
-        greedy_tokens = logits.argmax(dim=-1)  # [B]
+        greedy_tokens = argmax_rows(logits)  # [B]
         if all(r.sampling.greedy for r in requests):
             return greedy_tokens.tolist()
         probs = _truncated_probs(logits, requests)  # [B, V]
@@ -56,7 +57,7 @@ class Sampler:
         for row, request in enumerate(requests):
             if request.sampling.seed is not None and not request.sampling.greedy:
                 noise[row].exponential_(generator=self._generator_for(request, probs.device))
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
 
     def _generator_for(self, request: Request, device: torch.device) -> torch.Generator:
         generator = self._generators.get(request.request_id)
