@@ -43,12 +43,15 @@ class SequenceSlice:
 
 @dataclass
 class AttentionGroup:
-    """Requests attended together as a padded batch: ``B`` sequences, ``Q`` queries, ``L`` keys."""
+    """Requests attended together as a padded batch: ``B`` sequences, ``Q`` queries, ``L`` keys.
 
-    query_index: torch.Tensor  # [B*Q] packed index of each padded query (padding repeats a real one)
-    key_slots: torch.Tensor  # [B, L] pool slot of each key (padding points at slot 0, masked out)
+    A decode step attended by the CPU kernel needs only the key slots and counts: the other tensors are None.
+    """
+
+    query_index: torch.Tensor | None  # [B*Q] packed index of each padded query (padding repeats a real one)
+    key_slots: torch.Tensor  # [B, L] pool slot of each key (padding: slots of block 0 or unused ones, masked out)
     key_counts: torch.Tensor  # [B] keys of each sequence (its context up to the end of this step)
-    mask: torch.Tensor  # [B, 1, Q, L] True where the query may attend the key
+    mask: torch.Tensor | None  # [B, 1, Q, L] True where the query may attend the key
     real_rows: torch.Tensor | None  # [n] rows of the flattened [B*Q] output that are real queries
     num_seqs: int
     num_queries: int
@@ -82,12 +85,34 @@ class PagedBatch:
         decode_kernel: DecodeAttentionKernel | None = None,
     ) -> "PagedBatch":
         device = kv_pool.device
+        if decode_kernel is not None and all(s.num_queries == 1 for s in slices):
+            group, slot_mapping = _kernel_decode_group(slices, block_size, device)
+            return cls(kv_pool, slot_mapping, [group], True, decode_kernel)
         slot_mapping = torch.empty(sum(s.num_queries for s in slices), dtype=torch.long)  # filled by _group
         decodes = [s for s in slices if s.num_queries == 1]
         prefills = [s for s in slices if s.num_queries > 1]
         groups = [_group(g, block_size, device, slot_mapping) for g in (decodes, prefills) if g]
         decode_only = bool(decodes) and not prefills
         return cls(kv_pool, slot_mapping.to(device), groups, decode_only, decode_kernel if decode_only else None)
+
+
+def _key_slots(slices: Sequence[SequenceSlice], counts: list[int], block_size: int) -> torch.Tensor:
+    """[B, max count] pool slot of every key of each sequence (past its count: padding, never attended)."""
+    num_keys = max(counts)
+    num_blocks = -(-num_keys // block_size)
+    tables = torch.tensor([list(s.block_table[:num_blocks]) + [0] * (num_blocks - min(len(s.block_table), num_blocks)) for s in slices])
+    return (tables.unsqueeze(-1) * block_size + torch.arange(block_size)).view(len(slices), -1)[:, :num_keys].contiguous()
+
+
+def _kernel_decode_group(
+    slices: Sequence[SequenceSlice], block_size: int, device: torch.device
+) -> tuple[AttentionGroup, torch.Tensor]:
+    """A decode step for the CPU kernel: key slots and counts, and each sequence's new slot (its last key's)."""
+    counts = [s.num_computed + 1 for s in slices]
+    new_slots = [s.block_table[s.num_computed // block_size] * block_size + s.num_computed % block_size for s in slices]
+    group = AttentionGroup(None, _key_slots(slices, counts, block_size).to(device), torch.tensor(counts, device=device),
+                           None, None, num_seqs=len(slices), num_queries=1)
+    return group, torch.tensor(new_slots, device=device)
 
 
 def _group(
@@ -100,10 +125,7 @@ def _group(
     """
     counts = [s.num_computed + s.num_queries for s in slices]
     num_queries, num_keys = max(s.num_queries for s in slices), max(counts)
-    num_blocks = -(-num_keys // block_size)
-    # [B, blocks] block tables padded with block 0; slots past a sequence's count are padding, masked out
-    tables = torch.tensor([list(s.block_table[:num_blocks]) + [0] * (num_blocks - min(len(s.block_table), num_blocks)) for s in slices])
-    key_slots = (tables.unsqueeze(-1) * block_size + torch.arange(block_size)).view(len(slices), -1)[:, :num_keys].contiguous()
+    key_slots = _key_slots(slices, counts, block_size)
     per_seq = torch.tensor([[s.query_start, s.num_queries, s.num_computed] for s in slices]).T  # [3, B]
     starts, lengths, computed = per_seq[0].unsqueeze(1), per_seq[1].unsqueeze(1), per_seq[2].unsqueeze(1)
     offsets = torch.arange(num_queries)
