@@ -24,7 +24,10 @@ Sibling projections that read the same input (``q_proj``/``k_proj``/``v_proj`` o
 layer, ``gate_proj``/``up_proj`` of an MLP) are packed as one weight and run as one GEMM, as vLLM's
 QKV and merged column layers do: fewer, wider calls (per step ~90 fewer kernel launches on a 30-layer
 model). The transformers modules still call each projection by name; the first call computes all of
-them and the siblings return their slice of it.
+them and the siblings return their slice of it. A gated MLP (``down(act(gate(x)) * up(x))``) goes one
+step further: its ``forward`` runs the shared GEMM and slices it itself, the module's own ops in the
+module's own order (so the same bits, checked on a test input before it is switched), without the four
+module calls and the siblings' bookkeeping: ~30 us of ~360 a layer at one sequence (~0.9 ms a step).
 """
 
 from __future__ import annotations
@@ -168,6 +171,44 @@ class PackedSiblingLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.shared.kernel.name}, fused_with_siblings=True"
 
 
+class GatedMLPForward:
+    """A gated MLP's ``forward`` on its shared gate/up GEMM: ``down(act(gate) * up)``, as the module computes it."""
+
+    def __init__(self, module: nn.Module, shared: _SharedProjection) -> None:
+        self.module, self.shared, self.width = module, shared, shared.sizes[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shared, module, width = self.shared, self.module, self.width
+        gate_up = shared.kernel.apply(x, shared.packed_weight, shared.bias, 2 * width)
+        return module.down_proj(module.act_fn(gate_up[..., :width]) * gate_up[..., width:])
+
+
+def fuse_gated_mlps(model: nn.Module) -> int:
+    """Give each gated MLP whose gate/up projections share one GEMM a one-GEMM ``forward``, where it gives the same bits."""
+    fused = 0
+    for module in model.modules():
+        gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+        if not (isinstance(gate, PackedSiblingLinear) and isinstance(up, PackedSiblingLinear) and gate.shared is up.shared):
+            continue
+        if (gate.member, up.member) != (0, 1) or "forward" in module.__dict__ or not hasattr(module, "down_proj") or not hasattr(module, "act_fn"):
+            continue
+        candidate = GatedMLPForward(module, gate.shared)
+        if _same_bits(module, candidate, gate.in_features):
+            module.forward = candidate
+            fused += 1
+    return fused
+
+
+@torch.no_grad()
+def _same_bits(module: nn.Module, candidate: GatedMLPForward, in_features: int) -> bool:
+    """Does ``candidate`` give exactly the module's own output (another formula, e.g. act on up, would not)?"""
+    x = torch.randn(3, in_features, generator=torch.Generator().manual_seed(0))
+    try:
+        return torch.equal(candidate(x), type(module).forward(module, x))
+    except Exception:  # noqa: BLE001 - a forward of another shape or signature: leave it as it is
+        return False
+
+
 def bf16_exact(weight: torch.Tensor) -> bool:
     """Is every value of this fp32 weight a bf16 value (so storing it as bf16 loses nothing)?"""
     return torch.equal(weight, weight.detach().to(torch.bfloat16).to(torch.float32))
@@ -193,6 +234,7 @@ def pack_cpu_linears(model: nn.Module, kernel: str = "auto", weight_dtype: torch
                 setattr(parent, name, PackedLinear(child, chosen))
                 replaced += 1
     if replaced:
+        fuse_gated_mlps(model)
         _release_checkpoint_mapping(model)
         packed = [getattr(m, "packed_weight", None) for m in model.modules()]  # one per packed (fused) weight
         stored_bf16 = sum(1 for p in packed if p is not None and p.dtype == torch.bfloat16)

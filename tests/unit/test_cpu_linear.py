@@ -94,3 +94,38 @@ def test_siblings_are_fused_only_when_all_are_plain_fp32_linears_of_one_input():
     model.up_proj = nn.Linear(64, 128, bias=True)  # gate has no bias, up has one: separate
     assert pack_cpu_linears(model) == 4
     assert [type(m) for m in model.children()] == [PackedLinear, PackedLinear, QuantizedLinearStandIn, PackedLinear, PackedLinear]
+
+
+def _llama_mlp(act_on_up: bool = False) -> nn.Module:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    class ActOnUpMLP(LlamaMLP):
+        """Another gated formula under the same names: act(up) * gate."""
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, hidden_act="silu")
+    return (ActOnUpMLP if act_on_up else LlamaMLP)(config).eval()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_a_gated_mlp_runs_on_its_shared_gemm_with_the_same_bits(rows):
+    from app.engine.cpu_linear import GatedMLPForward
+
+    model = _llama_mlp()
+    x = torch.randn(1, rows, 64)
+    pack_cpu_linears(model)
+    assert isinstance(model.__dict__.get("forward"), GatedMLPForward)
+    with torch.inference_mode():
+        got = model(x)
+        model.__dict__.pop("forward")  # the module's own forward over the same packed projections
+        assert torch.equal(got, model(x))
+
+
+def test_a_gated_mlp_with_another_formula_keeps_its_own_forward():
+    model = _llama_mlp(act_on_up=True)
+    pack_cpu_linears(model)
+    assert isinstance(model.gate_proj, PackedSiblingLinear) and "forward" not in model.__dict__
