@@ -2,9 +2,9 @@
 
 Why a kernel of our own: a decode step of a few sequences is a chain of 1-4 row matrix products,
 bound by how fast the weights stream from memory. On the AVX2 AMD EPYC dev machine oneDNN and MKL
-stream them at 7-17 GB/s where the machine reads at ~21 GB/s; this 6x16 micro-kernel streams them at
-memory speed there: 1.3-1.4x oneDNN's prepacked GEMM at 1-8 rows, 1.05-1.1x at 16-64, even with
-it (within the noise) at 256 (docs/engine.md). Each output is summed in one fixed order whatever the
+stream them at 7-17 GB/s where the machine reads at ~21-29 GB/s; this 6x16 micro-kernel (with
+one or two rows against several panels at once) streams them at memory speed there: 1.4-1.6x
+oneDNN's prepacked GEMM at 1-32 rows, 1.2x at 64, 0.9x at 256 (docs/engine.md). Each output is summed in one fixed order whatever the
 batch, so a request's logits do not depend on its batch-mates (tested).
 
 Weights can be packed as bf16 (widened to fp32 in registers; activations and sums stay fp32): a

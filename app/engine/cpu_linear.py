@@ -4,8 +4,8 @@ torch runs an fp32 ``nn.Linear`` on CPU through MKL's sgemm, whose small-M path 
 AMD EPYC dev machine: a decode step of 2 sequences took as long as one of 16. The runner therefore
 packs every plain fp32 CPU Linear weight once into a kernel's own layout:
 
-- ``avx2``: our micro-kernel (``cpu_gemm.py``, ``kernels/linear_avx2.c``), 1.3-1.4x oneDNN on the 1-8
-  row products of decode steps (it streams the weights at memory speed), 1.05-1.1x at 16-64 rows,
+- ``avx2``: our micro-kernel (``cpu_gemm.py``, ``kernels/linear_avx2.c``), 1.4-1.6x oneDNN on the 1-32
+  row products of decode steps (it streams the weights at memory speed), 1.2x at 64 rows,
   with results that do not depend on the batch; it also takes bf16 weights (``weight_dtype``), and
   stores an fp32 weight as bf16 by itself when every value is a bf16 value (a bf16 checkpoint loaded
   as fp32): half the bytes, bit-identical results;

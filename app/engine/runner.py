@@ -88,8 +88,10 @@ class ModelRunner:
         pack_cpu_linears(self.model, config.cpu_linear_kernel, loaded.weight_dtype or torch.float32)
         if config.cpu_norm_kernel == "auto":
             fuse_rms_norms(self.model)  # fp32 CPU norms whose formula our kernel reproduces
-        if self.device.type == "cpu":  # process-wide, and only where it gives the model's own bits
-            fuse_rotary(self.model) if config.cpu_rotary_kernel == "auto" else unfuse_rotary(self.model)
+        if self.device.type == "cpu" and config.cpu_rotary_kernel == "auto":
+            fuse_rotary(self.model)  # process-wide, and only where it gives the model's own bits
+        elif self.device.type == "cpu":
+            unfuse_rotary(self.model)
         self.decode_kernel = None
         if config.cpu_attention_kernel == "auto" and self.kv_pool.device.type == "cpu" and self.kv_pool.dtype == torch.float32:
             self.decode_kernel = load_decode_attention()

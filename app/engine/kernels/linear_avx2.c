@@ -2,8 +2,8 @@
  *
  * Why our own: on the 2-core AVX2 AMD EPYC dev machine, oneDNN (and MKL) stream the weights of a
  * 1-4 row product at 10-13 GB/s while the machine reads memory at ~21 GB/s, and a decode step of
- * one sequence is exactly such products. This kernel streams them at ~20 GB/s and matches oneDNN's
- * prepacked GEMM at 16-256 rows (measured in docs/engine.md).
+ * one sequence is exactly such products. This kernel streams them at memory speed (20-29 GB/s) and
+ * runs 1.4-1.6x oneDNN's prepacked GEMM at 1-32 rows, 1.2x at 64, 0.9x at 256 (docs/engine.md).
  *
  * Weights are fp32 or bf16 (``linear_bf16w``): bf16 weights are widened to fp32 in registers (a
  * 16-bit shift) and everything else is fp32, so a decode step of one sequence streams half the bytes
