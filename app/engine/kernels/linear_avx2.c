@@ -75,6 +75,8 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int b
   __m256 z = _mm256_setzero_ps();
   /* Named accumulators, not an array: gcc spills an array of vectors to the stack every iteration. */
   __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
+  /* 4 k's per loop iteration: the loop's own instructions spread over 48 FMAs (1.01-1.07x at 8-32 rows, paired) */
+#pragma GCC unroll 4
   for (int64_t k = 0; k < k_total; k++) {
     if (next) _mm_prefetch(next + k * NR * (bf16 ? 2 : 4), _MM_HINT_T0);
     __m256 b0 = load_weights(panel, k * NR, bf16), b1 = load_weights(panel, k * NR + 8, bf16), a;
