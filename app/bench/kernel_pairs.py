@@ -25,9 +25,6 @@ from app.engine.cpu_norm import fused_norm_forwards
 from app.engine.cpu_rotary import installed_rotary
 from app.models import load_model
 
-KERNELS = ("norm", "rotary")
-
-
 def run_kernel_pairs(spec: LoadSpec, kernel: str, batches: list[int], dtype: str, pairs: int, steps: int) -> dict:
     loaded = load_model(ModelConfig(dtype=dtype))
     prompts = [loaded.tokenizer.encode(p) for p in make_prompts(LoadSpec(**{**spec.__dict__, "num_requests": max(batches)}))]

@@ -93,15 +93,19 @@ class PagedBatch:
         prefills = [s for s in slices if s.num_queries > 1]
         groups = [_group(g, block_size, device, slot_mapping) for g in (decodes, prefills) if g]
         decode_only = bool(decodes) and not prefills
-        return cls(kv_pool, slot_mapping.to(device), groups, decode_only, decode_kernel if decode_only else None)
+        return cls(kv_pool, slot_mapping.to(device), groups, decode_only)  # a kernel's decode steps returned above
 
 
 def _key_slots(slices: Sequence[SequenceSlice], counts: list[int], block_size: int) -> torch.Tensor:
     """[B, max count] pool slot of every key of each sequence (past its count: padding, never attended)."""
     num_keys = max(counts)
     num_blocks = -(-num_keys // block_size)
-    tables = torch.tensor([list(s.block_table[:num_blocks]) + [0] * (num_blocks - min(len(s.block_table), num_blocks)) for s in slices])
+    tables = torch.tensor([_padded(s.block_table[:num_blocks], num_blocks) for s in slices])  # [B, blocks], 0 past the end
     return (tables.unsqueeze(-1) * block_size + torch.arange(block_size)).view(len(slices), -1)[:, :num_keys].contiguous()
+
+
+def _padded(blocks: Sequence[int], length: int) -> list[int]:
+    return [*blocks, *[0] * (length - len(blocks))]
 
 
 def _kernel_decode_group(
