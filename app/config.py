@@ -24,6 +24,11 @@ CPU_LINEAR_KERNELS = ("auto", "avx2", "onednn", "torch")  # app/engine/cpu_linea
 CPU_ATTENTION_KERNELS = ("auto", "torch")  # app/engine/cpu_attention.py
 CPU_NORM_KERNELS = ("auto", "torch")  # app/engine/cpu_norm.py
 CPU_ROTARY_KERNELS = ("auto", "torch")  # app/engine/cpu_rotary.py
+CPU_DECODER_LAYERS = ("auto", "torch")  # app/engine/cpu_decoder.py
+_CPU_CHOICES = {
+    "cpu_linear_kernel": CPU_LINEAR_KERNELS, "cpu_attention_kernel": CPU_ATTENTION_KERNELS, "cpu_norm_kernel": CPU_NORM_KERNELS,
+    "cpu_rotary_kernel": CPU_ROTARY_KERNELS, "cpu_decoder_layer": CPU_DECODER_LAYERS,
+}
 QUANTIZATION_METHODS = ("none", "bnb-int8", "bnb-nf4", "gptq")  # app.models.quantization implements them
 SERVED_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
 
@@ -100,6 +105,7 @@ class EngineConfig:
     cpu_attention_kernel: str = "auto"  # fp32 on CPU, decode steps: auto (ours where it builds) | torch (gather + SDPA)
     cpu_norm_kernel: str = "auto"  # fp32 RMSNorm on CPU: auto (ours where it builds and matches the model's) | torch
     cpu_rotary_kernel: str = "auto"  # fp32 RoPE on CPU: auto (ours where it builds and gives the model's bits) | torch; process-wide
+    cpu_decoder_layer: str = "auto"  # packed CPU layers: auto (one-frame forward where it gives the module's bits) | torch
     max_queued_requests: int = 1024  # beyond this, new requests get 503 instead of waiting forever
 
     def __post_init__(self) -> None:
@@ -113,14 +119,9 @@ class EngineConfig:
             raise ValueError(f"engine.max_stream_chunks_per_s must be a number >= 0, got {self.max_stream_chunks_per_s!r}")
         if not isinstance(self.batch_wait_timeout_s, (int, float)) or self.batch_wait_timeout_s < 0:
             raise ValueError(f"engine.batch_wait_timeout_s must be a number >= 0, got {self.batch_wait_timeout_s!r}")
-        if self.cpu_linear_kernel not in CPU_LINEAR_KERNELS:
-            raise ValueError(f"engine.cpu_linear_kernel {self.cpu_linear_kernel!r} is not one of {', '.join(CPU_LINEAR_KERNELS)}")
-        if self.cpu_attention_kernel not in CPU_ATTENTION_KERNELS:
-            raise ValueError(f"engine.cpu_attention_kernel {self.cpu_attention_kernel!r} is not one of {', '.join(CPU_ATTENTION_KERNELS)}")
-        if self.cpu_norm_kernel not in CPU_NORM_KERNELS:
-            raise ValueError(f"engine.cpu_norm_kernel {self.cpu_norm_kernel!r} is not one of {', '.join(CPU_NORM_KERNELS)}")
-        if self.cpu_rotary_kernel not in CPU_ROTARY_KERNELS:
-            raise ValueError(f"engine.cpu_rotary_kernel {self.cpu_rotary_kernel!r} is not one of {', '.join(CPU_ROTARY_KERNELS)}")
+        for name, choices in _CPU_CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"engine.{name} {getattr(self, name)!r} is not one of {', '.join(choices)}")
         if self.batching == "none":
             self.max_num_seqs = 1  # the naive baseline: one request at a time, whatever else is set
 

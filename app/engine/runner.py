@@ -16,6 +16,7 @@ import torch
 
 from app.config import EngineConfig
 from app.engine.cpu_attention import load_decode_attention
+from app.engine.cpu_decoder import fuse_decoder_layers, unfuse_decoder_layers
 from app.engine.cpu_linear import pack_cpu_linears
 from app.engine.cpu_norm import fuse_rms_norms
 from app.engine.cpu_rotary import fuse_rotary, unfuse_rotary
@@ -92,6 +93,10 @@ class ModelRunner:
             fuse_rotary(self.model)  # process-wide, and only where it gives the model's own bits
         elif self.device.type == "cpu":
             unfuse_rotary(self.model)
+        if config.cpu_decoder_layer == "auto":
+            fuse_decoder_layers(self.model)  # layers over packed q/k/v only, after the kernels they call are in place
+        else:
+            unfuse_decoder_layers(self.model)  # a model an earlier engine of this process fused
         self.decode_kernel = None
         if config.cpu_attention_kernel == "auto" and self.kv_pool.device.type == "cpu" and self.kv_pool.dtype == torch.float32:
             self.decode_kernel = load_decode_attention()

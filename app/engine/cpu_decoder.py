@@ -1,0 +1,134 @@
+"""A pre-norm decoder layer's ``forward`` in one Python frame, over the packed CPU kernels.
+
+With the matrix products and the small ops on our kernels, what is left of a one-sequence decode
+step on the 2-core dev machine is Python: transformers' decoder layer calls 11 modules (norms,
+attention, the q/k/v siblings, o_proj, the MLP) and looks up its configuration and attention
+function on every call, ~1/3 of a 26 ms bf16 step. This ``forward`` does the module's work
+in the module's order (norm, q/k/v from the shared GEMM, RoPE through the modeling module's
+``apply_rotary_pos_emb``, the registered attention function, o_proj, residual, norm, MLP, residual)
+with everything resolved once: same ops on the same inputs, so the same bits, and it is installed
+only where that was checked on a test input (as :mod:`cpu_linear` does for gated MLPs).
+
+Only layers of the Llama family's exact shape qualify: children ``self_attn``, ``mlp``,
+``input_layernorm``, ``post_attention_layernorm``; an attention of exactly q/k/v/o projections
+whose q/k/v share one packed GEMM (so fp32 CPU weights, not quantized ones); no hooks. Anything
+else (q/k norms, sandwich norms, a KV cache object) keeps the module's own ``forward``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from app.engine.cpu_linear import PackedSiblingLinear
+
+logger = logging.getLogger(__name__)
+
+_LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_ROTARY = "apply_rotary_pos_emb"
+_CHECK_TOKENS = 3
+
+
+class DecoderLayerForward:
+    """``layer``'s new ``forward``: ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` without the module calls."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        attn = layer.self_attn
+        self.layer, self.attn = layer, attn
+        self.shared = attn.q_proj.shared  # the one GEMM of q, k and v
+        self.total = sum(self.shared.sizes)
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.modeling = sys.modules[type(attn).__module__]  # its apply_rotary_pos_emb, read per call (ours or torch's)
+        self.attention = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
+        # bound forwards (a fused one where a module has it): the module calls' own cost was the point
+        self.input_norm, self.post_norm = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
+        self.o_proj, self.mlp = attn.o_proj.forward, layer.mlp.forward
+
+    def __call__(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
+        if past_key_values is not None or position_embeddings is None:  # generate()'s cache: the module's path
+            return type(self.layer).forward(self.layer, hidden_states, attention_mask=attention_mask,
+                                            position_embeddings=position_embeddings, past_key_values=past_key_values, **kwargs)
+        hidden_states = hidden_states + self._attend(self.input_norm(hidden_states), attention_mask, position_embeddings, kwargs)
+        return hidden_states + self.mlp(self.post_norm(hidden_states))
+
+    def _attend(self, x: torch.Tensor, attention_mask, position_embeddings, kwargs: dict) -> torch.Tensor:
+        shared, input_shape = self.shared, x.shape[:-1]
+        head_shape = (*input_shape, -1, self.head_dim)
+        query, key, value = shared.kernel.apply(x, shared.packed_weight, shared.bias, self.total).split(shared.sizes, dim=-1)
+        query, key, value = query.view(head_shape).transpose(1, 2), key.view(head_shape).transpose(1, 2), value.view(head_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query, key = getattr(self.modeling, _ROTARY)(query, key, cos, sin)
+        # kwargs as the attention module passes them on (position_ids, use_cache, paged_batch, ...)
+        out, _ = self.attention(self.attn, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous())
+
+
+def fuse_decoder_layers(model: nn.Module) -> int:
+    """Give every qualifying decoder layer of ``model`` a one-frame ``forward`` where it gives the same bits."""
+    fused, mismatched = 0, set()
+    for layer in model.modules():
+        if not _qualifies(layer):
+            continue
+        candidate = DecoderLayerForward(layer)
+        if _same_bits(layer, candidate):
+            layer.forward = candidate
+            fused += 1
+        else:
+            mismatched.add(type(layer).__name__)
+    if mismatched:
+        logger.info("decoder layers of %s keep their own forward: the one-frame forward did not reproduce it", ", ".join(sorted(mismatched)))
+    if fused:
+        logger.info("%d decoder layers run their forward in one frame", fused)
+    return fused
+
+
+def unfuse_decoder_layers(model: nn.Module) -> None:
+    for layer in model.modules():
+        if isinstance(layer.__dict__.get("forward"), DecoderLayerForward):
+            del layer.forward
+
+
+def _qualifies(layer: nn.Module) -> bool:
+    if {name for name, _ in layer.named_children()} != _LAYER_CHILDREN or "forward" in layer.__dict__ or layer.training:
+        return False  # (training: the module applies attention dropout)
+    attn = layer.self_attn
+    if {name for name, _ in attn.named_children()} != _ATTENTION_CHILDREN or "forward" in attn.__dict__:
+        return False
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    if not all(isinstance(p, PackedSiblingLinear) for p in (q, k, v)) or not (q.shared is k.shared is v.shared):
+        return False
+    if (q.member, k.member, v.member) != (0, 1, 2) or len(q.shared.sizes) != 3:
+        return False
+    if not all(hasattr(attn, name) for name in ("head_dim", "scaling", "layer_idx", "config")):
+        return False
+    if attn.config._attn_implementation not in ALL_ATTENTION_FUNCTIONS:
+        return False
+    if not callable(getattr(sys.modules.get(type(attn).__module__), _ROTARY, None)):
+        return False
+    return not any(_has_hooks(m) for m in layer.modules())
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
+
+
+@torch.no_grad()
+def _same_bits(layer: nn.Module, candidate: DecoderLayerForward) -> bool:
+    """Does ``candidate`` give the layer's own output on a test input (attention without a paged batch: SDPA)?"""
+    attn = layer.self_attn
+    generator = torch.Generator().manual_seed(0)  # CPU tensors: the packed q/k/v GEMM is a CPU kernel
+    x = torch.randn(1, _CHECK_TOKENS, attn.config.hidden_size, generator=generator)
+    angles = torch.rand(1, _CHECK_TOKENS, attn.head_dim, generator=generator) * 10
+    embeddings = (angles.cos(), angles.sin())
+    try:
+        expected = type(layer).forward(layer, x, attention_mask=None, position_embeddings=embeddings)
+        got = candidate(x, attention_mask=None, position_embeddings=embeddings)
+    except Exception:  # noqa: BLE001 - another signature or layout: leave the layer as it is
+        return False
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    return isinstance(got, torch.Tensor) and got.shape == expected.shape and torch.equal(got, expected)

@@ -1,0 +1,25 @@
+"""The one-frame decoder layer forward on the real model: every logprob keeps its bits, in prefill chunks and batches."""
+
+from app.engine import Request
+from app.engine.cpu_decoder import DecoderLayerForward
+
+from tests.model.conftest import PROMPTS, greedy, make_engine
+
+
+def _run(loaded, setting: str) -> dict[str, list[tuple[int, float, list]]]:
+    engine = make_engine(loaded, max_num_batched_tokens=48, cpu_decoder_layer=setting)  # 48: long prompts prefill in chunks
+    fused = sum(isinstance(m.__dict__.get("forward"), DecoderLayerForward) for m in loaded.model.modules())
+    assert fused == (loaded.model.config.num_hidden_layers if setting == "auto" else 0)
+    requests = [Request(f"r{i}", loaded.tokenizer.encode(p), greedy(10, logprobs=3)) for i, p in enumerate(PROMPTS)]
+    engine.add_requests(requests)
+    logprobs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            logprobs.setdefault(out.request_id, []).extend((lp.token_id, lp.logprob, lp.top) for lp in out.logprobs)
+    return logprobs
+
+
+def test_fused_layers_keep_every_logprob_bit(loaded_fp32):
+    module_path, fused_path = _run(loaded_fp32, "torch"), _run(loaded_fp32, "auto")
+    assert len(fused_path) == len(PROMPTS) and all(len(v) == 10 for v in fused_path.values())
+    assert fused_path == module_path
