@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from app.bench.load import LoadSpec, run_load
-from app.config import CPU_ATTENTION_KERNELS, CPU_LINEAR_KERNELS, CPU_NORM_KERNELS, CPU_ROTARY_KERNELS
+from app.config import CPU_ATTENTION_KERNELS, CPU_DECODER_LAYERS, CPU_LINEAR_KERNELS, CPU_NORM_KERNELS, CPU_ROTARY_KERNELS
 
 RESULTS = Path("results/bench")
 
@@ -106,13 +106,14 @@ def compare(args, spec: LoadSpec) -> dict:
             runs = {}
             warm = LoadSpec(**{**spec.__dict__, "base_url": url, "num_requests": 2, "concurrency": 2, "max_tokens": 8})
             asyncio.run(run_load(warm))  # first requests pay one-time costs (allocator, kernels)
-            before = process_cpu_snapshot()
-            runs["W1"] = asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "base_url": url})))
-            runs["W1"]["cpu_s_by_part"] = cpu_seconds_by_part(before, process_cpu_snapshot())
-            print(f"{mode} W1 CPU seconds by part of the server: {runs['W1']['cpu_s_by_part']}", flush=True)
+            workloads = {"W1": LoadSpec(**{**spec.__dict__, "base_url": url})}
             if mode in args.single_stream_modes:
-                single = {**spec.__dict__, "base_url": url, "num_requests": 8, "concurrency": 1}
-                runs["W2"] = asyncio.run(run_load(LoadSpec(**single)))
+                workloads["W2"] = LoadSpec(**{**spec.__dict__, "base_url": url, "num_requests": 8, "concurrency": 1})
+            for name, workload in workloads.items():
+                before = process_cpu_snapshot()
+                runs[name] = asyncio.run(run_load(workload))
+                runs[name]["cpu_s_by_part"] = cpu_seconds_by_part(before, process_cpu_snapshot())
+                print(f"{mode} {name} CPU seconds by part of the server: {runs[name]['cpu_s_by_part']}", flush=True)
         results["modes"][mode] = runs
         print(format_table(results), flush=True)
     return results
@@ -138,7 +139,8 @@ def quant(args, spec: LoadSpec) -> dict:
 def _kernel_args(args: argparse.Namespace) -> dict:
     """The engine's CPU kernel settings the command line picked (EngineConfig field names)."""
     kernels = {"cpu_linear_kernel": args.linear_kernel, "cpu_attention_kernel": args.attention_kernel,
-               "cpu_norm_kernel": args.norm_kernel, "cpu_rotary_kernel": args.rotary_kernel}
+               "cpu_norm_kernel": args.norm_kernel, "cpu_rotary_kernel": args.rotary_kernel,
+               "cpu_decoder_layer": args.decoder_layer}
     return {"kernels": kernels}
 
 
@@ -193,6 +195,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-kernel", default="auto", choices=CPU_ATTENTION_KERNELS, help="profile, engine: decode attention on CPU")
     parser.add_argument("--norm-kernel", default="auto", choices=CPU_NORM_KERNELS, help="profile, engine: RMSNorm on CPU")
     parser.add_argument("--rotary-kernel", default="auto", choices=CPU_ROTARY_KERNELS, help="profile, engine: RoPE on CPU")
+    parser.add_argument("--decoder-layer", default="auto", choices=CPU_DECODER_LAYERS,
+                        help="profile, engine: one-frame decoder layer forward (auto) or the module's (torch)")
     parser.add_argument("--port", type=int, default=8010)
     parser.add_argument("--dynamic-window-s", type=float, default=0.25, help="compare: batch_wait_timeout_s for dynamic")
     parser.add_argument("--model", default="smollm2-135m-instruct")

@@ -3,7 +3,8 @@
 ``python -m app.bench profile --batches 1 32`` loads the model (``--dtype``, auto as the server picks),
 fills the engine with ``batch`` copies of the workload's prompts, steps past the prefill, then times
 ``--steps`` decode steps and profiles a few more. ``--linear-kernel`` (auto, avx2, onednn, torch),
-``--attention-kernel``, ``--norm-kernel`` and ``--rotary-kernel`` (auto, torch) pick the CPU kernels, for the comparisons in docs/engine.md.
+``--attention-kernel``, ``--norm-kernel``, ``--rotary-kernel`` and ``--decoder-layer`` (auto, torch) pick the CPU
+kernels and layer forward, for the comparisons in docs/engine.md.
 Figures for the README's "what limits us" come from here.
 """
 
