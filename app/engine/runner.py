@@ -2,7 +2,8 @@
 
 This is the only part of the engine that touches tensors. One step is one call of the unmodified
 transformers model on a packed ``[1, T]`` row of every scheduled token, with position ids per
-token and paged attention (``app.engine.paged_attention``) reading and writing the KV pool.
+token and paged attention (``app.engine.paged_attention``) reading and writing the KV pool. On CPU
+some modules run fused ``forward``s (``cpu_*.py``) installed only where they give the module's bits.
 Logits are computed only at the last token of the requests that sample this step.
 """
 
