@@ -175,11 +175,21 @@ class AsyncEngine:
 
     def add_group(self, requests: list[Request]) -> None:
         """Hand requests whose streams are open to the engine as one group (thread-safe, returns at once)."""
-        self._inbox.put(("add", list(requests)))
+        self._post(("add", list(requests)))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV memory is freed on the engine's next iteration."""
-        self._inbox.put(("abort", request_id))
+        self._post(("abort", request_id))
+
+    def _post(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake_core()
+
+    def _wake_core(self) -> None:
+        """A core in another process makes the loop wait for its outputs; end that wait so the command goes now."""
+        wakeup = getattr(self._core, "wakeup", None)
+        if wakeup is not None:
+            wakeup()
 
     @property
     def num_unfinished(self) -> int:
@@ -203,6 +213,7 @@ class AsyncEngine:
         while self.num_unfinished and time.monotonic() < deadline and self.is_healthy():
             time.sleep(0.05)
         self._stopping.set()
+        self._wake_core()
         self._thread.join(timeout=5)
         close = getattr(self._core, "close", None)  # a core in another process stops it
         if close is not None:

@@ -40,3 +40,23 @@ async def test_a_dead_engine_process_fails_requests_and_health():
             pass
     assert not engine.is_healthy()
     engine.shutdown(1)
+
+
+def test_a_queued_command_ends_the_wait_for_outputs_at_once(monkeypatch):
+    """The parent waits for outputs without polling; wakeup() (sent with every command) ends the wait."""
+    import threading
+    import time
+
+    from app.engine import core_process
+
+    monkeypatch.setattr(core_process, "_STEP_WAIT_S", 30.0)  # only a wake-up can end this wait in time
+    core = ProcessCore(fakes.build_counting_core)
+    returned = threading.Event()
+    waiting = threading.Thread(target=lambda: (core.step(), returned.set()))
+    waiting.start()
+    time.sleep(0.2)
+    assert not returned.is_set()  # nothing to read: still waiting
+    core.wakeup()
+    assert returned.wait(10)  # woken, not timed out (30 s)
+    waiting.join()
+    core.close()
