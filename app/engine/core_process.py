@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import threading
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable
@@ -72,13 +73,17 @@ class ProcessCore:
         self._wake_r, self._wake_w = os.pipe()  # a byte here ends the step's wait (see wakeup)
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._wake_lock = threading.Lock()  # close() must not free the fd number while a wakeup writes to it
 
     def wakeup(self) -> None:
         """Make a ``step`` waiting for outputs return now (thread-safe): the driver has commands to send."""
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a wake-up is pending anyway) or closed (shutting down)
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return  # closed: a late abort after shutdown has nothing to wake
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full: a wake-up is pending anyway
 
     def add_requests(self, requests: list[Request]) -> None:
         self._conn.send(("add", requests))
@@ -130,8 +135,10 @@ class ProcessCore:
         if self._process.is_alive():
             self._process.kill()
         self._conn.close()
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_w = -1
 
 
 # ---- the child process ------------------------------------------------------------------------

@@ -60,3 +60,9 @@ def test_a_queued_command_ends_the_wait_for_outputs_at_once(monkeypatch):
     assert returned.wait(10)  # woken, not timed out (30 s)
     waiting.join()
     core.close()
+
+
+def test_a_wakeup_after_close_does_nothing():
+    core = ProcessCore(fakes.build_counting_core)
+    core.close()
+    core.wakeup()  # e.g. an abort from a stream that ended after shutdown: no write to a freed descriptor
