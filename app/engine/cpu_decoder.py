@@ -1,9 +1,9 @@
 """A pre-norm decoder layer's ``forward`` in one Python frame, over the packed CPU kernels.
 
-With the matrix products and the small ops on our kernels, what is left of a one-sequence decode
-step on the 2-core dev machine is Python: transformers' decoder layer calls 11 modules (norms,
-attention, the q/k/v siblings, o_proj, the MLP) and looks up its configuration and attention
-function on every call, ~1/3 of a 26 ms bf16 step. This ``forward`` does the module's work
+With the matrix products and the small ops on our kernels, about half of a one-sequence decode step
+on the 2-core dev machine (bf16 weights, ~26 ms) is outside the GEMMs, much of it Python:
+transformers' decoder layer calls 11 modules (norms, attention, the q/k/v siblings, o_proj, the MLP)
+and looks up its configuration and attention function on every call. This ``forward`` does the module's work
 in the module's order (norm, q/k/v from the shared GEMM, RoPE through the modeling module's
 ``apply_rotary_pos_emb``, the registered attention function, o_proj, residual, norm, MLP, residual)
 with everything resolved once: same ops on the same inputs, so the same bits, and it is installed
