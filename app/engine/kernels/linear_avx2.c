@@ -76,17 +76,18 @@ static inline __attribute__((always_inline)) void load_row(const void* panel, in
 }
 
 /* Rows [0, mr) of x against one panel; mr is a constant after inlining, so unused rows vanish. With
- * `next`, it also prefetches the panel after this one, a cache line per k. */
+ * `next`, it also prefetches from there, `step` bytes further each k (its share of the next panel). */
 static inline __attribute__((always_inline)) void tile(const int mr, const int bf16, const float* x,
                                                        int64_t k_total, const void* panel, float* y,
-                                                       int64_t ldy, int ncols, const float* bias, const char* next) {
+                                                       int64_t ldy, int ncols, const float* bias, const char* next,
+                                                       const int64_t step) {
   __m256 z = _mm256_setzero_ps();
   /* Named accumulators, not an array: gcc spills an array of vectors to the stack every iteration. */
   __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
   /* 4 k's per loop iteration: the loop's own instructions spread over 48 FMAs (1.01-1.07x at 8-32 rows, paired) */
 #pragma GCC unroll 4
   for (int64_t k = 0; k < k_total; k++) {
-    if (next) _mm_prefetch(next + k * NR * (bf16 ? 2 : 4), _MM_HINT_T0);
+    if (next) _mm_prefetch(next + k * step, _MM_HINT_T0);
     __m256 b0, b1, a;
     load_row(panel, k * NR, bf16, &b0, &b1);
 #define ROW(i)                                           \
@@ -171,35 +172,39 @@ static inline __attribute__((always_inline)) void two_rows_against_2_panels(cons
 static inline __attribute__((always_inline)) void panel_rows(const int bf16, const float* x, int64_t m_total,
                                                              int64_t k_total, const void* panel, float* y,
                                                              int64_t ldy, int ncols, const float* bias) {
-  /* The first tile prefetches the next panel, most often this thread's next one (they go out 4 at a
-   * time): it comes from memory while this one computes instead of stalling the next panel's first
-   * tile. With and without it alternated in one process, all projections of SmolLM2-135M: 1.02-1.07x
-   * faster at 4-64 rows with fp32 weights, 1.04-1.2x with bf16. */
-  const char* next = (const char*)panel + k_total * NR * (bf16 ? 2 : 4);
-  int64_t m = 0;
+  /* The tiles prefetch the next panel, most often this thread's next one (they go out 4 at a time), so
+   * it comes from memory while this one computes instead of stalling the next panel's first tile. Each
+   * of the T tiles fetches its own 1/T of it, paced over its k loop: when the first tile alone fetched
+   * a cache line every k, its requests outran memory and stalled it (fp32 weights, all projections of
+   * SmolLM2-135M, alternated in one process: 1.04x at 8 rows, 1.10-1.14x at 20-32, 1.02-1.07x at
+   * 48-256; bf16 weights, half the bytes, 0.98-1.06x). Prefetching two panels ahead did worse. */
+  const int64_t panel_bytes = k_total * NR * (bf16 ? 2 : 4);
+  const int64_t tiles = (m_total + MR - 1) / MR, share = panel_bytes / tiles, step = share / k_total;
+  const char* next = (const char*)panel + panel_bytes;
+  int64_t m = 0, t = 0;
+#define NEXT (next + (t < tiles ? t++ : tiles - 1) * share) /* the next tile's share */
   if (m_total >= MR) {
     /* A tail of 1-2 rows is 2-4 independent sums, bound by the FMA latency; with a full tile before it,
      * 7-8 rows go as 4 + 3-4 instead (fp32 weights, 20-32 rows: 1.03-1.05x, paired as above). */
     int64_t full = m_total / MR, tail = m_total % MR;
     if (tail && tail <= 2 && full >= 2) full -= 1;
-    tile(MR, bf16, x, k_total, panel, y, ldy, ncols, bias, next);
-    for (m = MR; m < full * MR; m += MR) tile(MR, bf16, x + m * k_total, k_total, panel, y + m * ldy, ldy, ncols, bias, 0);
+    for (; m < full * MR; m += MR) tile(MR, bf16, x + m * k_total, k_total, panel, y + m * ldy, ldy, ncols, bias, NEXT, step);
     if (m_total - m > MR) {
-      tile(4, bf16, x + m * k_total, k_total, panel, y + m * ldy, ldy, ncols, bias, 0);
+      tile(4, bf16, x + m * k_total, k_total, panel, y + m * ldy, ldy, ncols, bias, NEXT, step);
       m += 4;
     }
   }
   const float* xr = x + m * k_total;
   float* yr = y + m * ldy;
-  const char* tail_next = m == 0 ? next : 0;
   switch (m_total - m) {
-    case 1: tile(1, bf16, xr, k_total, panel, yr, ldy, ncols, bias, tail_next); break;
-    case 2: tile(2, bf16, xr, k_total, panel, yr, ldy, ncols, bias, tail_next); break;
-    case 3: tile(3, bf16, xr, k_total, panel, yr, ldy, ncols, bias, tail_next); break;
-    case 4: tile(4, bf16, xr, k_total, panel, yr, ldy, ncols, bias, tail_next); break;
-    case 5: tile(5, bf16, xr, k_total, panel, yr, ldy, ncols, bias, tail_next); break;
+    case 1: tile(1, bf16, xr, k_total, panel, yr, ldy, ncols, bias, NEXT, step); break;
+    case 2: tile(2, bf16, xr, k_total, panel, yr, ldy, ncols, bias, NEXT, step); break;
+    case 3: tile(3, bf16, xr, k_total, panel, yr, ldy, ncols, bias, NEXT, step); break;
+    case 4: tile(4, bf16, xr, k_total, panel, yr, ldy, ncols, bias, NEXT, step); break;
+    case 5: tile(5, bf16, xr, k_total, panel, yr, ldy, ncols, bias, NEXT, step); break;
     default: break;
   }
+#undef NEXT
 }
 
 typedef void (*panel_fn)(const float*, int64_t, int64_t, const void*, float*, int64_t, int, const float*);
