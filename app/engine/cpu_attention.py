@@ -26,6 +26,8 @@ class DecodeAttentionKernel:
             ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float,
         ]
         lib.decode_attention.restype = None
+        lib.prefill_attention.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float]
+        lib.prefill_attention.restype = None
         self._lib = lib
 
     def __call__(
@@ -52,6 +54,30 @@ class DecodeAttentionKernel:
             )
         return out
 
+
+    def prefill(
+        self,
+        query: torch.Tensor,  # [1, H, T, D]: any step's queries, prefill chunks and decodes side by side
+        k_pool: torch.Tensor,  # [slots, Hkv, D], this step's keys already written
+        v_pool: torch.Tensor,
+        key_slots: torch.Tensor,  # [S, L] int64: pool slot of each key of each sequence
+        query_seq: torch.Tensor,  # [T] int64: the key_slots row of each query's sequence
+        query_keys: torch.Tensor,  # [T] int64: keys each query sees (its position + 1)
+        scale: float,
+    ) -> torch.Tensor:  # [1, T, H, D]
+        """Each query attended exactly as :meth:`__call__` attends a decode step's: the same bits for a token
+        whether a prefill chunk, a decode step, a prefix-cache hit or a recompute after preemption computed it."""
+        _, heads, tokens, head_dim = query.shape
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        qs = query.stride()
+        out = torch.empty(1, tokens, heads, head_dim, dtype=torch.float32)
+        with profiler_label(self.label):
+            self._lib.prefill_attention(
+                query.data_ptr(), qs[2], qs[1], k_pool.data_ptr(), v_pool.data_ptr(), key_slots.data_ptr(), key_slots.shape[1],
+                query_seq.data_ptr(), query_keys.data_ptr(), out.data_ptr(), tokens, heads, k_pool.shape[1], head_dim, scale,
+            )
+        return out
 
 @functools.cache
 def load_decode_attention() -> DecodeAttentionKernel | None:

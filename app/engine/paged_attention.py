@@ -70,6 +70,16 @@ class AttentionGroup:
 
 
 @dataclass
+class KernelQueries:
+    """Any step's queries for the CPU kernel: each one attended as a decode step attends its one query."""
+
+    kernel: DecodeAttentionKernel
+    key_slots: torch.Tensor  # [S, L] pool slot of each key of each sequence (padding past its count)
+    query_seq: torch.Tensor  # [T] the key_slots row of each packed query
+    query_keys: torch.Tensor  # [T] keys each query sees: its position + 1
+
+
+@dataclass
 class PagedBatch:
     """Per-step attention metadata, passed to every layer through the model's forward kwargs."""
 
@@ -78,6 +88,7 @@ class PagedBatch:
     groups: list[AttentionGroup]
     decode_only: bool = False  # one group of one query per sequence, in packed order (steady-state decode)
     decode_kernel: DecodeAttentionKernel | None = None  # attends decode-only steps in place (CPU, fp32)
+    kernel_queries: KernelQueries | None = None  # attends the other steps with the same kernel (CPU, fp32)
 
     @classmethod
     def build(
@@ -88,6 +99,9 @@ class PagedBatch:
         if decode_kernel is not None and all(s.num_queries == 1 for s in slices):
             group, slot_mapping = _kernel_decode_group(slices, block_size, device)
             return cls(kv_pool, slot_mapping, [group], True, decode_kernel)
+        if decode_kernel is not None:
+            queries, slot_mapping = _kernel_queries(decode_kernel, slices, block_size)
+            return cls(kv_pool, slot_mapping, [], kernel_queries=queries)
         slot_mapping = torch.empty(sum(s.num_queries for s in slices), dtype=torch.long)  # filled by _group
         decodes = [s for s in slices if s.num_queries == 1]
         prefills = [s for s in slices if s.num_queries > 1]
@@ -117,6 +131,23 @@ def _kernel_decode_group(
     group = AttentionGroup(None, _key_slots(slices, counts, block_size).to(device), torch.tensor(counts, device=device),
                            None, None, num_seqs=len(slices), num_queries=1)
     return group, torch.tensor(new_slots, device=device)
+
+
+def _kernel_queries(
+    kernel: DecodeAttentionKernel, slices: Sequence[SequenceSlice], block_size: int
+) -> tuple[KernelQueries, torch.Tensor]:
+    """Per packed query: its sequence's row of key slots, the keys it sees, and the slot its key goes to."""
+    lengths = torch.tensor([s.num_queries for s in slices])
+    starts = torch.tensor([s.query_start for s in slices])
+    computed = torch.tensor([s.num_computed for s in slices])
+    key_slots = _key_slots(slices, (computed + lengths).tolist(), block_size)  # [S, L]
+    seq = torch.repeat_interleave(torch.arange(len(slices)), lengths)  # [T] in slice order
+    offset = torch.arange(len(seq)) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    positions = computed[seq] + offset
+    packed = starts[seq] + offset  # where each query lies in the packed row
+    query_seq, query_keys, slot_mapping = (torch.empty(len(seq), dtype=torch.long) for _ in range(3))
+    query_seq[packed], query_keys[packed], slot_mapping[packed] = seq, positions + 1, key_slots[seq, positions]
+    return KernelQueries(kernel, key_slots, query_seq, query_keys), slot_mapping
 
 
 def _group(
@@ -175,6 +206,9 @@ def paged_attention_forward(
         return kernel(query, key, value, k_pool, v_pool, paged_batch.slot_mapping, group.key_slots, group.key_counts, scale), None
     k_pool.index_copy_(0, paged_batch.slot_mapping, key[0].transpose(0, 1))
     v_pool.index_copy_(0, paged_batch.slot_mapping, value[0].transpose(0, 1))
+    if (queries := paged_batch.kernel_queries) is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return queries.kernel.prefill(query, k_pool, v_pool, queries.key_slots, queries.query_seq, queries.query_keys, scale), None
 
     if paged_batch.decode_only:
         return _attend_decodes(query, k_pool, v_pool, paged_batch.groups[0], scaling), None

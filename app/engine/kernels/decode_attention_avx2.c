@@ -141,6 +141,26 @@ static inline void store_new(const float* x, int64_t seq_stride, int64_t head_st
   for (int64_t i = 0; i < d; i++) dst[i] = src[i];
 }
 
+/* The `group` query heads sharing KV head g (query head r at q + r * q_head_stride) attend the first
+ * `keys` keys of `slots`; their outputs go to o + r * d. The one computation of an attention output in
+ * this file: decode and prefill both call it, so a token's output is the same bits whichever step
+ * computed it, alone or in any batch. */
+static void attend_group(const float* q, int64_t q_head_stride, int64_t group, const float* k_pool,
+                         const float* v_pool, const int64_t* slots, int64_t keys, int64_t kv_heads, int64_t g,
+                         int64_t d, float scale, float* o) {
+  float* scores = malloc(sizeof(float) * (size_t)keys);
+  if (!scores) { /* cannot happen in practice (a few KB); leave NaN rather than crash the server */
+    for (int64_t i = 0; i < group * d; i++) o[i] = NAN;
+    return;
+  }
+  for (int64_t r = 0; r < group; r++) {
+    key_scores(q + r * q_head_stride, k_pool, slots, keys, kv_heads, g, d, scale, scores);
+    float inv_sum = 1.0f / exp_shifted(scores, keys);
+    weighted_values(scores, v_pool, slots, keys, kv_heads, g, d, inv_sum, o + r * d);
+  }
+  free(scores);
+}
+
 /* q: query head h of sequence b at q + b*q_seq_stride + h*q_head_stride, head_dim contiguous.
  * new_k, new_v: this step's key and value of each sequence, laid out like q (their own strides), written
  * first into the pool at new_slots[b] (one task writes what it then reads: no other thread touches it).
@@ -156,23 +176,29 @@ void decode_attention(const float* q, int64_t q_seq_stride, int64_t q_head_strid
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
   for (int64_t b = 0; b < seqs; b++) {
     for (int64_t g = 0; g < kv_heads; g++) {
-      const int64_t keys = key_counts[b];
-      const int64_t* slots = key_slots + b * max_keys;
       store_new(new_k, k_seq_stride, k_head_stride, k_pool, new_slots[b], b, g, kv_heads, head_dim);
       store_new(new_v, v_seq_stride, v_head_stride, v_pool, new_slots[b], b, g, kv_heads, head_dim);
-      float* scores = malloc(sizeof(float) * (size_t)keys);
-      for (int64_t r = 0; r < group; r++) {
-        const int64_t h = g * group + r;
-        float* o = out + (b * heads + h) * head_dim;
-        if (!scores) { /* cannot happen in practice (a few KB); leave NaN rather than crash the server */
-          for (int64_t i = 0; i < head_dim; i++) o[i] = NAN;
-          continue;
-        }
-        key_scores(q + b * q_seq_stride + h * q_head_stride, k_pool, slots, keys, kv_heads, g, head_dim, scale, scores);
-        float inv_sum = 1.0f / exp_shifted(scores, keys);
-        weighted_values(scores, v_pool, slots, keys, kv_heads, g, head_dim, inv_sum, o);
-      }
-      free(scores);
+      attend_group(q + b * q_seq_stride + g * group * q_head_stride, q_head_stride, group, k_pool, v_pool,
+                   key_slots + b * max_keys, key_counts[b], kv_heads, g, head_dim, scale,
+                   out + (b * heads + g * group) * head_dim);
     }
   }
+}
+
+/* Any step's queries (prefill chunks and decodes side by side), each attended exactly as a decode step
+ * attends its one query: query t (at q + t*q_tok_stride + h*q_head_stride) belongs to the sequence whose
+ * key slots are row query_seq[t] of key_slots [rows, max_keys], and sees its first query_keys[t] keys
+ * (causal: up to and including itself). The step's keys and values must already be in the pool.
+ * out: [tokens, heads, head_dim] contiguous. */
+void prefill_attention(const float* q, int64_t q_tok_stride, int64_t q_head_stride, const float* k_pool,
+                       const float* v_pool, const int64_t* key_slots, int64_t max_keys, const int64_t* query_seq,
+                       const int64_t* query_keys, float* out, int64_t tokens, int64_t heads, int64_t kv_heads,
+                       int64_t head_dim, float scale) {
+  const int64_t group = heads / kv_heads;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t t = 0; t < tokens; t++)
+    for (int64_t g = 0; g < kv_heads; g++)
+      attend_group(q + t * q_tok_stride + g * group * q_head_stride, q_head_stride, group, k_pool, v_pool,
+                   key_slots + query_seq[t] * max_keys, query_keys[t], kv_heads, g, head_dim, scale,
+                   out + (t * heads + g * group) * head_dim);
 }
