@@ -1,10 +1,12 @@
-"""Paged attention of decode steps on AVX2 CPUs (``kernels/decode_attention_avx2.c``; built by ``cpu_kernels``).
+"""Paged attention on AVX2 CPUs (``kernels/decode_attention_avx2.c``; built by ``cpu_kernels``).
 
 torch's attention wants each sequence's keys and values as one tensor, so the paged path gathers
 them out of the pool into a copy that SDPA then reads: three passes over the K/V bytes. This kernel
-reads each key and value once, in place, through the sequence's slot list, and writes the step's new
-keys and values into the pool itself (no index_copy_ calls); measured in docs/engine.md. It serves
-fp32 pools on CPU; everything else (and prefill chunks) keeps the gather + SDPA path.
+reads each key and value once, in place, through the sequence's slot list; a decode step's new keys
+and values it writes into the pool itself (no index_copy_ calls). Prefill and mixed steps go through
+the same per-query computation (:meth:`DecodeAttentionKernel.prefill`), so a token's attention output
+is the same bits whichever step computed it. It serves fp32 pools on CPU; everything else keeps the
+gather + SDPA path. Measured in docs/engine.md.
 """
 
 from __future__ import annotations

@@ -10,8 +10,10 @@ single ``[1, T]`` row (mixed prefill chunks and decodes). Each attention layer c
 Requests are attended in at most two padded groups (decodes with one query each, and prefill
 chunks), so a step costs two SDPA calls per layer whatever the batch size. A step of decodes only
 (the steady state) attends the queries where they lie, with no gather of queries or scatter of
-outputs; on AVX2 CPUs with an fp32 pool it runs our kernel (``cpu_attention.py``), which reads each
-key and value once in the pool instead of gathering copies for SDPA. Everything that does not
+outputs. On AVX2 CPUs with an fp32 pool every step runs our kernel instead (``cpu_attention.py``),
+which reads each key and value once in the pool instead of gathering copies for SDPA, and attends
+each query, prefill or decode, with one computation: a token's bits do not depend on how its
+sequence was cut into steps or on its batch-mates (SDPA's do). Everything that does not
 depend on the layer (slots, gather indices, masks) is built once per step in :class:`PagedBatch`.
 The model's own Linear layers are untouched, so bitsandbytes and GPTQ layers run as loaded.
 """

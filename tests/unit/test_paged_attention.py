@@ -78,8 +78,55 @@ def test_decode_steps_through_our_cpu_kernel_equal_causal_attention():
     for new_tokens in [{"a": 6, "b": 3, "c": 9}, {"a": 1, "b": 1, "c": 1}, {"c": 1, "a": 1}, {"a": 1, "b": 2}]:
         got, expected, batch = sequences.step(new_tokens)
         decode_only = all(n == 1 for n in new_tokens.values())
-        assert (batch.decode_kernel is kernel) == decode_only  # prefill and mixed steps keep gather + SDPA
+        assert (batch.decode_kernel is kernel) == decode_only
+        assert (batch.kernel_queries is not None) == (not decode_only)  # prefill and mixed steps: the same kernel
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _attend_in_steps(kernel, tokens: dict[str, tuple], steps: list[dict[str, int]], heads: int, kv_heads: int) -> dict:
+    """Run each sequence's tokens (query [N, H, D], key and value [N, Hkv, D]) through the kernel paths in the
+    given steps (tokens per sequence per step); returns each sequence's attention outputs [N, H, D]."""
+    head_dim = next(iter(tokens.values()))[0].shape[-1]
+    blocks = {name: list(range(i, 64, len(tokens)))[::-1] for i, name in enumerate(tokens)}  # interleaved, reversed
+    pool = torch.zeros(1, 2, 64 * BLOCK, kv_heads, head_dim)
+    done, outputs = dict.fromkeys(tokens, 0), {name: [] for name in tokens}
+    for step in steps:
+        slices, parts, start = [], [], 0
+        for name, n in step.items():
+            slices.append(SequenceSlice(start, n, done[name], blocks[name]))
+            parts.append([t[done[name] : done[name] + n] for t in tokens[name]])
+            start += n
+        query, key, value = (torch.cat([p[i] for p in parts]).transpose(0, 1).unsqueeze(0) for i in range(3))
+        batch = PagedBatch.build(pool, BLOCK, slices, kernel)
+        out, _ = paged_attention_forward(SimpleNamespace(layer_idx=0), query, key, value, None, paged_batch=batch)
+        for piece, (name, n) in zip(out[0].split(list(step.values())), step.items()):
+            outputs[name].append(piece)
+            done[name] += n
+    return {name: torch.cat(parts) for name, parts in outputs.items()}
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 12), (8, 1, 40)])
+def test_a_token_gets_the_same_bits_however_its_sequence_is_cut_into_steps(heads, kv_heads, head_dim):
+    """Whole prefill, chunks beside another sequence, prefill then decodes: every output bit for bit the same
+    (what makes prefix-cache hits, chunked prefill, batch-mates and preemption leave logprobs unchanged)."""
+    kernel = load_decode_attention()
+    torch.manual_seed(heads * head_dim)
+    n = 37
+    tokens = {name: (torch.randn(n, heads, head_dim), torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim))
+              for name in ("x", "other")}
+    whole = _attend_in_steps(kernel, {"x": tokens["x"]}, [{"x": n}], heads, kv_heads)["x"]
+    chunked = _attend_in_steps(kernel, tokens, [{"other": 9, "x": 5}, {"x": 6, "other": 1}, {"x": 13}, {"other": 20, "x": 13},
+                                                {"other": 7}], heads, kv_heads)
+    decoded = _attend_in_steps(kernel, tokens, [{"x": 3, "other": 30}, *[{"other": 1, "x": 1}] * 7, *[{"x": 1}] * 27],
+                               heads, kv_heads)
+    assert torch.equal(chunked["x"], whole) and torch.equal(decoded["x"], whole)
+    assert torch.equal(chunked["other"], decoded["other"])
+    q, k, v = tokens["x"]  # and it is causal attention
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
+                                              v.transpose(0, 1).repeat_interleave(heads // kv_heads, 0), attn_mask=mask)
+    torch.testing.assert_close(whole, expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
 def _kernel_case(seqs: int, heads: int, kv_heads: int, head_dim: int, key_counts: list[int]) -> dict:

@@ -1,15 +1,18 @@
-/* Paged attention for decode steps (one query per sequence) on CPUs with AVX2 and FMA, built by
- * app/engine/cpu_kernels.py at first use.
+/* Paged attention on CPUs with AVX2 and FMA, built by app/engine/cpu_kernels.py at first use: decode
+ * steps (one query per sequence) and any other step (prefill chunks and decodes side by side).
  *
  * Why: torch's attention needs each sequence's keys and values as one tensor, so the paged pool was
  * first gathered into a copy and SDPA then read the copy: three passes over the K/V bytes, which on
  * the 2-core AVX2 machine were ~20% of a 32-sequence decode step. This kernel reads every key and
- * value once, where it lies in the pool, through the sequence's slot list. It also writes the step's
- * new keys and values into the pool (two torch index_copy_ calls a layer before, ~0.5-1.5 ms a step).
+ * value once, where it lies in the pool, through the sequence's slot list. It also writes a decode
+ * step's new keys and values into the pool (two torch index_copy_ calls a layer before).
  *
- * One task per (sequence, KV head) computes all the query heads that share that KV head (grouped-query
- * attention): scores, softmax, weighted sum of values, in a fixed order on one thread, so a
- * sequence's result does not depend on its batch-mates or on the thread count.
+ * Every query, prefill or decode, is attended by one computation (attend_group: scores, softmax,
+ * weighted sum of values, in a fixed order on one thread, for the query heads sharing a KV head), so a
+ * token's output depends only on its query and the keys and values it sees: not on its batch-mates,
+ * the thread count, where its prompt's chunks ended, a prefix-cache hit or a recompute after
+ * preemption. torch's SDPA gave none of these bit for bit (docs/engine.md). Prefill runs go 4 queries
+ * at a time through the same operations, sharing each load of keys and values.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -185,20 +188,140 @@ void decode_attention(const float* q, int64_t q_seq_stride, int64_t q_head_strid
   }
 }
 
+#define RUN 4 /* consecutive queries of one sequence attended together in a prefill */
+
+/* key_scores for a run of n <= RUN queries of one sequence (query i at qs[i], seeing counts[i] keys, scores
+ * to scores[i]): each group of 4 keys that every query sees is loaded once for all of them, and each
+ * query's scores are the same operations as key_scores gives it alone (groups of 4 from key 0, then single
+ * keys), so the same bits. */
+static void key_scores_run(const float* const* qs, int n, const float* k_pool, const int64_t* slots,
+                           const int64_t* counts, int64_t kv_heads, int64_t g, int64_t d, float scale,
+                           float* const* scores) {
+#define KEY(j) (k_pool + (slots[(j)] * kv_heads + g) * d)
+  int64_t shared = counts[0];
+  for (int i = 1; i < n; i++) shared = counts[i] < shared ? counts[i] : shared;
+  int64_t l = 0;
+  for (; l + 4 <= shared; l += 4)
+    for (int i = 0; i < n; i++) {
+      dot4(qs[i], KEY(l), KEY(l + 1), KEY(l + 2), KEY(l + 3), d, scores[i] + l);
+      for (int j = 0; j < 4; j++) scores[i][l + j] *= scale;
+    }
+  for (int i = 0; i < n; i++) {
+    int64_t m = l;
+    for (; m + 4 <= counts[i]; m += 4) {
+      dot4(qs[i], KEY(m), KEY(m + 1), KEY(m + 2), KEY(m + 3), d, scores[i] + m);
+      for (int j = 0; j < 4; j++) scores[i][m + j] *= scale;
+    }
+    for (; m < counts[i]; m++) scores[i][m] = dot(qs[i], KEY(m), d) * scale;
+  }
+#undef KEY
+}
+
+/* weighted_values for a run of RUN queries: 16 lanes of RUN outputs at a time, each value row loaded once
+ * for all of them over the keys every query sees, then each query's own remaining keys. Every lane is the
+ * same sum over l in order as weighted_values computes (its 32-lane chunks are lane-wise the same), and
+ * lanes past the last multiple of 32 go through weighted_values' own scalar code: the same bits. */
+static void weighted_values_run(float* const* p, const float* v_pool, const int64_t* slots, const int64_t* counts,
+                                int64_t kv_heads, int64_t g, int64_t d, const float* inv_sum, float* const* o) {
+  const int64_t vector_lanes = d / 32 * 32;
+  int64_t shared = counts[0];
+  for (int i = 1; i < RUN; i++) shared = counts[i] < shared ? counts[i] : shared;
+  for (int64_t d0 = 0; d0 < vector_lanes; d0 += 16) {
+    __m256 z = _mm256_setzero_ps();
+    __m256 a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z;
+#define VALUE(l) (v_pool + (slots[(l)] * kv_heads + g) * d + d0)
+#define ACC(i, v0, v1, l)                                        \
+  {                                                              \
+    __m256 w = _mm256_set1_ps(p[i][l]);                          \
+    a##i##0 = _mm256_fmadd_ps(w, v0, a##i##0);                   \
+    a##i##1 = _mm256_fmadd_ps(w, v1, a##i##1);                   \
+  }
+    for (int64_t l = 0; l < shared; l++) {
+      __m256 v0 = _mm256_loadu_ps(VALUE(l)), v1 = _mm256_loadu_ps(VALUE(l) + 8);
+      ACC(0, v0, v1, l) ACC(1, v0, v1, l) ACC(2, v0, v1, l) ACC(3, v0, v1, l)
+    }
+#define TAIL(i)                                                                          \
+  for (int64_t l = shared; l < counts[i]; l++) {                                         \
+    __m256 v0 = _mm256_loadu_ps(VALUE(l)), v1 = _mm256_loadu_ps(VALUE(l) + 8);           \
+    ACC(i, v0, v1, l)                                                                    \
+  }                                                                                      \
+  _mm256_storeu_ps(o[i] + d0, _mm256_mul_ps(a##i##0, _mm256_set1_ps(inv_sum[i])));       \
+  _mm256_storeu_ps(o[i] + d0 + 8, _mm256_mul_ps(a##i##1, _mm256_set1_ps(inv_sum[i])));
+    TAIL(0) TAIL(1) TAIL(2) TAIL(3)
+#undef TAIL
+#undef ACC
+#undef VALUE
+  }
+  for (int64_t d0 = vector_lanes; d0 < d; d0++) /* as weighted_values' scalar remainder */
+    for (int i = 0; i < RUN; i++) {
+      float a = 0.0f;
+      for (int64_t l = 0; l < counts[i]; l++) a += p[i][l] * v_pool[(slots[l] * kv_heads + g) * d + d0];
+      o[i][d0] = a * inv_sum[i];
+    }
+}
+
+#define MAX_RUN_ROWS 64 /* query heads x RUN scored together: 16 heads a KV head at most */
+
+/* attend_group for RUN consecutive queries t0.. of one sequence (query i's head r at q + i*q_tok_stride +
+ * r*q_head_stride, output at o + i*o_tok_stride + r*d): each group of keys is loaded once for all RUN x
+ * group rows, each value once per head. */
+static void attend_run(const float* q, int64_t q_tok_stride, int64_t q_head_stride, int64_t group,
+                       const float* k_pool, const float* v_pool, const int64_t* slots, const int64_t* counts,
+                       int64_t kv_heads, int64_t g, int64_t d, float scale, float* o, int64_t o_tok_stride) {
+  const int rows = (int)(group * RUN);
+  int64_t most = 0;
+  for (int i = 0; i < RUN; i++) most = counts[i] > most ? counts[i] : most;
+  float* buffer = malloc(sizeof(float) * (size_t)(rows * most));
+  if (!buffer) {
+    for (int i = 0; i < RUN; i++)
+      for (int64_t j = 0; j < group * d; j++) o[i * o_tok_stride + j] = NAN;
+    return;
+  }
+  const float* qs[MAX_RUN_ROWS];
+  float* scores[MAX_RUN_ROWS];
+  float* outs[MAX_RUN_ROWS];
+  int64_t row_counts[MAX_RUN_ROWS];
+  float inv_sum[MAX_RUN_ROWS];
+  for (int64_t r = 0; r < group; r++) /* row r * RUN + i: head r of query i */
+    for (int i = 0; i < RUN; i++) {
+      const int row = (int)(r * RUN + i);
+      qs[row] = q + i * q_tok_stride + r * q_head_stride;
+      scores[row] = buffer + row * most;
+      outs[row] = o + i * o_tok_stride + r * d;
+      row_counts[row] = counts[i];
+    }
+  key_scores_run(qs, rows, k_pool, slots, row_counts, kv_heads, g, d, scale, scores);
+  for (int row = 0; row < rows; row++) inv_sum[row] = 1.0f / exp_shifted(scores[row], row_counts[row]);
+  for (int64_t r = 0; r < group; r++)
+    weighted_values_run(scores + r * RUN, v_pool, slots, counts, kv_heads, g, d, inv_sum + r * RUN, outs + r * RUN);
+  free(buffer);
+}
+
 /* Any step's queries (prefill chunks and decodes side by side), each attended exactly as a decode step
  * attends its one query: query t (at q + t*q_tok_stride + h*q_head_stride) belongs to the sequence whose
  * key slots are row query_seq[t] of key_slots [rows, max_keys], and sees its first query_keys[t] keys
  * (causal: up to and including itself). The step's keys and values must already be in the pool.
- * out: [tokens, heads, head_dim] contiguous. */
+ * out: [tokens, heads, head_dim] contiguous. Tasks are (RUN packed queries, KV head); within one, RUN
+ * queries of one sequence go together through attend_run, the others one by one through attend_group. */
 void prefill_attention(const float* q, int64_t q_tok_stride, int64_t q_head_stride, const float* k_pool,
                        const float* v_pool, const int64_t* key_slots, int64_t max_keys, const int64_t* query_seq,
                        const int64_t* query_keys, float* out, int64_t tokens, int64_t heads, int64_t kv_heads,
                        int64_t head_dim, float scale) {
-  const int64_t group = heads / kv_heads;
+  const int64_t group = heads / kv_heads, blocks = (tokens + RUN - 1) / RUN;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
-  for (int64_t t = 0; t < tokens; t++)
-    for (int64_t g = 0; g < kv_heads; g++)
-      attend_group(q + t * q_tok_stride + g * group * q_head_stride, q_head_stride, group, k_pool, v_pool,
-                   key_slots + query_seq[t] * max_keys, query_keys[t], kv_heads, g, head_dim, scale,
-                   out + (t * heads + g * group) * head_dim);
+  for (int64_t block = 0; block < blocks; block++)
+    for (int64_t g = 0; g < kv_heads; g++) {
+      const int64_t t0 = block * RUN, end = t0 + RUN < tokens ? t0 + RUN : tokens;
+      const float* q0 = q + t0 * q_tok_stride + g * group * q_head_stride;
+      float* o0 = out + (t0 * heads + g * group) * head_dim;
+      if (end - t0 == RUN && query_seq[t0] == query_seq[t0 + RUN - 1] && group * RUN <= MAX_RUN_ROWS) {
+        attend_run(q0, q_tok_stride, q_head_stride, group, k_pool, v_pool, key_slots + query_seq[t0] * max_keys,
+                   query_keys + t0, kv_heads, g, head_dim, scale, o0, heads * head_dim);
+        continue;
+      }
+      for (int64_t t = t0; t < end; t++)
+        attend_group(q + t * q_tok_stride + g * group * q_head_stride, q_head_stride, group, k_pool, v_pool,
+                     key_slots + query_seq[t] * max_keys, query_keys[t], kv_heads, g, head_dim, scale,
+                     out + (t * heads + g * group) * head_dim);
+    }
 }
