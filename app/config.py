@@ -102,7 +102,7 @@ class EngineConfig:
     separate_process: bool = True  # run the core in its own process (no GIL shared with the server's threads)
     torch_threads: int = 0  # 0: one thread per core the process may use
     cpu_linear_kernel: str = "auto"  # fp32 on CPU: auto | avx2 (ours) | onednn | torch (docs/engine.md)
-    cpu_attention_kernel: str = "auto"  # fp32 on CPU, decode steps: auto (ours where it builds) | torch (gather + SDPA)
+    cpu_attention_kernel: str = "auto"  # fp32 on CPU, every step: auto (ours where it builds) | torch (gather + SDPA)
     cpu_norm_kernel: str = "auto"  # fp32 RMSNorm on CPU: auto (ours where it builds and matches the model's) | torch
     cpu_rotary_kernel: str = "auto"  # fp32 RoPE on CPU: auto (ours where it builds and gives the model's bits) | torch; process-wide
     cpu_decoder_layer: str = "auto"  # packed CPU layers: auto (one-frame forward where it gives the module's bits) | torch
