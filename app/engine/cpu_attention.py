@@ -56,7 +56,6 @@ class DecodeAttentionKernel:
             )
         return out
 
-
     def prefill(
         self,
         query: torch.Tensor,  # [1, H, T, D]: any step's queries, prefill chunks and decodes side by side
@@ -80,6 +79,7 @@ class DecodeAttentionKernel:
                 query_seq.data_ptr(), query_keys.data_ptr(), out.data_ptr(), tokens, heads, k_pool.shape[1], head_dim, scale,
             )
         return out
+
 
 @functools.cache
 def load_decode_attention() -> DecodeAttentionKernel | None:

@@ -176,8 +176,8 @@ static inline __attribute__((always_inline)) void panel_rows(const int bf16, con
    * it comes from memory while this one computes instead of stalling the next panel's first tile. Each
    * of the T tiles fetches its own 1/T of it, paced over its k loop: when the first tile alone fetched
    * a cache line every k, its requests outran memory and stalled it (fp32 weights, all projections of
-   * SmolLM2-135M, alternated in one process: 1.04x at 8 rows, 1.10-1.14x at 20-32, 1.02-1.07x at
-   * 48-256; bf16 weights, half the bytes, 0.98-1.06x). Prefetching two panels ahead did worse. */
+   * SmolLM2-135M, 14 pairs alternated in one process: 1.07x at 8 rows, 1.17x at 20, 1.13x at 32,
+   * 1.07x at 64, 1.00x at 128; bf16 weights, half the bytes, 0.98-1.03x). Two panels ahead did worse. */
   const int64_t panel_bytes = k_total * NR * (bf16 ? 2 : 4);
   const int64_t tiles = (m_total + MR - 1) / MR, share = panel_bytes / tiles, step = share / k_total;
   const char* next = (const char*)panel + panel_bytes;
