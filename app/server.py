@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import time
+from typing import Any, Callable
 
 import torch
 
@@ -24,12 +25,16 @@ logger = logging.getLogger(__name__)
 
 WARMUP_PROMPT = "Hello"
 
+# Builds a served model's engine core and says what it loaded; build_model_core (below) is the real one.
+CoreBuilder = Callable[[ServedModelConfig], tuple[Any, CoreInfo]]
+
 
 class ModelServer:
-    def __init__(self, config: ServedModelConfig, admit: Admit | None = None) -> None:
+    def __init__(self, config: ServedModelConfig, admit: Admit | None = None, build_core: CoreBuilder | None = None) -> None:
+        """``build_core`` (default: load the configured model) lets serving tests run all of this on a fake model."""
         self.config = config
         started = time.monotonic()
-        build = functools.partial(build_model_core, config)
+        build = functools.partial(build_core or build_model_core, config)
         if config.engine.separate_process:
             process_core = ProcessCore(build)  # returns once the child has loaded and warmed up
             self.info = process_core.info

@@ -1,4 +1,9 @@
-"""``build_app(args)``: the import_path of serve_config.yaml. Config in, bound Serve application out."""
+"""``build_app(args)``: the import_path of serve_config.yaml. Config in, bound Serve application out.
+
+``args`` is the app config (app/config.py), plus one optional key that is not config:
+``server_factory``, the ``"module:attribute"`` import path of what each model replica serves
+(default: the real ``app.server.ModelServer``; the serving tests name a fake model here).
+"""
 
 from __future__ import annotations
 
@@ -16,8 +21,11 @@ DEFAULT_AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_req
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """One LLMServer deployment per configured model, behind one OpenAIIngress."""
+    args = dict(args or {})
+    factory = args.pop("server_factory", None)
     config = AppConfig.from_args(args)
-    servers = [LLMServer.options(**replica_options(served)).bind(served) for served in config.models]
+    extra = {"server_factory": factory} if factory is not None else {}  # unset: the replica's default, the real model
+    servers = [LLMServer.options(**replica_options(served)).bind(served, **extra) for served in config.models]
     names = [served.model.name for served in config.models]
     return OpenAIIngress.bind(servers, names, config.max_request_bytes)
 

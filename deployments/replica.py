@@ -3,11 +3,18 @@
 Everything model-related lives in app/; this class only adapts it to Ray Serve's lifecycle
 (constructor = load and warm up, check_health, graceful shutdown) and exposes the calls the
 ingress makes through its handle.
+
+What it serves is injectable, as Ray Serve LLM injects ``engine_cls``: ``server_factory`` is called
+as ``factory(config, admit=...)`` and must return an object shaped like ``app.server.ModelServer``
+(``serving``, ``engine``, ``model_card``, ``check_health``, ``shutdown``). It is the real ModelServer
+unless the app's ``args`` name another (``server_factory: "module:attribute"``, see
+deployments/builder.py); the serving tests plug in a fake model that way.
 """
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+import importlib
+from typing import Any, AsyncIterator, Callable
 
 from ray import serve
 
@@ -15,6 +22,20 @@ from app.api.protocol import ChatCompletionRequest, CompletionRequest
 from app.config import ServedModelConfig
 from app.engine import Request
 from app.server import ModelServer
+
+ServerFactory = Callable[..., Any]
+
+
+# Defined before the deployment class: Serve pickles the class by value when it is decorated, and
+# names defined after that point would be missing on the replica.
+def resolve_factory(factory: str | ServerFactory) -> ServerFactory:
+    """A factory itself, or the ``"module:attribute"`` import path of one (resolved in the replica's process)."""
+    if callable(factory):
+        return factory
+    module_name, _, attribute = factory.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"server_factory must be 'module:attribute', got {factory!r}")
+    return getattr(importlib.import_module(module_name), attribute)
 
 
 @serve.deployment(
@@ -24,11 +45,11 @@ from app.server import ModelServer
     graceful_shutdown_timeout_s=60,
 )
 class LLMServer:
-    def __init__(self, config: ServedModelConfig) -> None:
+    def __init__(self, config: ServedModelConfig, server_factory: str | ServerFactory = ModelServer) -> None:
         # Serve sends no traffic until the constructor returns, and ModelServer only returns
         # after a real warm-up generation: a replica is ready only when the model runs.
         batching = config.engine.batching != "none"
-        self._server = ModelServer(config, admit=self._admit if batching else None)
+        self._server = resolve_factory(server_factory)(config, admit=self._admit if batching else None)
         self._admit_window.set_max_batch_size(config.engine.max_batch_size)
         self._admit_window.set_batch_wait_timeout_s(config.engine.batch_wait_timeout_s)
 

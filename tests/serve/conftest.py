@@ -1,4 +1,9 @@
-"""A real local Ray cluster and Serve app with the real embedded model, shared by the serve tests."""
+"""One real local Ray cluster and Serve instance per session, with two apps on it (each deployed on first use):
+
+- ``serve_app``: the shipped config with the real embedded model, at ``/`` (app "default"): the end-to-end tests;
+- ``fake_app``: the same deployments on a fake model (tests/serve/fake_model.py), at ``/fake`` (app "fake"):
+  fast tests of the serving layer.
+"""
 
 import httpx
 import pytest
@@ -9,6 +14,10 @@ BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "smollm2-135m-instruct"
 GPTQ_MODEL = "smollm2-135m-instruct-gptq"
 
+FAKE_APP = "fake"
+FAKE_BASE = f"{BASE}/fake"
+FAKE_MODELS = ["fake-a", "fake-b"]
+
 
 def app_args() -> dict:
     """The shipped config, with the bf16 model in fp32: batched == alone must hold exactly, and bf16
@@ -18,22 +27,53 @@ def app_args() -> dict:
     return config
 
 
+def fake_app_args() -> dict:
+    """Fake models in the replica process (no engine process to spawn), taking no CPU from the real app's replicas."""
+    def served(name: str) -> dict:
+        return {"model": {"source": name}, "engine": {"separate_process": False}, "replica": {"num_cpus": 0}}
+
+    return {"server_factory": "tests.serve.fake_model:fake_model_server", "models": [served(n) for n in FAKE_MODELS]}
+
+
 @pytest.fixture(scope="session")
-def serve_app():
+def serve_cluster():
     import ray
     from ray import serve
 
-    from deployments.builder import build_app
-
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024 * 1024)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app(app_args()), name="default", route_prefix="/")
     yield {"gcs_address": ray.get_runtime_context().gcs_address}
     serve.shutdown()
     ray.shutdown()
 
 
 @pytest.fixture(scope="session")
+def serve_app(serve_cluster):
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    serve.run(build_app(app_args()), name="default", route_prefix="/")
+    return serve_cluster
+
+
+@pytest.fixture(scope="session")
+def fake_app(serve_cluster):
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    serve.run(build_app(fake_app_args()), name=FAKE_APP, route_prefix="/fake")
+    return serve_cluster
+
+
+@pytest.fixture(scope="session")
 def client(serve_app):
     with httpx.Client(base_url=BASE, timeout=120) as http:
+        yield http
+
+
+@pytest.fixture(scope="session")
+def fake_client(fake_app):
+    with httpx.Client(base_url=FAKE_BASE, timeout=30) as http:
         yield http

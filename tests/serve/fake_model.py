@@ -1,0 +1,80 @@
+"""A tiny fake model behind the real serving code, for fast Ray Serve tests.
+
+``fake_model_server`` is a ``server_factory`` for deployments/builder.py: each replica runs the real
+ModelServer, AsyncEngine (with the replica's @serve.batch window) and OpenAIServing; only the model
+is fake. Its tokenizer gives one token per UTF-8 byte and its engine core echoes the prompt, one
+byte per step, cycling through it until ``max_tokens``: a completion's text is therefore known in
+advance (``echo``), and a long answer takes long enough to cancel.
+"""
+
+import time
+
+from app.config import ServedModelConfig
+from app.engine.core_process import CoreInfo
+from app.engine.request import RequestOutput
+from app.server import ModelServer
+from tests.unit.fakes import CountingCore
+
+STEP_S = 0.005  # a (very fast) model's step; long answers stay cancellable without busy CPU
+MAX_MODEL_LEN = 1_000_000  # room for answers far longer than any test waits for
+EOS_TOKEN_ID = 0  # never in a test prompt, so the echo only stops at max_tokens
+
+
+def echo(prompt: str, max_tokens: int) -> str:
+    """What the fake model answers to ``prompt`` (ASCII) given ``max_tokens``."""
+    return (prompt * (max_tokens // len(prompt) + 1))[:max_tokens]
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte; the chat template writes one "role: content" line per message."""
+
+    chat_template = "role: content lines"  # OpenAIServing only checks that there is one
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool) -> str:
+        lines = [f"{message['role']}: {message['content']}" for message in messages]
+        return "\n".join(lines + (["assistant:"] if add_generation_prompt else []))
+
+
+class EchoCore(CountingCore):
+    """An engine core that answers each request with its own prompt, one byte per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_finished = 0
+
+    def stats(self) -> dict:
+        return {"num_running": self.num_running, "num_finished": self.num_finished, "num_aborted": len(self.aborted)}
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(STEP_S)
+        return [self._next_byte(request) for request in list(self.requests.values())]
+
+    def _next_byte(self, request) -> RequestOutput:
+        prompt = request.prompt_token_ids
+        token = prompt[request.num_output_tokens % len(prompt)]
+        request.output_token_ids.append(token)
+        done = request.num_output_tokens >= request.sampling.max_tokens
+        if done:
+            del self.requests[request.request_id]
+            self.num_finished += 1
+        text = bytes([token]).decode("utf-8", errors="replace")
+        return RequestOutput(
+            request.request_id, [token], text, request.num_prompt_tokens, request.num_output_tokens,
+            finished=done, finish_reason="length" if done else None,
+        )
+
+
+def build_fake_core(config: ServedModelConfig) -> tuple[EchoCore, CoreInfo]:
+    tokenizer = ByteTokenizer()
+    return EchoCore(), CoreInfo(config.model.name, tokenizer, MAX_MODEL_LEN, frozenset({EOS_TOKEN_ID}), 256, 0.0)
+
+
+def fake_model_server(config: ServedModelConfig, admit=None) -> ModelServer:
+    """The ``server_factory`` the fake app names: the real ModelServer on the fake model."""
+    return ModelServer(config, admit, build_core=build_fake_core)
