@@ -20,11 +20,12 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
 BATCHING_MODES = ("none", "dynamic", "continuous")
-CPU_LINEAR_KERNELS = ("auto", "avx2", "onednn", "torch")  # app/engine/cpu_linear.py
-CPU_ATTENTION_KERNELS = ("auto", "torch")  # app/engine/cpu_attention.py
-CPU_NORM_KERNELS = ("auto", "torch")  # app/engine/cpu_norm.py
-CPU_ROTARY_KERNELS = ("auto", "torch")  # app/engine/cpu_rotary.py
-CPU_DECODER_LAYERS = ("auto", "torch")  # app/engine/cpu_decoder.py
+# The CPU fast path (app/cpu/): each part can be turned back to torch's ops.
+CPU_LINEAR_KERNELS = ("auto", "avx2", "onednn", "torch")  # app/cpu/linear.py
+CPU_ATTENTION_KERNELS = ("auto", "torch")  # app/cpu/attention.py
+CPU_NORM_KERNELS = ("auto", "torch")  # app/cpu/norm.py
+CPU_ROTARY_KERNELS = ("auto", "torch")  # app/cpu/rotary.py
+CPU_DECODER_LAYERS = ("auto", "torch")  # app/cpu/decoder.py
 _CPU_CHOICES = {
     "cpu_linear_kernel": CPU_LINEAR_KERNELS, "cpu_attention_kernel": CPU_ATTENTION_KERNELS, "cpu_norm_kernel": CPU_NORM_KERNELS,
     "cpu_rotary_kernel": CPU_ROTARY_KERNELS, "cpu_decoder_layer": CPU_DECODER_LAYERS,
@@ -104,7 +105,7 @@ class EngineConfig:
     cpu_linear_kernel: str = "auto"  # fp32 on CPU: auto | avx2 (ours) | onednn | torch (docs/engine.md)
     cpu_attention_kernel: str = "auto"  # fp32 on CPU, every step: auto (ours where it builds) | torch (gather + SDPA)
     cpu_norm_kernel: str = "auto"  # fp32 RMSNorm on CPU: auto (ours where it builds and matches the model's) | torch
-    cpu_rotary_kernel: str = "auto"  # fp32 RoPE on CPU: auto (ours where it builds and gives the model's bits) | torch; process-wide
+    cpu_rotary_kernel: str = "auto"  # fp32 RoPE in one-frame decoder layers: auto (ours where it gives the model's bits) | torch
     cpu_decoder_layer: str = "auto"  # packed CPU layers: auto (one-frame forward where it gives the module's bits) | torch
     max_queued_requests: int = 1024  # beyond this, new requests get 503 instead of waiting forever
 

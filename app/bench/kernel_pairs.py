@@ -6,8 +6,9 @@ one engine decodes with our kernel and with torch's ops alternately, ``--steps``
 ``--pairs`` times (in alternating order), and the report's figure is the median of the paired
 differences: each pair ran within a second, on the same batch and context lengths.
 
-- ``norm``: the fused RMSNorm (``cpu_norm.py``) against transformers' module forward.
-- ``rotary``: the RoPE kernel (``cpu_rotary.py``) against transformers' ``apply_rotary_pos_emb``.
+- ``norm``: the fused RMSNorm (``app/cpu/norm.py``) against transformers' module forward.
+- ``rotary``: the RoPE kernel (``app/cpu/rotary.py``) against transformers' ``apply_rotary_pos_emb``,
+  inside the one-frame decoder layers.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from torch import nn
 from app.bench.load import LoadSpec, make_prompts
 from app.config import EngineConfig, ModelConfig
 from app.engine import LLMEngine, Request, SamplingParams
-from app.engine.cpu_norm import fused_norm_forwards
-from app.engine.cpu_rotary import installed_rotary
+from app.cpu.decoder import DecoderLayerForward
+from app.cpu.norm import fused_norm_forwards
+from app.cpu.rotary import KernelRotary
 from app.models import load_model
 
 def run_kernel_pairs(spec: LoadSpec, kernel: str, batches: list[int], dtype: str, pairs: int, steps: int) -> dict:
@@ -53,16 +55,15 @@ def _norm_switch(model: nn.Module) -> tuple[Callable[[bool], None], int]:
 
 
 def _rotary_switch(model: nn.Module) -> tuple[Callable[[bool], None], int]:
-    """Puts our RoPE or transformers' own in the modeling module; 1 function replaced (0: not installed)."""
-    installed = installed_rotary(model)
-    if installed is None:
-        return (lambda ours: None), 0
-    namespace, fused = installed
+    """Gives the one-frame decoder layers our RoPE or transformers' own; and how many layers use ours."""
+    forwards = [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), DecoderLayerForward)]
+    kernels = {forward: forward.rotary for forward in forwards if isinstance(forward.rotary, KernelRotary)}
 
     def use(ours: bool) -> None:
-        setattr(namespace, "apply_rotary_pos_emb", fused if ours else fused.original)
+        for forward, kernel in kernels.items():
+            forward.rotary = kernel if ours else kernel.original
 
-    return use, 1
+    return use, len(kernels)
 
 
 _SWITCHES = {"norm": _norm_switch, "rotary": _rotary_switch}

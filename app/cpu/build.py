@@ -1,20 +1,17 @@
-"""Our C kernels for AVX2 CPUs (``app/engine/kernels/*.c``), compiled with the system C compiler at first use.
+"""Build the CPU kernels into one library of torch ops, once per machine, with the system compiler.
 
-Each source is compiled once (< 1 s, ``cc -O3 -mavx2 -mfma -fopenmp``) into ``$LLM_SERVE_CACHE/kernels``
-under a hash of source, flags and compiler, and loaded with ctypes: no torch headers, so no
-minute-long C++ extension build. The libraries link ``libgomp.so.1``, the soname of the OpenMP
-runtime torch's wheel ships and has already loaded, so the kernels run on torch's own thread team
-and follow ``torch.set_num_threads``. Where a kernel cannot be built (no compiler, no AVX2/FMA, not
-x86-64) :func:`load_library` returns None, logs why once, and callers keep torch's kernels.
+``kernels/*.c`` are compiled as C (``cc -O3 -mavx2 -mfma -fopenmp``) and ``csrc/ops.cpp``, which
+registers them as ``torch.ops.llm_serve.*``, as C++ against torch's headers with the include paths
+and ABI flag of ``torch.utils.cpp_extension``; both are linked into one shared library kept in
+``$LLM_SERVE_CACHE/kernels`` under a hash of the sources, flags, compilers and torch version (~10 s
+the first time, nothing after). The library links ``libgomp.so.1``, the soname of the OpenMP runtime
+torch's wheel ships and has already loaded, so the kernels run on torch's own thread team and follow
+``torch.set_num_threads``. Where it cannot be built, :func:`unsupported_reason` says why.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
 import hashlib
-import logging
 import os
 import platform
 import shlex
@@ -24,75 +21,109 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.profiler import record_function
+from torch.utils import cpp_extension
 
 from app.models.registry import cache_dir
 
-logger = logging.getLogger(__name__)
-
-KERNELS_DIR = Path(__file__).parent / "kernels"
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+CPU_DIR = Path(__file__).parent
+KERNELS_DIR = CPU_DIR / "kernels"
+OPS_SOURCE = CPU_DIR / "csrc" / "ops.cpp"
+C_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
+DISABLE_VARIABLE = "LLM_SERVE_CPU_KERNELS"  # 0: torch's ops everywhere, as on a CPU the kernels do not support
 _SUPPORTED_CAPABILITIES = ("AVX2", "AVX512")  # torch's own CPU dispatch level: both have AVX2 and FMA
-
-
-@functools.cache
-def load_library(name: str) -> ctypes.CDLL | None:
-    """``kernels/<name>.c`` compiled and loaded, or None (logged once) where this machine cannot."""
-    reason = unsupported_reason()
-    if reason is None:
-        try:
-            return ctypes.CDLL(str(build(KERNELS_DIR / f"{name}.c")))
-        except subprocess.CalledProcessError as exc:
-            reason = f"compiling {name}.c failed: {(exc.stderr or '').strip()[-500:]}"
-        except (OSError, subprocess.SubprocessError) as exc:
-            reason = f"building {name}.c failed: {exc}"
-    logger.info("CPU kernel %s unavailable (%s): torch's kernels run instead", name, reason)
-    return None
-
-
-def profiler_label(name: str):
-    """Context naming a kernel call in torch's profiler (ctypes calls are invisible to it).
-
-    Only while the profiler records: the label costs a few microseconds, and a decode step makes ~200 calls.
-    """
-    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+_TIMEOUT_S = 300
 
 
 def unsupported_reason() -> str | None:
+    """Why the kernels cannot (or must not) run here, or None where they can."""
+    if os.environ.get(DISABLE_VARIABLE, "").strip().lower() in ("0", "off", "false", "no"):
+        return f"turned off by {DISABLE_VARIABLE}={os.environ[DISABLE_VARIABLE]}"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 CPU ({platform.machine()})"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in _SUPPORTED_CAPABILITIES:
         return f"torch reports CPU capability {capability}, not AVX2"
-    if _compiler() is None:
-        return "no C compiler (set CC or install gcc)"
+    if c_compiler() is None or cxx_compiler() is None:
+        return "no C/C++ compiler (install gcc and g++, or set CC and CXX)"
     return None
 
 
-def build(source: Path) -> Path:
-    """Compile ``source`` into the cache unless an identical build is there; concurrent builders race harmlessly."""
-    compiler = _compiler()
-    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
-    key = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode() + version.encode()).hexdigest()[:16]
+def sources() -> list[Path]:
+    return sorted(KERNELS_DIR.glob("*.c")) + [OPS_SOURCE]
+
+
+def build_library() -> Path:
+    """The ops library, compiled into the cache unless an identical build is there (builders race harmlessly)."""
     directory = _kernel_dir()
-    library = directory / f"{source.stem}-{key}.so"
-    if not library.exists():
-        fd, partial = tempfile.mkstemp(suffix=".so", dir=directory)
-        os.close(fd)
-        try:
-            subprocess.run([*compiler, *_FLAGS, str(source), "-o", partial], capture_output=True, text=True, check=True, timeout=120)
-            os.replace(partial, library)  # atomic: another process never loads a half-written library
-        finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
+    library = directory / f"llm_serve_ops-{_build_key()}.so"
+    if library.exists():
+        return library
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        objects = [_compile_c(source, Path(scratch)) for source in sorted(KERNELS_DIR.glob("*.c"))]
+        objects.append(_compile_ops(Path(scratch)))
+        partial = Path(scratch) / library.name
+        _run([*cxx_compiler(), "-shared", "-fopenmp", *map(str, objects), "-o", str(partial), *_torch_link_flags()])
+        os.replace(partial, library)  # atomic: another process never loads a half-written library
     return library
 
 
-def _compiler() -> list[str] | None:
-    if os.environ.get("CC"):
-        return shlex.split(os.environ["CC"])
-    found = shutil.which("cc") or shutil.which("gcc")
-    return [found] if found else None
+def _compile_c(source: Path, out_dir: Path) -> Path:
+    target = out_dir / f"{source.stem}.o"
+    _run([*c_compiler(), *C_FLAGS, "-c", str(source), "-o", str(target)])
+    return target
+
+
+def _compile_ops(out_dir: Path) -> Path:
+    target = out_dir / "ops.o"
+    _run([*cxx_compiler(), *_cxx_flags(), "-c", str(OPS_SOURCE), "-o", str(target)])
+    return target
+
+
+def _cxx_flags() -> list[str]:
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return ["-O2", "-std=c++17", "-fPIC", "-w", abi, *includes]
+
+
+def _torch_link_flags() -> list[str]:
+    flags = []
+    for path in cpp_extension.library_paths():
+        flags += [f"-L{path}", f"-Wl,-rpath,{path}"]
+    return [*flags, "-lc10", "-ltorch_cpu"]
+
+
+def _build_key() -> str:
+    digest = hashlib.sha256()
+    for source in sources():
+        digest.update(source.name.encode() + source.read_bytes())
+    for part in (C_FLAGS, _cxx_flags(), [torch.__version__, _version(c_compiler()), _version(cxx_compiler())]):
+        digest.update(" ".join(part).encode())
+    return digest.hexdigest()[:16]
+
+
+def _version(compiler: list[str]) -> str:
+    return subprocess.run([*compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
+
+
+def _run(command: list[str]) -> None:
+    subprocess.run(command, capture_output=True, text=True, check=True, timeout=_TIMEOUT_S)
+
+
+def c_compiler() -> list[str] | None:
+    return _compiler("CC", ("cc", "gcc", "clang"))
+
+
+def cxx_compiler() -> list[str] | None:
+    return _compiler("CXX", ("c++", "g++", "clang++"))
+
+
+def _compiler(variable: str, names: tuple[str, ...]) -> list[str] | None:
+    if os.environ.get(variable):
+        return shlex.split(os.environ[variable])
+    for name in names:
+        if found := shutil.which(name):
+            return [found]
+    return None
 
 
 def _kernel_dir() -> Path:

@@ -4,10 +4,11 @@ With the matrix products and the small ops on our kernels, about half of a one-s
 on the 2-core dev machine (bf16 weights, ~26 ms) is outside the GEMMs, much of it Python:
 transformers' decoder layer calls 11 modules (norms, attention, the q/k/v siblings, o_proj, the MLP)
 and looks up its configuration and attention function on every call. This ``forward`` does the module's work
-in the module's order (norm, q/k/v from the shared GEMM, RoPE through the modeling module's
-``apply_rotary_pos_emb``, the registered attention function, o_proj, residual, norm, MLP, residual)
-with everything resolved once: same ops on the same inputs, so the same bits, and it is installed
-only where that was checked on a test input (as :mod:`cpu_linear` does for gated MLPs).
+in the module's order (norm, q/k/v from the shared GEMM, RoPE as the modeling module's
+``apply_rotary_pos_emb`` computes it (our kernel where it gives that function's bits, ``rotary.py``),
+the registered attention function, o_proj, residual, norm, MLP, residual) with everything resolved
+once: same ops on the same inputs, so the same bits, and it is installed only where that was checked
+on a test input (as ``linear.py`` does for gated MLPs).
 
 Only layers of the Llama family's exact shape qualify: children ``self_attn``, ``mlp``,
 ``input_layernorm``, ``post_attention_layernorm``; an attention of exactly q/k/v/o projections
@@ -18,32 +19,32 @@ else (q/k norms, sandwich norms, a KV cache object) keeps the module's own ``for
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from app.engine.cpu_linear import PackedSiblingLinear
+from app.cpu.linear import PackedSiblingLinear
+from app.cpu.rotary import modeling_rotary, rotary_for
 
 logger = logging.getLogger(__name__)
 
 _LAYER_CHILDREN = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_CHILDREN = {"q_proj", "k_proj", "v_proj", "o_proj"}
-_ROTARY = "apply_rotary_pos_emb"
 _CHECK_TOKENS = 3
 
 
 class DecoderLayerForward:
     """``layer``'s new ``forward``: ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` without the module calls."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, rotary_kernel: bool = True) -> None:
         attn = layer.self_attn
         self.layer, self.attn = layer, attn
         self.shared = attn.q_proj.shared  # the one GEMM of q, k and v
         self.total = sum(self.shared.sizes)
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
-        self.modeling = sys.modules[type(attn).__module__]  # its apply_rotary_pos_emb, read per call (ours or torch's)
+        original = modeling_rotary(attn)
+        self.rotary = (rotary_for(original) if rotary_kernel else None) or original
         self.attention = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
         # bound forwards (a fused one where a module has it): the module calls' own cost was the point
         self.input_norm, self.post_norm = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
@@ -62,28 +63,29 @@ class DecoderLayerForward:
         query, key, value = shared.kernel.apply(x, shared.packed_weight, shared.bias, self.total).split(shared.sizes, dim=-1)
         query, key, value = query.view(head_shape).transpose(1, 2), key.view(head_shape).transpose(1, 2), value.view(head_shape).transpose(1, 2)
         cos, sin = position_embeddings
-        query, key = getattr(self.modeling, _ROTARY)(query, key, cos, sin)
+        query, key = self.rotary(query, key, cos, sin)
         # kwargs as the attention module passes them on (position_ids, use_cache, paged_batch, ...)
         out, _ = self.attention(self.attn, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(*input_shape, -1).contiguous())
 
 
-def fuse_decoder_layers(model: nn.Module) -> int:
-    """Give every qualifying decoder layer of ``model`` a one-frame ``forward`` where it gives the same bits."""
+def fuse_decoder_layers(model: nn.Module, rotary_kernel: bool = True) -> int:
+    """Give every qualifying decoder layer of ``model`` a one-frame ``forward`` where it gives the same bits.
+
+    ``rotary_kernel``: RoPE through our kernel where it gives the modeling module's bits (else its function).
+    """
     fused, mismatched = 0, set()
     for layer in model.modules():
         if not _qualifies(layer):
             continue
-        candidate = DecoderLayerForward(layer)
+        candidate = DecoderLayerForward(layer, rotary_kernel)
         if _same_bits(layer, candidate):
             layer.forward = candidate
             fused += 1
         else:
             mismatched.add(type(layer).__name__)
     if mismatched:
-        logger.info("decoder layers of %s keep their own forward: the one-frame forward did not reproduce it", ", ".join(sorted(mismatched)))
-    if fused:
-        logger.info("%d decoder layers run their forward in one frame", fused)
+        logger.debug("decoder layers of %s keep their own forward: the one-frame forward did not reproduce it", ", ".join(sorted(mismatched)))
     return fused
 
 
@@ -108,7 +110,7 @@ def _qualifies(layer: nn.Module) -> bool:
         return False
     if attn.config._attn_implementation not in ALL_ATTENTION_FUNCTIONS:
         return False
-    if not callable(getattr(sys.modules.get(type(attn).__module__), _ROTARY, None)):
+    if modeling_rotary(attn) is None:
         return False
     return not any(_has_hooks(m) for m in layer.modules())
 

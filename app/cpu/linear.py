@@ -1,14 +1,15 @@
-"""fp32 Linear layers on CPU through prepacked weights: our AVX2 GEMM, else oneDNN.
+"""fp32 Linear layers on CPU through prepacked weights: our AVX2 GEMM (``llm_serve::linear``), else oneDNN.
 
 torch runs an fp32 ``nn.Linear`` on CPU through MKL's sgemm, whose small-M path is slow on the AVX2
 AMD EPYC dev machine: a decode step of 2 sequences took as long as one of 16. The runner therefore
 packs every plain fp32 CPU Linear weight once into a kernel's own layout:
 
-- ``avx2``: our micro-kernel (``cpu_gemm.py``, ``kernels/linear_avx2.c``), 1.4-1.6x oneDNN on the 1-32
-  row products of decode steps (it streams the weights at memory speed), 1.2x at 64 rows,
-  with results that do not depend on the batch; it also takes bf16 weights (``weight_dtype``), and
-  stores an fp32 weight as bf16 by itself when every value is a bf16 value (a bf16 checkpoint loaded
-  as fp32): half the bytes, bit-identical results;
+- ``avx2``: our 6x16 micro-kernel (``kernels/linear_avx2.c``), 1.4-1.6x oneDNN on the 1-32 row
+  products of decode steps on the AVX2 EPYC (it streams the weights at memory speed), 1.2x at 64
+  rows, with results that do not depend on the batch: every output is summed in one fixed order.
+  It also takes bf16 weights (``weight_dtype``: widened to fp32 in registers, half the bytes to
+  stream), and stores an fp32 weight as bf16 by itself when every value is a bf16 value (a bf16
+  checkpoint loaded as fp32): half the bytes, bit-identical results;
 - ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn``, what IPEX and inductor's freezing use).
 
 ``auto`` (the default) takes ``avx2`` where it builds (x86-64 with AVX2/FMA and a C compiler), else
@@ -39,8 +40,7 @@ import torch
 from torch import nn
 
 from app.config import CPU_LINEAR_KERNELS
-from app.engine.cpu_gemm import AVX2Gemm, load_avx2_gemm
-from app.engine.cpu_kernels import profiler_label, unsupported_reason
+from app.cpu.ops import OPS, available, unavailable_reason
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +69,8 @@ class OneDNNKernel:
 
 class AVX2Kernel:
     name = "avx2"
-    label = "llm_serve::avx2_linear"  # its name in torch's profiler
 
-    def __init__(self, gemm: AVX2Gemm, weight_dtype: torch.dtype = torch.float32) -> None:
-        self._gemm = gemm
+    def __init__(self, weight_dtype: torch.dtype = torch.float32) -> None:
         self.weight_dtype = weight_dtype  # bfloat16: half the bytes, widened to fp32 in registers
         if weight_dtype == torch.bfloat16:
             self.name = "avx2-bf16-weights"
@@ -83,11 +81,10 @@ class AVX2Kernel:
             # e.g. a bf16 checkpoint loaded as fp32: bf16 holds every value exactly, so half the
             # bytes to stream and the same bits out (the kernel widens them back before any FMA)
             dtype = torch.bfloat16
-        return self._gemm.pack(weight, dtype)
+        return OPS.pack_linear_weight(weight.detach().float(), dtype)
 
     def apply(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-        with profiler_label(self.label):
-            return self._gemm.linear(x, packed, bias, out_features)
+        return OPS.linear(x, packed, bias, out_features)
 
 
 def select_kernel(choice: str, weight_dtype: torch.dtype = torch.float32) -> LinearKernel | None:
@@ -100,11 +97,10 @@ def select_kernel(choice: str, weight_dtype: torch.dtype = torch.float32) -> Lin
     if choice == "torch":
         return None
     if choice in ("auto", "avx2"):
-        gemm = load_avx2_gemm()
-        if gemm is not None:
-            return AVX2Kernel(gemm, weight_dtype)
+        if available():
+            return AVX2Kernel(weight_dtype)
         if choice == "avx2":
-            raise ValueError(f"engine.cpu_linear_kernel is avx2, but {unsupported_reason() or 'its build failed (see the log)'}; use auto")
+            raise ValueError(f"engine.cpu_linear_kernel is avx2, but {unavailable_reason()}; use auto")
     if weight_dtype != torch.float32:
         logger.warning("bf16 weights need the avx2 kernel (engine.cpu_linear_kernel %s): they stay fp32", choice)
     if onednn_supported():
@@ -236,11 +232,18 @@ def pack_cpu_linears(model: nn.Module, kernel: str = "auto", weight_dtype: torch
     if replaced:
         fuse_gated_mlps(model)
         _release_checkpoint_mapping(model)
-        packed = [getattr(m, "packed_weight", None) for m in model.modules()]  # one per packed (fused) weight
-        stored_bf16 = sum(1 for p in packed if p is not None and p.dtype == torch.bfloat16)
-        logger.info("%d fp32 Linear layers run on the %s kernel with prepacked weights (%d weights stored as bf16)",
-                    replaced, chosen.name, stored_bf16)
     return replaced
+
+
+def describe_packed(model: nn.Module) -> str:
+    """Which kernel runs ``model``'s Linear layers, how many, and how many packed weights are bf16 (for the log)."""
+    layers = [m for m in model.modules() if isinstance(m, (PackedLinear, PackedSiblingLinear))]
+    if not layers:
+        return "torch"
+    packed = [getattr(m, "packed_weight", None) for m in layers]  # one per packed (fused) weight
+    stored_bf16 = sum(1 for p in packed if p is not None and p.dtype == torch.bfloat16)
+    kernel = layers[0].kernel if isinstance(layers[0], PackedLinear) else layers[0].shared.kernel
+    return f"{kernel.name} ({len(layers)} layers prepacked, {stored_bf16} weights stored as bf16)"
 
 
 def _fuse_siblings(parent: nn.Module, kernel: LinearKernel) -> int:

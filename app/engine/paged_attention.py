@@ -10,7 +10,7 @@ single ``[1, T]`` row (mixed prefill chunks and decodes). Each attention layer c
 Requests are attended in at most two padded groups (decodes with one query each, and prefill
 chunks), so a step costs two SDPA calls per layer whatever the batch size. A step of decodes only
 (the steady state) attends the queries where they lie, with no gather of queries or scatter of
-outputs. On AVX2 CPUs with an fp32 pool every step runs our kernel instead (``cpu_attention.py``),
+outputs. On AVX2 CPUs with an fp32 pool every step runs our kernel instead (``app/cpu/attention.py``),
 which reads each key and value once in the pool instead of gathering copies for SDPA, and attends
 each query, prefill or decode, with one computation: a token's bits do not depend on how its
 sequence was cut into steps or on its batch-mates (SDPA's do). Everything that does not
@@ -21,14 +21,15 @@ The model's own Linear layers are untouched, so bitsandbytes and GPTQ layers run
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from app.engine.cpu_attention import DecodeAttentionKernel
+if TYPE_CHECKING:  # the engine core takes the kernel from the runner; it does not load it
+    from app.cpu.attention import PagedAttentionKernel
 
 ATTENTION_NAME = "llm_serve_paged"
 
@@ -75,7 +76,7 @@ class AttentionGroup:
 class KernelQueries:
     """Any step's queries for the CPU kernel: each one attended as a decode step attends its one query."""
 
-    kernel: DecodeAttentionKernel
+    kernel: PagedAttentionKernel
     key_slots: torch.Tensor  # [S, L] pool slot of each key of each sequence (padding past its count)
     query_seq: torch.Tensor  # [T] the key_slots row of each packed query
     query_keys: torch.Tensor  # [T] keys each query sees: its position + 1
@@ -89,13 +90,13 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # [T] where each new token's key/value is written
     groups: list[AttentionGroup]
     decode_only: bool = False  # one group of one query per sequence, in packed order (steady-state decode)
-    decode_kernel: DecodeAttentionKernel | None = None  # attends decode-only steps in place (CPU, fp32)
+    decode_kernel: PagedAttentionKernel | None = None  # attends decode-only steps in place (CPU, fp32)
     kernel_queries: KernelQueries | None = None  # attends the other steps with the same kernel (CPU, fp32)
 
     @classmethod
     def build(
         cls, kv_pool: torch.Tensor, block_size: int, slices: Sequence[SequenceSlice],
-        decode_kernel: DecodeAttentionKernel | None = None,
+        decode_kernel: PagedAttentionKernel | None = None,
     ) -> "PagedBatch":
         device = kv_pool.device
         if decode_kernel is not None and all(s.num_queries == 1 for s in slices):
@@ -136,7 +137,7 @@ def _kernel_decode_group(
 
 
 def _kernel_queries(
-    kernel: DecodeAttentionKernel, slices: Sequence[SequenceSlice], block_size: int
+    kernel: PagedAttentionKernel, slices: Sequence[SequenceSlice], block_size: int
 ) -> tuple[KernelQueries, torch.Tensor]:
     """Per packed query: its sequence's row of key slots, the keys it sees, and the slot its key goes to."""
     lengths = torch.tensor([s.num_queries for s in slices])
@@ -205,7 +206,7 @@ def paged_attention_forward(
     if paged_batch.decode_kernel is not None:  # it writes the new keys and values into the pool itself
         group, scale = paged_batch.groups[0], scaling if scaling is not None else query.shape[-1] ** -0.5
         kernel = paged_batch.decode_kernel
-        return kernel(query, key, value, k_pool, v_pool, paged_batch.slot_mapping, group.key_slots, group.key_counts, scale), None
+        return kernel.decode(query, key, value, k_pool, v_pool, paged_batch.slot_mapping, group.key_slots, group.key_counts, scale), None
     k_pool.index_copy_(0, paged_batch.slot_mapping, key[0].transpose(0, 1))
     v_pool.index_copy_(0, paged_batch.slot_mapping, value[0].transpose(0, 1))
     if (queries := paged_batch.kernel_queries) is not None:

@@ -3,7 +3,7 @@
 This is the only part of the engine that touches tensors. One step is one call of the unmodified
 transformers model on a packed ``[1, T]`` row of every scheduled token, with position ids per
 token and paged attention (``app.engine.paged_attention``) reading and writing the KV pool. On CPU
-some modules run fused ``forward``s (``cpu_*.py``) installed only where they give the module's bits.
+the fast path (``app/cpu``) puts our kernels under the model where they give the module's results.
 Logits are computed only at the last token of the requests that sample this step.
 """
 
@@ -16,11 +16,7 @@ import psutil
 import torch
 
 from app.config import EngineConfig
-from app.engine.cpu_attention import load_decode_attention
-from app.engine.cpu_decoder import fuse_decoder_layers, unfuse_decoder_layers
-from app.engine.cpu_linear import pack_cpu_linears
-from app.engine.cpu_norm import fuse_rms_norms
-from app.engine.cpu_rotary import fuse_rotary, unfuse_rotary
+from app.cpu import install_fast_path
 from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import PagedBatch, SequenceSlice, register_paged_attention
 from app.engine.request import Request, TokenLogprob
@@ -87,20 +83,7 @@ class ModelRunner:
         self.sampler = Sampler()
         register_paged_attention(self.model)
         # plain fp32 CPU Linear layers only (quantized ones run as loaded); bf16 weights where the loader chose them
-        pack_cpu_linears(self.model, config.cpu_linear_kernel, loaded.weight_dtype or torch.float32)
-        if config.cpu_norm_kernel == "auto":
-            fuse_rms_norms(self.model)  # fp32 CPU norms whose formula our kernel reproduces
-        if self.device.type == "cpu" and config.cpu_rotary_kernel == "auto":
-            fuse_rotary(self.model)  # process-wide, and only where it gives the model's own bits
-        elif self.device.type == "cpu":
-            unfuse_rotary(self.model)
-        if config.cpu_decoder_layer == "auto":
-            fuse_decoder_layers(self.model)  # layers over packed q/k/v only, after the kernels they call are in place
-        else:
-            unfuse_decoder_layers(self.model)  # a model an earlier engine of this process fused
-        self.decode_kernel = None
-        if config.cpu_attention_kernel == "auto" and self.kv_pool.device.type == "cpu" and self.kv_pool.dtype == torch.float32:
-            self.decode_kernel = load_decode_attention()
+        self.fast_path = install_fast_path(self.model, config, self.kv_pool.dtype, loaded.weight_dtype)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MB)", self.num_blocks, self.block_size, self.kv_bytes / 2**20)
 
     @property
@@ -122,7 +105,7 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(len(token_ids) - 1)
                 sampling.append(request)
-        batch = PagedBatch.build(self.kv_pool, self.block_size, slices, self.decode_kernel)
+        batch = PagedBatch.build(self.kv_pool, self.block_size, slices, self.fast_path.attention)
         with torch.inference_mode():
             out = self.model(
                 input_ids=torch.tensor([token_ids], device=self.device),  # [1, T]

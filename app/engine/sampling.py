@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from app.engine.cpu_argmax import argmax_rows
+from app.cpu.argmax import argmax_rows
 from app.engine.request import Request, TokenLogprob
 
 _NEG_INF = float("-inf")

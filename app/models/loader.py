@@ -133,13 +133,13 @@ def _bf16_weights_on_fp32(config: ModelConfig, device: torch.device, dtype: torc
     AVX2 GEMM instead widens bf16 weights to fp32 in registers: the weights keep bf16's memory and
     bandwidth (a decode step of one sequence reads half the bytes) while activations, norms and the
     KV cache stay fp32, which is at least as exact as a bf16 model. The engine packs the weights
-    (``app/engine/cpu_linear.py``); quantized models keep the requested dtype.
+    (``app/cpu/linear.py``); quantized models keep the requested dtype.
     """
     if device.type != "cpu" or dtype != torch.bfloat16 or config.quantization != "none" or cpu_has_native_bf16():
         return False
-    from app.engine.cpu_gemm import load_avx2_gemm  # the engine's kernel; imported only when it matters
+    from app.cpu.ops import available  # the engine's kernels; imported only when it matters
 
-    return load_avx2_gemm() is not None
+    return available()
 
 
 def _quantization_kwargs(config: ModelConfig, path: str, gguf_file: str | None, dtype, device, common: dict) -> dict:

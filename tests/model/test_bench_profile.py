@@ -10,7 +10,7 @@ from app.bench.profile_steps import run_step_profile
 pytestmark = pytest.mark.model
 
 
-KERNEL_OPS = {"avx2": "llm_serve::avx2_linear", "onednn": "mkldnn::_linear_pointwise", "torch": "aten::mm"}
+KERNEL_OPS = {"avx2": "llm_serve::linear", "onednn": "mkldnn::_linear_pointwise", "torch": "aten::mm"}
 
 
 @pytest.mark.parametrize("kernel", list(KERNEL_OPS))
@@ -26,13 +26,14 @@ def test_profile_times_decode_steps_and_names_the_linear_kernel(kernel):
         assert not {op for other, op in KERNEL_OPS.items() if other != kernel} & set(names)
 
 
-@pytest.mark.parametrize("kernel, replaced", [("norm", 61), ("rotary", 1)])  # SmolLM2-135M: 2 norms x 30 layers + the final one
+# SmolLM2-135M: 2 norms x 30 layers + the final one; RoPE in each of the 30 one-frame decoder layers
+@pytest.mark.parametrize("kernel, replaced", [("norm", 61), ("rotary", 30)])
 def test_kernel_pairs_times_decode_steps_with_ours_and_with_torchs(kernel, replaced):
     from app.bench.kernel_pairs import run_kernel_pairs
-    from app.engine.cpu_kernels import unsupported_reason
+    from app.cpu.build import unsupported_reason
 
     if unsupported_reason() is not None:
-        pytest.skip(unsupported_reason())
+        pytest.skip(f"the CPU kernels cannot run here: {unsupported_reason()}")
     report = run_kernel_pairs(LoadSpec(prompt_words=8), kernel, batches=[2], dtype="float32", pairs=2, steps=1)
     row = report["batches"][2]
     assert row["replaced"] == replaced

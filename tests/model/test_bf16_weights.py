@@ -5,14 +5,14 @@ import torch
 
 from app.config import EngineConfig, ModelConfig
 from app.engine import LLMEngine, Request, SamplingParams
-from app.engine.cpu_gemm import load_avx2_gemm
+from app.cpu.ops import available as kernels_available
 from app.models import load_model
 from app.models.loader import cpu_has_native_bf16
 from tests.model.conftest import PROMPTS
 
 pytestmark = pytest.mark.model
 
-WEIGHT_ONLY_BF16 = not cpu_has_native_bf16() and load_avx2_gemm() is not None
+WEIGHT_ONLY_BF16 = not cpu_has_native_bf16() and kernels_available()
 
 
 @pytest.fixture(scope="module")

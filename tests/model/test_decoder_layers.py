@@ -1,7 +1,7 @@
 """The one-frame decoder layer forward on the real model: every logprob keeps its bits, in prefill chunks and batches."""
 
 from app.engine import Request
-from app.engine.cpu_decoder import DecoderLayerForward
+from app.cpu.decoder import DecoderLayerForward
 
 from tests.model.conftest import PROMPTS, greedy, make_engine
 

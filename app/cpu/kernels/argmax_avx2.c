@@ -1,4 +1,4 @@
-/* Row-wise argmax of fp32 logits for AVX2 CPUs, built by app/engine/cpu_argmax.py at first use.
+/* Row-wise argmax of fp32 logits for AVX2 CPUs, exposed as llm_serve::argmax_rows (app/cpu).
  *
  * Why: torch's CPU argmax is a scalar reduction that tracks indices: ~2 ms for 32 rows of SmolLM2's
  * 49152 logits on the 2-core dev machine, while the max alone (amax) takes 0.1 ms. Greedy decoding and

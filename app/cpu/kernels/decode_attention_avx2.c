@@ -1,4 +1,4 @@
-/* Paged attention on CPUs with AVX2 and FMA, built by app/engine/cpu_kernels.py at first use: decode
+/* Paged attention on CPUs with AVX2 and FMA, exposed as llm_serve::decode_attention and prefill_attention (app/cpu): decode
  * steps (one query per sequence) and any other step (prefill chunks and decodes side by side).
  *
  * Why: torch's attention needs each sequence's keys and values as one tensor, so the paged pool was

@@ -1,4 +1,4 @@
-/* fp32 y = x W^T (+ b) for CPUs with AVX2 and FMA, built by app/engine/cpu_gemm.py at first use.
+/* fp32 y = x W^T (+ b) for CPUs with AVX2 and FMA, exposed as llm_serve::linear (app/cpu).
  *
  * Why our own: on the 2-core AVX2 AMD EPYC dev machine, oneDNN (and MKL) stream the weights of a
  * 1-4 row product at 10-13 GB/s while the machine reads memory at ~21 GB/s, and a decode step of

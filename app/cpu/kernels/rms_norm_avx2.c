@@ -1,4 +1,4 @@
-/* RMSNorm of fp32 rows for AVX2 CPUs, built by app/engine/cpu_norm.py at first use.
+/* RMSNorm of fp32 rows for AVX2 CPUs, exposed as llm_serve::rms_norm (app/cpu).
  *
  * Why: transformers' RMSNorm is seven small torch ops (to, pow, mean, add, rsqrt, mul, mul), each a
  * dispatch and a pass over the row; a 30-layer model runs 61 of them per step, ~2-3 ms of a one-

@@ -1,4 +1,4 @@
-/* Rotary position embedding of queries and keys for AVX2 CPUs, built by app/engine/cpu_rotary.py at first use.
+/* Rotary position embedding of queries and keys for AVX2 CPUs, exposed as llm_serve::rotary (app/cpu).
  *
  * Why: transformers applies it as ~14 small torch ops a layer (two slices, a negation, a concatenation,
  * four products and two sums for q and k), ~57 us of dispatch for a one-token decode step on the 2-core
@@ -6,7 +6,7 @@
  *
  * out = x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x[d/2:], x[:d/2]): the same products
  * and sum, each rounded to fp32 as torch's separate ops round them (no fused multiply-add), so the
- * results are torch's bits exactly (cpu_rotary.py checks that before using it).
+ * results are torch's bits exactly (app/cpu/rotary.py checks that before using it).
  */
 #pragma STDC FP_CONTRACT OFF /* clang: a*b + c stays two roundings */
 #pragma GCC optimize("fp-contract=off") /* gcc: the same */

@@ -1,4 +1,4 @@
-"""The one-frame decoder layer forward (app/engine/cpu_decoder.py): the module's bits, installed only where it gives them."""
+"""The one-frame decoder layer forward (app/cpu/decoder.py): the module's bits, installed only where it gives them."""
 
 import pytest
 import torch
@@ -7,8 +7,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from app.config import EngineConfig
-from app.engine.cpu_decoder import DecoderLayerForward, fuse_decoder_layers, unfuse_decoder_layers
-from app.engine.cpu_linear import pack_cpu_linears
+from app.cpu.decoder import DecoderLayerForward, fuse_decoder_layers, unfuse_decoder_layers
+from app.cpu.linear import pack_cpu_linears
 from app.engine.paged_attention import register_paged_attention
 
 

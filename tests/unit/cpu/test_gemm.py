@@ -1,24 +1,24 @@
-"""Our AVX2 fp32 GEMM (app/engine/cpu_gemm.py): exact enough, batch-invariant, thread-invariant, and optional."""
+"""Our AVX2 fp32 GEMM (llm_serve::linear): exact enough, batch-invariant, thread-invariant, checked, and optional."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from app.engine import cpu_gemm, cpu_kernels, cpu_linear
-from app.engine.cpu_linear import AVX2Kernel, OneDNNKernel, select_kernel
-
-needs_avx2 = pytest.mark.skipif(cpu_kernels.unsupported_reason() is not None, reason=f"{cpu_kernels.unsupported_reason()}")
+from app.cpu import build, linear as cpu_linear, ops
+from app.cpu.linear import AVX2Kernel, OneDNNKernel, select_kernel
+from tests.unit.cpu.conftest import loaded_ops, needs_kernels as needs_avx2, reset_kernels
 
 
 @pytest.fixture(scope="module")
-def gemm() -> cpu_gemm.AVX2Gemm:
-    loaded = cpu_gemm.load_avx2_gemm()
-    assert loaded is not None  # this host supports it (needs_avx2), so it must build
-    return loaded
+def gemm() -> SimpleNamespace:
+    """The two ops under the names these tests use: pack(weight, dtype) and linear(x, packed, bias, n)."""
+    library = loaded_ops()  # this host supports it (needs_avx2), so it must build
+    return SimpleNamespace(pack=lambda w, dtype=torch.float32: library.pack_linear_weight(w, dtype), linear=library.linear)
 
 
 def _clear_caches() -> None:
-    cpu_kernels.load_library.cache_clear()
-    cpu_gemm.load_avx2_gemm.cache_clear()
+    reset_kernels()
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -78,19 +78,19 @@ def test_takes_any_leading_shape_and_strides_and_no_rows(gemm):
 @needs_avx2
 def test_builds_from_source_into_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("LLM_SERVE_CACHE", str(tmp_path))
-    source = cpu_kernels.KERNELS_DIR / "linear_avx2.c"
-    library = cpu_kernels.build(source)
+    library = build.build_library()
     assert library.parent == tmp_path / "kernels" and library.stat().st_size > 0
-    assert cpu_kernels.build(source) == library  # the second call reuses the build
+    assert build.build_library() == library  # the second call reuses the build
     assert len(list(library.parent.iterdir())) == 1  # no partial files left behind
 
 
 def test_without_a_compiler_auto_falls_back_to_onednn_and_avx2_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("LLM_SERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(build, "unsupported_reason", lambda: None)  # as on a machine that could run them
     _clear_caches()
     try:
-        assert cpu_gemm.load_avx2_gemm() is None
+        assert "failed" in ops.unavailable_reason()
         assert isinstance(select_kernel("auto"), OneDNNKernel)
         with pytest.raises(ValueError, match="avx2.*use auto"):
             select_kernel("avx2")
@@ -102,10 +102,11 @@ def test_without_a_compiler_auto_falls_back_to_onednn_and_avx2_says_why(monkeypa
 def test_a_compiler_error_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("LLM_SERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    monkeypatch.setattr(cpu_kernels, "unsupported_reason", lambda: None)
+    monkeypatch.setattr(build, "unsupported_reason", lambda: None)
     _clear_caches()
     try:
-        assert cpu_gemm.load_avx2_gemm() is None
+        assert "compiling the CPU kernels failed" in ops.unavailable_reason()
+        assert not ops.available()
     finally:
         _clear_caches()
 
@@ -143,7 +144,7 @@ def test_bf16_packing_rounds_as_torch_does(gemm):
 
 @needs_avx2
 def test_an_fp32_weight_of_bf16_values_is_stored_as_bf16_with_the_same_bits_out(gemm):
-    kernel = AVX2Kernel(gemm)  # fp32 weights, as `dtype: auto` loads a bf16 checkpoint on this CPU
+    kernel = AVX2Kernel()  # fp32 weights, as `dtype: auto` loads a bf16 checkpoint on this CPU
     bf16_valued = torch.randn(40, 24).to(torch.bfloat16).float()
     packed = kernel.pack(bf16_valued)
     assert packed.dtype == torch.bfloat16 and packed.numel() == gemm.pack(bf16_valued).numel()
@@ -156,5 +157,5 @@ def test_an_fp32_weight_of_bf16_values_is_stored_as_bf16_with_the_same_bits_out(
 def test_an_fp32_weight_with_finer_values_stays_fp32(gemm):
     weight = torch.randn(40, 24).to(torch.bfloat16).float()
     weight[3, 5] += 2.0**-20  # one value bf16 cannot hold
-    assert AVX2Kernel(gemm).pack(weight).dtype == torch.float32
+    assert AVX2Kernel().pack(weight).dtype == torch.float32
     assert not cpu_linear.bf16_exact(weight)

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from app.engine.cpu_linear import PackedLinear, PackedSiblingLinear, pack_cpu_linears
+from app.cpu.linear import PackedLinear, PackedSiblingLinear, pack_cpu_linears
 
 
 class QuantizedLinearStandIn(nn.Linear):
@@ -113,7 +113,7 @@ def _llama_mlp(act_on_up: bool = False) -> nn.Module:
 
 @pytest.mark.parametrize("rows", [1, 7, 32])
 def test_a_gated_mlp_runs_on_its_shared_gemm_with_the_same_bits(rows):
-    from app.engine.cpu_linear import GatedMLPForward
+    from app.cpu.linear import GatedMLPForward
 
     model = _llama_mlp()
     x = torch.randn(1, rows, 64)

@@ -4,11 +4,15 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from app.engine.cpu_kernels import unsupported_reason
-from app.engine.cpu_norm import _FusedForward, fuse_rms_norms, load_rms_norm
+from app.cpu.norm import _FusedForward, fuse_rms_norms, rms_norm as KERNEL
+from tests.unit.cpu.conftest import loaded_ops, needs_kernels
 
-pytestmark = pytest.mark.skipif(unsupported_reason() is not None, reason=f"{unsupported_reason()}")
-KERNEL = load_rms_norm()  # None here (a failed build) fails every test below
+pytestmark = needs_kernels
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _built():
+    loaded_ops()  # this machine supports the kernels: a failed build fails every test below
 
 
 class GemmaStyleRMSNorm(nn.Module):

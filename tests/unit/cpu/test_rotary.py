@@ -1,27 +1,24 @@
-"""Our RoPE kernel (app/engine/cpu_rotary.py): transformers' exact bits, installed only where it gives them."""
-
-import sys
-import types
+"""Our RoPE kernel (llm_serve::rotary): transformers' exact bits, used only where it gives them, never process-wide."""
 
 import pytest
 import torch
-from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
 from app.config import EngineConfig
-from app.engine.cpu_kernels import unsupported_reason
-from app.engine.cpu_rotary import FusedRotary, fuse_rotary, load_rotary, unfuse_rotary
+from app.cpu.decoder import DecoderLayerForward, fuse_decoder_layers
+from app.cpu.linear import pack_cpu_linears
+from app.cpu.rotary import KernelRotary, rotary as KERNEL, rotary_for
+from app.engine.paged_attention import register_paged_attention
+from tests.unit.cpu.conftest import loaded_ops, needs_kernels
 
-pytestmark = pytest.mark.skipif(unsupported_reason() is not None, reason=f"{unsupported_reason()}")
-KERNEL = load_rotary()  # None here (a failed build) fails every test below
-TORCH_ROPE = modeling_llama.apply_rotary_pos_emb if not isinstance(modeling_llama.apply_rotary_pos_emb, FusedRotary) else modeling_llama.apply_rotary_pos_emb.original
+pytestmark = needs_kernels
+TORCH_ROPE = modeling_llama.apply_rotary_pos_emb
 
 
-@pytest.fixture(autouse=True)
-def _restore_transformers(monkeypatch):
-    """Every test starts from transformers' own function and leaves it so (the install is process-wide)."""
-    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", TORCH_ROPE)
+@pytest.fixture(autouse=True, scope="module")
+def _built():
+    loaded_ops()  # this machine supports the kernels: a failed build fails every test below
 
 
 def _inputs(batch, tokens, dim, q_heads=9, k_heads=3, cos_batch=None):
@@ -58,22 +55,22 @@ def _tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def test_installs_in_the_llama_modeling_module_and_the_model_output_keeps_its_bits():
+def test_decoder_layers_use_it_and_the_model_keeps_its_bits_while_transformers_keeps_its_function():
     model = _tiny_llama()
+    register_paged_attention(model)
+    pack_cpu_linears(model)
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
-        expected = model(ids).logits
-        assert fuse_rotary(model)
-        assert isinstance(modeling_llama.apply_rotary_pos_emb, FusedRotary)
-        assert torch.equal(model(ids).logits, expected)
-    assert fuse_rotary(model)  # a second engine in the process finds it installed and wraps nothing again
-    assert modeling_llama.apply_rotary_pos_emb.original is TORCH_ROPE
-    unfuse_rotary(model)  # cpu_rotary_kernel: torch
-    assert modeling_llama.apply_rotary_pos_emb is TORCH_ROPE
+        expected = model(ids, use_cache=False).logits
+        assert fuse_decoder_layers(model) == 2
+        forwards = [layer.forward for layer in model.model.layers]
+        assert all(isinstance(f, DecoderLayerForward) and isinstance(f.rotary, KernelRotary) for f in forwards)
+        assert torch.equal(model(ids, use_cache=False).logits, expected)
+    assert modeling_llama.apply_rotary_pos_emb is TORCH_ROPE  # nothing replaced outside this model
 
 
 def test_calls_it_cannot_serve_go_to_transformers_function():
-    fused = FusedRotary(TORCH_ROPE, KERNEL)
+    fused = KernelRotary(TORCH_ROPE)
     q, k, cos, sin = _inputs(1, 3, 8)
     cases = {
         "autograd": (q.clone().requires_grad_(), k, cos, sin),
@@ -102,13 +99,9 @@ def _interleaved_rope(q, k, cos, sin, unsqueeze_dim=1):
     return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
 
 
-def test_a_modeling_module_with_another_rotation_keeps_its_own(monkeypatch):
-    namespace = types.ModuleType("fake_modeling_interleaved")
-    namespace.apply_rotary_pos_emb = _interleaved_rope
-    attention = type("InterleavedAttention", (nn.Module,), {"__module__": namespace.__name__})
-    monkeypatch.setitem(sys.modules, namespace.__name__, namespace)
-    assert not fuse_rotary(nn.Sequential(attention()))
-    assert namespace.apply_rotary_pos_emb is _interleaved_rope
+def test_another_rotation_under_the_same_name_keeps_its_own():
+    assert rotary_for(_interleaved_rope) is None
+    assert isinstance(rotary_for(TORCH_ROPE), KernelRotary)
 
 
 def test_the_setting_is_checked():

@@ -1,0 +1,81 @@
+"""The CPU fast path: our kernels as torch ops, and the one call that puts them under a model.
+
+Layout: ``kernels/*.c`` (AVX2/FMA C kernels), ``csrc/ops.cpp`` (their typed torch ops,
+``torch.ops.llm_serve.*``), ``build.py`` + ``ops.py`` (build once, load, fake implementations), and
+one Python face per part: ``linear`` (prepacked GEMM, fused sibling projections, gated MLPs),
+``attention`` (paged attention read in place), ``norm`` (RMSNorm), ``rotary`` (RoPE), ``decoder``
+(a decoder layer's forward in one frame), ``argmax`` (greedy sampling).
+
+The runner calls :func:`install_fast_path` once per engine. Each part is installed only where it gives
+the module's own results (the bits, or float rounding for norms), checked on a test input first, and
+each can be set back to torch's ops in ``EngineConfig``; a CPU or machine where the kernels cannot be
+built keeps torch's ops everywhere (the fallbacks are the model as transformers runs it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from app.config import EngineConfig
+from app.cpu.attention import PagedAttentionKernel
+from app.cpu.decoder import fuse_decoder_layers, unfuse_decoder_layers
+from app.cpu.linear import describe_packed, pack_cpu_linears
+from app.cpu.norm import fuse_rms_norms, unfuse_rms_norms
+from app.cpu.ops import unavailable_reason
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FastPath:
+    """What :func:`install_fast_path` put in place for one model."""
+
+    kernels: str  # "on", or why the kernels are off
+    attention: PagedAttentionKernel | None = None  # paged attention through the kernel (fp32 pools on CPU)
+    parts: dict[str, str] = field(default_factory=dict)  # part -> what runs it, for the start-up log line
+
+    def describe(self) -> str:
+        return f"CPU kernels: {self.kernels}; " + "; ".join(f"{part}: {how}" for part, how in self.parts.items())
+
+
+def install_fast_path(model: nn.Module, config: EngineConfig, kv_dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> FastPath:
+    """Install on ``model`` what this CPU supports and ``config`` allows; logs one line saying what runs where."""
+    reason = unavailable_reason()
+    path = FastPath("on" if reason is None else f"off ({reason})")
+    if _device(model).type != "cpu":
+        path.parts["all"] = f"torch (model on {_device(model)})"
+        return _logged(path)
+    pack_cpu_linears(model, config.cpu_linear_kernel, weight_dtype or torch.float32)
+    path.parts["linear"] = describe_packed(model)
+    unfuse_rms_norms(model)  # a model an earlier engine of this process fused with other settings
+    norms = fuse_rms_norms(model) if config.cpu_norm_kernel == "auto" else 0
+    path.parts["rms_norm"] = f"kernel ({norms} modules)" if norms else "torch"
+    unfuse_decoder_layers(model)
+    rotary_kernel = config.cpu_rotary_kernel == "auto" and reason is None
+    layers = fuse_decoder_layers(model, rotary_kernel) if config.cpu_decoder_layer == "auto" else 0
+    path.parts["decoder layers"] = f"one frame ({layers}, rope {'kernel' if rotary_kernel else 'torch'})" if layers else "module forward"
+    if reason is None and config.cpu_attention_kernel == "auto" and kv_dtype == torch.float32:
+        path.attention = PagedAttentionKernel()
+    path.parts["attention"] = "kernel" if path.attention else "gather + SDPA"
+    path.parts["argmax"] = "kernel" if reason is None else "torch"
+    path.parts["bf16 native"] = "yes" if _native_bf16() else "no"
+    return _logged(path)
+
+
+def _logged(path: FastPath) -> FastPath:
+    logger.info("%s", path.describe())
+    return path
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _native_bf16() -> bool:
+    from app.models.loader import cpu_has_native_bf16  # the loader's own test, which picks dtype: auto
+
+    return cpu_has_native_bf16()
