@@ -1,33 +1,35 @@
-"""dtype bfloat16 on a CPU without native bf16: bf16 Linear weights on fp32 activations, exact against transformers."""
+"""dtype bfloat16 on a CPU without native bf16: bf16 Linear weights on fp32 activations, exact against transformers.
+
+Runs on every CPU our kernels run on: the loader is told bf16 is not native (as on an AVX2-only CPU)."""
 
 import pytest
 import torch
 
 from app.config import EngineConfig, ModelConfig
 from app.engine import LLMEngine, Request, SamplingParams
-from app.cpu.ops import available as kernels_available
+from app.cpu.ops import available as kernels_available, unavailable_reason
 from app.models import load_model
-from app.models.loader import cpu_has_native_bf16
 from tests.model.conftest import PROMPTS
+from tests.model.test_bf16 import native_bf16
 
 pytestmark = pytest.mark.model
 
-WEIGHT_ONLY_BF16 = not cpu_has_native_bf16() and kernels_available()
 
 
 @pytest.fixture(scope="module")
 def loaded_bf16():
-    return load_model(ModelConfig(dtype="bfloat16"))
+    with native_bf16(False):  # as on an AVX2-only CPU
+        return load_model(ModelConfig(dtype="bfloat16"))
 
 
 def test_bf16_resolves_to_bf16_weights_on_fp32_activations_where_bf16_is_not_native(loaded_bf16):
-    if WEIGHT_ONLY_BF16:
+    if kernels_available():
         assert (loaded_bf16.dtype, loaded_bf16.weight_dtype) == (torch.float32, torch.bfloat16)
-    else:  # native bf16 (or no kernel): the model is plain bf16
+    else:  # without our GEMM only torch's emulated bf16 is left: the model is plain bf16
         assert (loaded_bf16.dtype, loaded_bf16.weight_dtype) == (torch.bfloat16, None)
 
 
-@pytest.mark.skipif(not WEIGHT_ONLY_BF16, reason="this CPU runs bf16 natively (or cannot build the kernel)")
+@pytest.mark.skipif(not kernels_available(), reason=f"the CPU kernels cannot run here: {unavailable_reason()}")
 def test_engine_with_bf16_weights_equals_generate_on_the_same_rounded_weights(loaded_bf16):
     engine = LLMEngine(loaded_bf16, EngineConfig(max_num_seqs=8))
     packed = [m for m in loaded_bf16.model.modules() if getattr(m, "kernel", None) is not None]

@@ -1,0 +1,76 @@
+"""The bf16 path on any CPU: a bf16 model through torch's ops, as ``dtype: auto`` serves it where bf16 is
+native (AVX-512 bf16, AMX). On other CPUs torch emulates bf16 (slower, still correct), so every machine
+runs the path that native-bf16 machines serve by default; the fp32 tests cover the other resolution."""
+
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import torch
+
+from app.config import ModelConfig
+from app.engine import Request
+from app.models import load_model
+from app.models.loader import resolve_dtype
+from tests.model.conftest import PROMPTS, greedy, make_engine
+
+pytestmark = pytest.mark.model
+
+# bf16 keeps 8 significant bits: the logits themselves are bf16, and at SmolLM2's logit magnitudes (16-32)
+# neighbouring bf16 values are 0.125 apart, so each side's log-probability may be off by half of that from
+# the last rounding alone; the engine's packed steps (several sequences in one matmul, SDPA over the paged
+# cache) also round at other places than transformers' one-sequence forward. Measured up to 0.16 nats on
+# an AVX-512 EPYC; a bug in positions, KV or masks moves it by whole nats. Greedy choices may differ from
+# transformers' only at such near-ties.
+LOGPROB_TOLERANCE = 0.3
+
+
+@contextmanager
+def native_bf16(native: bool):
+    """The loader's view of the CPU: does bf16 run natively here? (It picks the bf16 path from it.)"""
+    with mock.patch("app.models.loader.cpu_has_native_bf16", return_value=native):
+        yield
+
+
+@pytest.fixture(scope="module")
+def loaded_bf16():
+    with native_bf16(True):  # as on an AVX-512 bf16 CPU, whatever this one is
+        loaded = load_model(ModelConfig(dtype="bfloat16"))
+    assert (loaded.dtype, loaded.weight_dtype) == (torch.bfloat16, None)
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+    return loaded
+
+
+def test_auto_is_bf16_where_bf16_is_native_and_fp32_elsewhere():
+    cpu = torch.device("cpu")
+    with native_bf16(True):
+        assert resolve_dtype("auto", cpu) == torch.bfloat16
+    with native_bf16(False):
+        assert resolve_dtype("auto", cpu) == torch.float32
+
+
+def test_the_engine_in_bf16_tracks_transformers_on_the_same_bf16_model(loaded_bf16):
+    """Teacher-forced through transformers' own bf16 forward: every token the engine chose (4 sequences
+    in one batch) is that model's top choice up to a near-tie, with the same log-probability."""
+    engine = make_engine(loaded_bf16, max_model_len=512)
+    assert engine.runner.kv_pool.dtype == torch.bfloat16
+    requests = [Request(str(i), loaded_bf16.tokenizer.encode(p), greedy(16, logprobs=1), loaded_bf16.eos_token_ids)
+                for i, p in enumerate(PROMPTS[:4])]
+    engine.add_requests(requests)
+    logprobs = {r.request_id: [] for r in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            logprobs[out.request_id] += out.logprobs or []
+    worst = 0.0
+    for request in requests:
+        assert len(logprobs[request.request_id]) == 16
+        ids = torch.tensor([request.prompt_token_ids + list(request.output_token_ids)])
+        with torch.inference_mode():
+            reference = loaded_bf16.model(ids).logits[0].float().log_softmax(-1)
+        for step, lp in enumerate(logprobs[request.request_id]):
+            row = reference[len(request.prompt_token_ids) - 1 + step].clone()
+            row[list(loaded_bf16.eos_token_ids)] = float("-inf")  # greedy() masks EOS, as min_new_tokens does
+            worst = max(worst, abs(lp.logprob - float(row[lp.token_id])))
+            assert float(row[lp.token_id]) > float(row.max()) - LOGPROB_TOLERANCE, (request.request_id, step)
+    print(f"bf16: largest |engine - transformers| log-probability {worst:.4f}")
+    assert worst < LOGPROB_TOLERANCE

@@ -1,0 +1,27 @@
+"""The engine on torch's ops alone, as on a CPU where our kernels cannot run (no AVX2, ARM, no compiler):
+Linear layers on oneDNN (or torch's own), attention through gather + SDPA, torch's norms, RoPE and argmax.
+Runs on every machine (the kernels are turned off), so the fallbacks never go untested."""
+
+import pytest
+
+from app.config import ModelConfig
+from app.cpu.linear import onednn_supported
+from app.engine import Request
+from app.models import load_model
+from tests.model.conftest import PROMPTS, greedy, hf_greedy, make_engine, run_engine
+
+pytestmark = pytest.mark.model
+
+
+def test_without_the_kernels_every_prompt_still_equals_generate_inside_a_batch(kernels_off):
+    loaded_fp32 = load_model(ModelConfig(dtype="float32"))  # its own copy: the shared one may be packed for our GEMM
+    engine = make_engine(loaded_fp32, max_model_len=512, max_num_batched_tokens=48)  # prefill in chunks beside decodes
+    path = engine.runner.fast_path
+    assert path.kernels.startswith("off") and path.attention is None
+    assert path.parts["rms_norm"] == "torch" and path.parts["argmax"] == "torch"
+    assert path.parts["linear"].startswith("onednn" if onednn_supported() else "torch")
+    prompts = [loaded_fp32.tokenizer.encode(p) for p in PROMPTS[:8]]
+    requests = [Request(f"fallback-{i}", ids, greedy(16), loaded_fp32.eos_token_ids) for i, ids in enumerate(prompts)]
+    outputs = run_engine(engine, requests)
+    for request, ids in zip(requests, prompts):
+        assert outputs[request.request_id] == hf_greedy(loaded_fp32, ids, 16), request.request_id
