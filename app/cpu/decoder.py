@@ -1,7 +1,7 @@
 """A pre-norm decoder layer's ``forward`` in one Python frame, over the packed CPU kernels.
 
 With the matrix products and the small ops on our kernels, about half of a one-sequence decode step
-on the 2-core dev machine (bf16 weights, ~26 ms) is outside the GEMMs, much of it Python:
+on a 2-core AVX2 EPYC (bf16 weights, ~26 ms) is outside the GEMMs, much of it Python:
 transformers' decoder layer calls 11 modules (norms, attention, the q/k/v siblings, o_proj, the MLP)
 and looks up its configuration and attention function on every call. This ``forward`` does the module's work
 in the module's order (norm, q/k/v from the shared GEMM, RoPE as the modeling module's

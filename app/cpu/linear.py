@@ -1,7 +1,7 @@
 """fp32 Linear layers on CPU through prepacked weights: our AVX2 GEMM (``llm_serve::linear``), else oneDNN.
 
-torch runs an fp32 ``nn.Linear`` on CPU through MKL's sgemm, whose small-M path is slow on the AVX2
-AMD EPYC dev machine: a decode step of 2 sequences took as long as one of 16. The runner therefore
+torch runs an fp32 ``nn.Linear`` on CPU through MKL's sgemm, whose small-M path is slow on a 2-core AVX2
+AMD EPYC: a decode step of 2 sequences took as long as one of 16. The runner therefore
 packs every plain fp32 CPU Linear weight once into a kernel's own layout:
 
 - ``avx2``: our 6x16 micro-kernel (``kernels/linear_avx2.c``), 1.4-1.6x oneDNN on the 1-32 row

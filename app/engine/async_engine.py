@@ -163,7 +163,7 @@ class AsyncEngine:
         """How long a stream lets tokens gather after sending a chunk (0 for a lone request).
 
         Under load, fewer and larger chunks: each chunk costs CPU on every hop of the streaming path
-        (replica, ingress, proxy; ~4 ms in all on the 2-core dev machine), CPU the engine shares on
+        (replica, ingress, proxy; ~4 ms in all on a 2-core AVX2 EPYC), CPU the engine shares on
         small machines. ``max_stream_chunks_per_s`` caps all streams together, so the pause grows
         with the number of running requests; ``stream_interval_s`` is a floor per stream.
         """

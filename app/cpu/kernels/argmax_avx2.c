@@ -1,7 +1,7 @@
 /* Row-wise argmax of fp32 logits for AVX2 CPUs, exposed as llm_serve::argmax_rows (app/cpu).
  *
  * Why: torch's CPU argmax is a scalar reduction that tracks indices: ~2 ms for 32 rows of SmolLM2's
- * 49152 logits on the 2-core dev machine, while the max alone (amax) takes 0.1 ms. Greedy decoding and
+ * 49152 logits on a 2-core AVX2 EPYC, while the max alone (amax) takes 0.1 ms. Greedy decoding and
  * the sampler's exponential race take an argmax every step.
  *
  * torch's semantics exactly: the first index of the largest value, and the first NaN's index when a

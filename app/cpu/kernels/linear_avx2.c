@@ -1,6 +1,6 @@
 /* fp32 y = x W^T (+ b) for CPUs with AVX2 and FMA, exposed as llm_serve::linear (app/cpu).
  *
- * Why our own: on the 2-core AVX2 AMD EPYC dev machine, oneDNN (and MKL) stream the weights of a
+ * Why our own: on a 2-core AVX2 AMD EPYC, oneDNN (and MKL) stream the weights of a
  * 1-4 row product at 10-13 GB/s while the machine reads memory at ~21 GB/s, and a decode step of
  * one sequence is exactly such products. This kernel streams them at memory speed (20-29 GB/s) and
  * runs 1.4-1.6x oneDNN's prepacked GEMM at 1-32 rows, 1.2x at 64, 0.9x at 256 (docs/engine.md).
@@ -121,10 +121,9 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int b
 /* One or two rows against several adjacent whole panels at once (a decode step of one or two
  * sequences). Against one panel they give only 2-4 independent sums, so every k waits on the FMA
  * latency and a thread streams its weights below memory speed; one row against 6 panels (12 sums) or
- * two rows against 2 (8 sums) keep several weight streams in flight. All projections of SmolLM2-135M
- * (30 layers and the output head), old and new kernel alternated in one process on the dev machine:
- * one row 1.2x faster with fp32 weights (25.8 -> 21.3 ms) and 1.3x with bf16 (13.8 -> 10.7 ms), two
- * rows 1.2x and 1.15x. Each output is still one sum over k in order: the same bits as the 6x16 tiles
+ * two rows against 2 (8 sums) keep several weight streams in flight: over all projections of
+ * SmolLM2-135M on a 2-core AVX2 EPYC, one row runs 1.2x faster than against single panels with fp32
+ * weights and 1.3x with bf16, two rows 1.2x and 1.15x. Each output is still one sum over k in order: the same bits as the 6x16 tiles
  * give it. */
 static inline __attribute__((always_inline)) void row_against_6_panels(const int bf16, const float* x, int64_t k_total,
                                                                        const void* panels, float* y,
