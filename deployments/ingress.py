@@ -3,13 +3,19 @@
 It parses and validates bodies (app.api.protocol), picks the replica deployment by model name,
 and relays responses, streaming as server-sent events. Other Ray jobs call the same paths through
 the app handle: ``completions``/``chat``/``generate`` and their ``*_stream`` twins.
+
+Failures reach callers in one shape, an APIError (app/api/errors.py): a client's mistake as it is,
+a failure on our side (5xx, also mid-stream) as plain words plus the request id, with the exception
+and its traceback in this deployment's log under that id.
 """
 
 # No `from __future__ import annotations`: FastAPI must see real types (e.g. Request) when
 # Serve ships this class to its replica by value.
 import asyncio
+import functools
 import json
 import logging
+import uuid
 from typing import Any, AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
@@ -24,37 +30,88 @@ logger = logging.getLogger(__name__)
 
 api = FastAPI(title="llm-serve", description="OpenAI-compatible LLM serving on Ray Serve")
 
-
-async def _guarded(response: Awaitable[Any]) -> Any:
-    """Await a route's work; any failure becomes an OpenAI-style error response."""
-    try:
-        return await response
-    except Exception as exc:  # every error, expected or not, reaches the client in one shape
-        error = to_api_error(exc)
-        if error.status >= 500:
-            logger.error("request failed: %s", error.message)
-        return JSONResponse(error.to_dict(), status_code=error.status)
+_PROBE_TIMEOUT_S = 10
 
 
 # Helpers come before the deployment class: Serve pickles the class by value when it is decorated,
 # and names defined after that point would be missing on the replica.
+def _request_id() -> str:
+    """Serve's id for the request being served: its proxy returns it to HTTP clients as the
+    x-request-id header and its log lines carry it (a fresh id where there is none)."""
+    return serve.context._get_serve_request_context().request_id or uuid.uuid4().hex
+
+
+def _reported(exc: BaseException, request_id: str) -> APIError:
+    """What the caller gets for ``exc``; a failure on our side goes to the log, traceback and all, under the same id."""
+    error = to_api_error(exc, request_id)
+    if error.status >= 500:
+        logger.error("request %s failed: %d %s", request_id, error.status, error.code, exc_info=exc)
+    return error
+
+
+async def _guarded(response: Awaitable[Any], request_id: str) -> Any:
+    """Await a route's work; any failure becomes an OpenAI-style error response."""
+    try:
+        return await response
+    except Exception as exc:  # every error, expected or not, reaches the client in one shape
+        error = _reported(exc, request_id)
+        return JSONResponse(error.to_dict(), status_code=error.status)
+
+
+def _raises_api_errors(method):
+    """A handle method's failure reaches the calling Ray job as the APIError an HTTP client would read."""
+
+    @functools.wraps(method)
+    async def wrapper(self, body):
+        request_id = _request_id()
+        try:
+            return await method(self, body)
+        except Exception as exc:
+            raise _reported(exc, request_id) from None  # the cause would carry the internals along
+
+    return wrapper
+
+
+def _streams_api_errors(method):
+    """The same for a streaming handle method: a failure ends the stream with that APIError."""
+
+    @functools.wraps(method)
+    async def wrapper(self, body):
+        request_id = _request_id()
+        try:
+            async for chunk in method(self, body):
+                yield chunk
+        except Exception as exc:
+            raise _reported(exc, request_id) from None
+
+    return wrapper
+
+
+def _probe_failure(model: str, exc: BaseException) -> str:
+    """Why a model's deployment failed its health probe, in plain words; the details go to the log."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"no answer within {_PROBE_TIMEOUT_S} s"
+    logger.error("health probe of %s failed", model, exc_info=exc)
+    return to_api_error(exc).message
+
+
 def _too_large(limit: int) -> APIError:
     return APIError(413, f"request body exceeds {limit} bytes (max_request_bytes)", code="request_too_large")
 
 
-async def _sse_response(chunks: AsyncIterator[dict]) -> StreamingResponse:
+async def _sse_response(chunks: AsyncIterator[dict], request_id: str) -> StreamingResponse:
     """Wait for the first chunk first, so that a bad request still gets its HTTP error status."""
     first = await chunks.__anext__()
-    return StreamingResponse(_sse_events(first, chunks), media_type="text/event-stream")
+    return StreamingResponse(_sse_events(first, chunks, request_id), media_type="text/event-stream")
 
 
-async def _sse_events(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[str]:
+async def _sse_events(first: dict, rest: AsyncIterator[dict], request_id: str) -> AsyncIterator[str]:
     yield _sse(first)
     try:
         async for chunk in rest:
             yield _sse(chunk)
     except Exception as exc:  # headers are sent: report the error in-band, then end the stream
-        yield _sse(to_api_error(exc).to_dict())
+        yield _sse(_reported(exc, request_id).to_dict())
     yield "data: [DONE]\n\n"
 
 
@@ -79,58 +136,72 @@ class OpenAIIngress:
     # ---- HTTP ---------------------------------------------------------------------------
     @api.post("/v1/completions")
     async def http_completions(self, raw: Request):
-        return await _guarded(self._respond(raw, CompletionRequest, "completion"))
+        request_id = _request_id()
+        return await _guarded(self._respond(raw, CompletionRequest, "completion", request_id), request_id)
 
     @api.post("/v1/chat/completions")
     async def http_chat(self, raw: Request):
-        return await _guarded(self._respond(raw, ChatCompletionRequest, "chat"))
+        request_id = _request_id()
+        return await _guarded(self._respond(raw, ChatCompletionRequest, "chat", request_id), request_id)
 
     @api.post("/v1/generate")
     async def http_generate(self, raw: Request):
-        return await _guarded(self._respond_generate(raw))
+        request_id = _request_id()
+        return await _guarded(self._respond_generate(raw, request_id), request_id)
 
     @api.get("/v1/models")
     async def http_models(self):
-        cards = await asyncio.gather(*(s.model_card.remote() for s in self._servers.values()))
-        return {"object": "list", "data": list(cards)}
+        return await _guarded(self._models(), _request_id())
 
     @api.get("/health")
     async def http_health(self):
         """200 when every model deployment answers; 503 naming the ones that do not."""
-        probes = [asyncio.wait_for(self._probe(server), timeout=10) for server in self._servers.values()]
+        probes = [asyncio.wait_for(self._probe(server), timeout=_PROBE_TIMEOUT_S) for server in self._servers.values()]
         results = await asyncio.gather(*probes, return_exceptions=True)
-        failing = {name: str(r) for name, r in zip(self._servers, results) if isinstance(r, BaseException)}
+        failing = {name: _probe_failure(name, r) for name, r in zip(self._servers, results) if isinstance(r, BaseException)}
         if failing:
             return JSONResponse({"status": "unavailable", "failing": failing}, status_code=503)
         return {"status": "ok", "models": dict(zip(self._servers, results))}
 
-    # ---- Python handle API (also used by the HTTP routes) ---------------------------------
+    # ---- Python handle API ----------------------------------------------------------------
+    @_raises_api_errors
     async def completions(self, body: dict) -> dict:
         return await self._call(parse_body({**body, "stream": False}, CompletionRequest), "completion")
 
+    @_streams_api_errors
     async def completions_stream(self, body: dict) -> AsyncIterator[dict]:
         async for chunk in self._stream(parse_body({**body, "stream": True}, CompletionRequest), "completion"):
             yield chunk
 
+    @_raises_api_errors
     async def chat(self, body: dict) -> dict:
         return await self._call(parse_body({**body, "stream": False}, ChatCompletionRequest), "chat")
 
+    @_streams_api_errors
     async def chat_stream(self, body: dict) -> AsyncIterator[dict]:
         async for chunk in self._stream(parse_body({**body, "stream": True}, ChatCompletionRequest), "chat"):
             yield chunk
 
-    async def generate(self, body: dict | GenerateRequest) -> dict:
-        request = body if isinstance(body, GenerateRequest) else parse_body({**body, "stream": False}, GenerateRequest)
-        result = await self._call(request.to_completion(), "completion")
-        choice = result["choices"][0]
-        return {"model": result["model"], "text": choice["text"], "finish_reason": choice["finish_reason"], "usage": result["usage"]}
+    @_raises_api_errors
+    async def generate(self, body: dict) -> dict:
+        return await self._generate(parse_body({**body, "stream": False}, GenerateRequest))
 
+    @_streams_api_errors
     async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
         request = parse_body({**body, "stream": True}, GenerateRequest)
         async for chunk in _as_generate_chunks(self._stream(request.to_completion(), "completion")):
             yield chunk
 
-    # ---- internals ----------------------------------------------------------------------
+    # ---- internals (the HTTP routes' work too) ------------------------------------------
+    async def _generate(self, request: GenerateRequest) -> dict:
+        result = await self._call(request.to_completion(), "completion")
+        choice = result["choices"][0]
+        return {"model": result["model"], "text": choice["text"], "finish_reason": choice["finish_reason"], "usage": result["usage"]}
+
+    async def _models(self) -> dict:
+        cards = await asyncio.gather(*(s.model_card.remote() for s in self._servers.values()))
+        return {"object": "list", "data": list(cards)}
+
     async def _probe(self, server: DeploymentHandle) -> dict:
         return await server.stats.remote()
 
@@ -157,18 +228,18 @@ class OpenAIIngress:
             if not finished:  # the client went away: stop generating for it
                 responses.cancel()
 
-    async def _respond(self, raw: Request, request_cls: type, kind: str):
+    async def _respond(self, raw: Request, request_cls: type, kind: str, request_id: str):
         request = parse_body(await self._read_body(raw), request_cls)
         if request.stream:
-            return await _sse_response(self._stream(request, kind))
+            return await _sse_response(self._stream(request, kind), request_id)
         return JSONResponse(await self._call(request, kind))
 
-    async def _respond_generate(self, raw: Request):
+    async def _respond_generate(self, raw: Request, request_id: str):
         request = parse_body(await self._read_body(raw), GenerateRequest)
         if request.stream:
             chunks = self._stream(request.to_completion(), "completion")
-            return await _sse_response(_as_generate_chunks(chunks))
-        return JSONResponse(await self.generate(request))
+            return await _sse_response(_as_generate_chunks(chunks), request_id)
+        return JSONResponse(await self._generate(request))
 
     async def _read_body(self, raw: Request) -> bytes:
         declared = raw.headers.get("content-length")

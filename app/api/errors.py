@@ -36,21 +36,55 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def to_api_error(exc: BaseException) -> APIError:
-    """Map any exception (also one wrapped by Ray on its way between replicas) to an APIError."""
-    for _ in range(5):  # Ray's RayTaskError keeps the original exception in .cause
-        cause = getattr(exc, "cause", None)
+# Ray's errors, known by class name (app/ never imports ray), anywhere in an error's class hierarchy.
+_RAY_BUSY = frozenset({"BackPressureError", "DeploymentUnavailableError", "ReplicaUnavailableError", "ActorUnschedulableError"})
+_RAY_GONE = frozenset({"RayActorError", "WorkerCrashedError", "NodeDiedError", "LocalRayletDiedError", "OwnerDiedError"})
+
+# What a client reads about a failure on our side: plain words and what to do, never the exception's
+# class or text (they describe internals; the server log has them under the same request id).
+_RETRY_BUSY = "the model server cannot take this request now; retry shortly"
+_RETRY_GONE = "the model replica stopped while serving this request; retry"
+_RETRY_ENGINE = "the model replica's engine stopped; it is being replaced, retry shortly"
+_GENERATION_FAILED = "generation failed for this request; the server log has the details"
+_INTERNAL = "internal error while serving this request; the server log has the details"
+
+
+def to_api_error(exc: BaseException, request_id: str | None = None) -> APIError:
+    """Map any exception (also one wrapped by Ray on its way between replicas) to what the client sees.
+
+    An APIError is already meant for the client and passes unchanged. Anything else is a failure on
+    our side (5xx): its message is one of ours, followed by ``request_id`` for the log lookup.
+    """
+    chain = _cause_chain(exc)
+    innermost = chain[-1]
+    if isinstance(innermost, APIError):
+        return innermost
+    status, message, code = _server_failure(chain)
+    return APIError(status, f"{message} (request id {request_id})" if request_id else message, code=code)
+
+
+def _cause_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it wraps: Ray's RayTaskError keeps the original exception in ``.cause``."""
+    chain = [exc]
+    for _ in range(5):
+        cause = getattr(chain[-1], "cause", None)
         if not isinstance(cause, BaseException):
             break
-        exc = cause
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, EngineOverloadedError):
-        return APIError(503, str(exc), code="overloaded")
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, f"the model replica is unavailable ({exc}); it is being replaced, retry shortly")
-    if isinstance(exc, RequestFailedError):
-        return APIError(500, f"generation failed: {exc}", code="generation_failed")
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc))
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+        chain.append(cause)
+    return chain
+
+
+def _server_failure(chain: list[BaseException]) -> tuple[int, str, str]:
+    innermost = chain[-1]
+    if isinstance(innermost, EngineOverloadedError):  # our own words, written for clients
+        return 503, str(innermost), "overloaded"
+    class_names = {cls.__name__ for exc in chain for cls in type(exc).__mro__}
+    if class_names & _RAY_BUSY:
+        return 503, _RETRY_BUSY, "overloaded"
+    if class_names & _RAY_GONE:
+        return 503, _RETRY_GONE, "replica_unavailable"
+    if isinstance(innermost, EngineDeadError):
+        return 503, _RETRY_ENGINE, "replica_unavailable"
+    if isinstance(innermost, RequestFailedError):  # carries the engine's exception text: not for clients
+        return 500, _GENERATION_FAILED, "generation_failed"
+    return 500, _INTERNAL, "internal_error"

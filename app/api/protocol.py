@@ -67,17 +67,20 @@ class _SamplingFields(_Strict):
             return defaults[name] if value is None else value
 
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(
-            max_tokens=max_tokens,
-            **{name: pick(name) for name in OPENAI_DEFAULTS},
-            seed=self.seed,
-            stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
-            logprobs=self.num_logprobs(),
-        )
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                **{name: pick(name) for name in OPENAI_DEFAULTS},
+                seed=self.seed,
+                stop=tuple(stop),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                min_tokens=self.min_tokens,
+                ignore_eos=self.ignore_eos,
+                skip_special_tokens=self.skip_special_tokens,
+                logprobs=self.num_logprobs(),
+            )
+        except ValueError as exc:  # a combination the per-field checks cannot see (min_tokens > max_tokens, ...)
+            raise APIError(400, str(exc)) from exc
 
     def num_logprobs(self) -> int | None:
         """How many alternatives per token the client asked for (None: no logprobs)."""

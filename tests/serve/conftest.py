@@ -17,6 +17,7 @@ GPTQ_MODEL = "smollm2-135m-instruct-gptq"
 FAKE_APP = "fake"
 FAKE_BASE = f"{BASE}/fake"
 FAKE_MODELS = ["fake-a", "fake-b"]
+FRAGILE_MODEL = "fake-fragile"  # the one whose replica a test kills
 
 
 def app_args() -> dict:
@@ -32,7 +33,7 @@ def fake_app_args() -> dict:
     def served(name: str) -> dict:
         return {"model": {"source": name}, "engine": {"separate_process": False}, "replica": {"num_cpus": 0}}
 
-    return {"server_factory": "tests.serve.fake_model:fake_model_server", "models": [served(n) for n in FAKE_MODELS]}
+    return {"server_factory": "tests.serve.fake_model:fake_model_server", "models": [served(n) for n in FAKE_MODELS + [FRAGILE_MODEL]]}
 
 
 @pytest.fixture(scope="session")

@@ -5,8 +5,15 @@ ModelServer, AsyncEngine (with the replica's @serve.batch window) and OpenAIServ
 is fake. Its tokenizer gives one token per UTF-8 byte and its engine core echoes the prompt, one
 byte per step, cycling through it until ``max_tokens``: a completion's text is therefore known in
 advance (``echo``), and a long answer takes long enough to cancel.
+
+A prompt can ask for trouble, to test what failures look like to clients:
+- ``crash-tokenizer``: the tokenizer raises RuntimeError(SECRET) while the request is prepared;
+- ``fail-after-2``: after two tokens the engine fails the request with that exception's text, as
+  LLMEngine does when a forward pass raises;
+- ``kill-replica-after-2``: after two tokens the replica's process exits (as an OOM kill ends it).
 """
 
+import os
 import time
 
 from app.config import ServedModelConfig
@@ -18,6 +25,8 @@ from tests.unit.fakes import CountingCore
 STEP_S = 0.005  # a (very fast) model's step; long answers stay cancellable without busy CPU
 MAX_MODEL_LEN = 1_000_000  # room for answers far longer than any test waits for
 EOS_TOKEN_ID = 0  # never in a test prompt, so the echo only stops at max_tokens
+SECRET = "secret internal detail"  # an exception's text, which must never reach a client
+TROUBLE_AFTER_TOKENS = 2
 
 
 def echo(prompt: str, max_tokens: int) -> str:
@@ -31,6 +40,8 @@ class ByteTokenizer:
     chat_template = "role: content lines"  # OpenAIServing only checks that there is one
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if "crash-tokenizer" in text:
+            raise RuntimeError(SECRET)
         return list(text.encode("utf-8"))
 
     def decode(self, token_ids: list[int]) -> str:
@@ -57,6 +68,10 @@ class EchoCore(CountingCore):
 
     def _next_byte(self, request) -> RequestOutput:
         prompt = request.prompt_token_ids
+        if request.num_output_tokens == TROUBLE_AFTER_TOKENS:
+            trouble = self._trouble(request)
+            if trouble is not None:
+                return trouble
         token = prompt[request.num_output_tokens % len(prompt)]
         request.output_token_ids.append(token)
         done = request.num_output_tokens >= request.sampling.max_tokens
@@ -67,6 +82,19 @@ class EchoCore(CountingCore):
         return RequestOutput(
             request.request_id, [token], text, request.num_prompt_tokens, request.num_output_tokens,
             finished=done, finish_reason="length" if done else None,
+        )
+
+    def _trouble(self, request) -> RequestOutput | None:
+        prompt = bytes(request.prompt_token_ids)
+        if b"kill-replica-after-2" in prompt:
+            os._exit(1)
+        if b"fail-after-2" not in prompt:
+            return None
+        del self.requests[request.request_id]
+        error = f"RuntimeError: {SECRET}"  # as LLMEngine.step reports a forward pass that raised
+        return RequestOutput(
+            request.request_id, [], "", request.num_prompt_tokens, request.num_output_tokens,
+            finished=True, finish_reason="error", error=error,
         )
 
 

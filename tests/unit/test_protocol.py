@@ -45,7 +45,14 @@ def test_error_mapping_unwraps_causes():
 
     assert to_api_error(Wrapped(APIError(404, "gone"))).status == 404
     assert to_api_error(EngineOverloadedError("full")).status == 503
-    assert to_api_error(ValueError("bad")).status == 400
+    assert to_api_error(ValueError("bad")).status == 500  # an unexpected ValueError is ours (tests/unit/test_errors.py)
+
+
+def test_sampling_combinations_the_fields_cannot_check_are_400s():
+    request = parse_body({"prompt": "x", "min_tokens": 10, "max_tokens": 5}, CompletionRequest)
+    with pytest.raises(APIError, match="min_tokens") as info:
+        request.sampling_params(request.max_tokens)
+    assert info.value.status == 400
 
 
 def test_logprobs_requests_map_to_sampling():

@@ -1,0 +1,123 @@
+"""Failures on the server's side, as clients see them: plain words and a request id, never internals.
+
+The fake model (tests/serve/fake_model.py) fails on request: its tokenizer raises RuntimeError(SECRET),
+its engine fails a request with that exception's text after two tokens, or its replica's process exits.
+"""
+
+import json
+import time
+
+import httpx
+import pytest
+from ray import serve
+
+from app.api.errors import APIError
+from tests.serve.conftest import FAKE_APP, FRAGILE_MODEL
+from tests.serve.fake_model import SECRET
+
+pytestmark = pytest.mark.serve
+
+INTERNALS = [SECRET, "RuntimeError", "RequestFailedError", "ActorDiedError", "RayActorError", "Traceback"]
+
+
+def _assert_plain_with_request_id(error: dict, request_id: str) -> None:
+    """The error names the request, so the server log can be searched, and shows nothing of the exception."""
+    assert request_id and f"(request id {request_id})" in error["message"], error
+    assert not [word for word in INTERNALS if word in json.dumps(error)], error
+
+
+def _sse_events(response: httpx.Response) -> list:
+    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(event) for event in events[:-1]]
+
+
+def _chat(text: str) -> dict:
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": 5}
+
+
+@pytest.mark.parametrize("path, body, good", [
+    ("/v1/completions", {"prompt": "crash-tokenizer", "max_tokens": 5}, {"prompt": "fine", "max_tokens": 5}),
+    ("/v1/completions", {"prompt": "crash-tokenizer", "stream": True}, {"prompt": "fine", "stream": True}),
+    ("/v1/chat/completions", {**_chat("crash-tokenizer"), "stream": True}, {**_chat("fine"), "stream": True}),
+    ("/v1/generate", {"prompt": "crash-tokenizer"}, {"prompt": "fine"}),
+], ids=["completion", "completion streamed", "chat streamed", "generate"])
+def test_an_unexpected_exception_is_a_plain_500_naming_the_request(fake_client, path, body, good):
+    response = fake_client.post(path, json=body)
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["type"] == "internal_server_error" and error["code"] == "internal_error"
+    _assert_plain_with_request_id(error, response.headers["x-request-id"])
+    assert fake_client.post(path, json=good).status_code == 200
+
+
+def test_a_failure_mid_stream_is_an_error_event_naming_the_request(fake_client):
+    body = {"messages": [{"role": "user", "content": "fail-after-2"}], "max_tokens": 50, "stream": True}
+    response = fake_client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200  # the role chunk went out before the engine failed
+    events = _sse_events(response)
+    assert "choices" in events[0] and "error" in events[-1]
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert "us".startswith(streamed)  # the echo of "user: ...", up to the failure
+    assert events[-1]["error"]["code"] == "generation_failed"
+    _assert_plain_with_request_id(events[-1]["error"], response.headers["x-request-id"])
+
+
+def test_a_failure_without_stream_is_a_plain_500(fake_client):
+    response = fake_client.post("/v1/completions", json={"prompt": "fail-after-2", "max_tokens": 50})
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == "generation_failed"
+    _assert_plain_with_request_id(response.json()["error"], response.headers["x-request-id"])
+
+
+@pytest.mark.parametrize("method", ["completions", "completions_stream"])
+def test_a_handle_caller_gets_a_plain_api_error(fake_app, method):
+    ingress = serve.get_app_handle(FAKE_APP)
+    body = {"prompt": "crash-tokenizer", "max_tokens": 5}
+    with pytest.raises(APIError) as info:
+        if method.endswith("_stream"):
+            list(ingress.options(stream=True).completions_stream.remote(body))
+        else:
+            ingress.completions.remote(body).result()
+    assert info.value.status == 500 and "(request id " in info.value.message
+    assert SECRET not in str(info.value) and SECRET not in info.value.message
+
+
+def test_a_killed_replica_is_a_503_telling_to_retry(fake_client):
+    long_chat = {"model": FRAGILE_MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 100_000}
+    with fake_client.stream("POST", "/v1/chat/completions", json={**long_chat, "stream": True}) as streaming:
+        lines = streaming.iter_lines()
+        assert streaming.status_code == 200 and next(lines).startswith("data:")
+        killer = fake_client.post("/v1/completions", json={"model": FRAGILE_MODEL, "prompt": "kill-replica-after-2", "max_tokens": 9})
+        rest = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    assert killer.status_code == 503, killer.text
+    assert killer.json()["error"]["message"].startswith("the model replica stopped while serving this request; retry")
+    _assert_plain_with_request_id(killer.json()["error"], killer.headers["x-request-id"])
+    assert rest[-1] == "[DONE]"
+    in_stream = json.loads(rest[-2])["error"]
+    assert in_stream["code"] == "replica_unavailable"
+    _assert_plain_with_request_id(in_stream, streaming.headers["x-request-id"])
+    _wait_until_served_again(fake_client, FRAGILE_MODEL)
+
+
+def _wait_until_served_again(client: httpx.Client, model: str, timeout_s: float = 90) -> None:
+    """Serve replaces the dead replica; later tests (and /health) need it back."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if client.post("/v1/completions", json={"model": model, "prompt": "back?", "max_tokens": 2}).status_code == 200:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{model} was not served again within {timeout_s} s")
+
+
+def test_the_log_has_the_exception_and_traceback_under_the_request_id(caplog):
+    from deployments.ingress import _reported
+
+    try:
+        raise RuntimeError(SECRET)
+    except RuntimeError as exc:
+        error = _reported(exc, "req-42")
+    assert error.status == 500 and SECRET not in error.message
+    [record] = [r for r in caplog.records if r.name == "deployments.ingress"]
+    assert "req-42" in record.getMessage()
+    assert record.exc_info[1].args == (SECRET,)  # the traceback is printed from it
