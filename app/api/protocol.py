@@ -1,4 +1,7 @@
-"""OpenAI request bodies (pydantic), parsed strictly: an unknown field is an error, not ignored.
+"""OpenAI request bodies (pydantic), parsed strictly: an unknown field is an error, not ignored,
+and so is a value of the wrong JSON type, as in OpenAI's API: "true" is not a boolean and "5" not a
+number (pydantic's default lax mode would coerce both), nor is true an integer; an integer is a
+number, though (``temperature: 1`` is fine).
 
 Fields that OpenAI defines but the engine does not honour yet are accepted only at their
 no-op value; anything else gets a 400 that names the field, so nothing a client asked for is
@@ -30,7 +33,7 @@ OPENAI_DEFAULTS: dict[str, Any] = {
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -211,4 +214,6 @@ def _validation_error(exc: pydantic.ValidationError) -> APIError:
         return APIError(400, f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
     if first["type"] == "missing":
         return APIError(400, f"Missing required parameter: {param}", param=param, code="missing_parameter")
+    if first["type"].endswith("_type"):  # bool_type, int_type, string_type, ...: the JSON type is wrong
+        return APIError(400, f"Invalid type for {param}: {first['msg']}", param=param, code="invalid_type")
     return APIError(400, f"Invalid value for {param}: {first['msg']}", param=param, code="invalid_value")

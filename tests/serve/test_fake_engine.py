@@ -95,7 +95,9 @@ def test_generate_alias_streamed_and_not(fake_client):
 BAD = [
     ("malformed json", "/v1/completions", b"{not json", 400, "invalid_json"),
     ("unknown model", "/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 404, "model_not_found"),
-    ("wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "invalid_value"),
+    ("wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "invalid_type"),
+    ("a string for a boolean", "/v1/completions", {"prompt": "x", "stream": "true"}, 400, "invalid_type"),
+    ("negative max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "invalid_value"),
     ("unknown field", "/v1/chat/completions", {**CHAT, "frobnicate": True}, 400, "unknown_parameter"),
     ("beyond the context", "/v1/completions", {"prompt": "x", "max_tokens": 10**7}, 400, "context_length_exceeded"),
     ("beyond the context, streamed", "/v1/completions", {"prompt": "x", "max_tokens": 10**7, "stream": True}, 400,

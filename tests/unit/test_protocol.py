@@ -1,7 +1,9 @@
+import json
+
 import pytest
 
 from app.api.errors import APIError, to_api_error
-from app.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse_body
 from app.engine import EngineOverloadedError
 
 
@@ -64,3 +66,54 @@ def test_logprobs_requests_map_to_sampling():
     assert parse_body(chat, ChatCompletionRequest).sampling_params(4).logprobs is None
     with pytest.raises(APIError, match="top_logprobs requires logprobs"):
         parse_body({**chat, "top_logprobs": 2}, ChatCompletionRequest)
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+WRONG_TYPES = [
+    (CompletionRequest, {"prompt": "x", "stream": "true"}, "stream"),
+    (CompletionRequest, {"prompt": "x", "stream": 1}, "stream"),
+    (CompletionRequest, {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    (CompletionRequest, {"prompt": "x", "max_tokens": True}, "max_tokens"),
+    (CompletionRequest, {"prompt": "x", "max_tokens": 5.0}, "max_tokens"),
+    (CompletionRequest, {"prompt": "x", "temperature": "0.5"}, "temperature"),
+    (CompletionRequest, {"prompt": "x", "logprobs": "2"}, "logprobs"),
+    (CompletionRequest, {"prompt": "x", "logprobs": True}, "logprobs"),
+    (CompletionRequest, {"prompt": "x", "seed": "7"}, "seed"),
+    (CompletionRequest, {"prompt": "x", "seed": True}, "seed"),
+    (CompletionRequest, {"prompt": "x", "n": "1"}, "n"),
+    (CompletionRequest, {"prompt": "x", "n": True}, "n"),  # lax mode read this as n=1 and answered
+    (CompletionRequest, {"prompt": "x", "ignore_eos": "false"}, "ignore_eos"),
+    (ChatCompletionRequest, {**CHAT, "logprobs": "true"}, "logprobs"),
+    (ChatCompletionRequest, {**CHAT, "logprobs": 1}, "logprobs"),
+    (ChatCompletionRequest, {**CHAT, "logprobs": True, "top_logprobs": "2"}, "top_logprobs"),
+    (ChatCompletionRequest, {**CHAT, "max_completion_tokens": "9"}, "max_completion_tokens"),
+    (ChatCompletionRequest, {**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    (GenerateRequest, {"prompt": "x", "max_new_tokens": "5"}, "max_new_tokens"),
+]
+
+
+@pytest.mark.parametrize("request_cls, body, param", WRONG_TYPES, ids=[f"{b[2]}={list(b[1].values())[-1]!r}" for b in WRONG_TYPES])
+def test_a_value_of_the_wrong_json_type_is_a_400_not_coerced(request_cls, body, param):
+    with pytest.raises(APIError) as info:
+        parse_body(json.dumps(body), request_cls)  # as the HTTP edge receives it
+    assert (info.value.status, info.value.param, info.value.code) == (400, param, "invalid_type")
+    assert info.value.message.startswith(f"Invalid type for {param}: ")
+
+
+def test_an_integer_is_a_number_as_openai_accepts_it():
+    body = {"prompt": "x", "temperature": 1, "top_p": 1, "presence_penalty": 0, "max_tokens": 5, "seed": 3, "logprobs": 2}
+    request = parse_body(json.dumps(body), CompletionRequest)
+    params = request.sampling_params(request.max_tokens)
+    assert (params.temperature, params.top_p, params.presence_penalty) == (1.0, 1.0, 0.0)
+    assert isinstance(params.temperature, float)
+    assert (params.max_tokens, params.seed, params.logprobs) == (5, 3, 2)
+
+
+def test_values_of_the_right_type_still_parse():
+    chat = parse_body(json.dumps({**CHAT, "stream": True, "stream_options": {"include_usage": True}, "logprobs": False,
+                                  "stop": ["\n"], "logit_bias": None, "n": 1}), ChatCompletionRequest)
+    assert chat.stream and chat.include_usage and chat.messages[0].text() == "hi"
+    completion = parse_body(json.dumps({"prompt": [1, 2, 3], "echo": False, "ignore_eos": True}), CompletionRequest)
+    assert completion.prompt == [1, 2, 3] and completion.ignore_eos
+    generate = parse_body(json.dumps({"prompt": "x", "max_new_tokens": 3, "temperature": 0}), GenerateRequest)
+    assert generate.to_completion().max_tokens == 3 and generate.to_completion().temperature == 0.0
