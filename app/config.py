@@ -196,6 +196,9 @@ class AppConfig:
 
     models: list[ServedModelConfig] = field(default_factory=lambda: [ServedModelConfig()])
     max_request_bytes: int = 4 * 1024 * 1024  # larger bodies get 413
+    # The ingress replicas host the first model themselves (its tokens stream with no Ray hop; it scales as the
+    # ingress); false: the ingress only routes, every model is a deployment of its own (deployments/builder.py).
+    ingress_hosts_first_model: bool = True
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -206,6 +209,8 @@ class AppConfig:
             raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
         if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be an integer >= 1024")
+        if not isinstance(self.ingress_hosts_first_model, bool):
+            raise ValueError("ingress_hosts_first_model must be true or false")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "AppConfig":

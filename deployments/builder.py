@@ -3,6 +3,11 @@
 ``args`` is the app config (app/config.py), plus one optional key that is not config:
 ``server_factory``, the ``"module:attribute"`` import path of what each model replica serves
 (default: the real ``app.server.ModelServer``; the serving tests name a fake model here).
+
+Topology (``ingress_hosts_first_model``, default true): the ingress replicas host the first model
+themselves, with that model's resources and scaling, so its streamed tokens take no Ray hop; every
+other model is an ``LLMServer:<name>`` deployment behind the ingress. Set it false to make the ingress
+a CPU-only router in front of one deployment per model (every model scaled on its own).
 """
 
 from __future__ import annotations
@@ -17,17 +22,31 @@ from deployments.ingress import OpenAIIngress
 from deployments.replica import LLMServer
 
 DEFAULT_AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16}
+ROUTER_MAX_ONGOING_REQUESTS = 1000  # a router that hosts no model only relays: its limit is the models'
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    """One LLMServer deployment per configured model, behind one OpenAIIngress."""
+    """The OpenAIIngress, hosting the first model unless configured not to, in front of the other models."""
     args = dict(args or {})
     factory = args.pop("server_factory", None)
     config = AppConfig.from_args(args)
     extra = {"server_factory": factory} if factory is not None else {}  # unset: the replica's default, the real model
-    servers = [LLMServer.options(**replica_options(served)).bind(served, **extra) for served in config.models]
-    names = [served.model.name for served in config.models]
-    return OpenAIIngress.bind(servers, names, config.max_request_bytes)
+    local = config.models[0] if config.ingress_hosts_first_model else None
+    remote = [served for served in config.models if served is not local]
+    servers = [LLMServer.options(**replica_options(served)).bind(served, **extra) for served in remote]
+    names = [served.model.name for served in remote]
+    ingress = OpenAIIngress.options(**ingress_options(config, local))
+    return ingress.bind(servers, names, config.max_request_bytes, local=local, **extra)
+
+
+def ingress_options(config: AppConfig, local: ServedModelConfig | None) -> dict[str, Any]:
+    """A router's options, or those of the model it hosts; its request limit also covers what it relays."""
+    if local is None:
+        return {"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": ROUTER_MAX_ONGOING_REQUESTS}
+    options = {key: value for key, value in replica_options(local).items() if key != "name"}
+    relayed = sum(served.replica.max_ongoing_requests for served in config.models if served is not local)
+    options["max_ongoing_requests"] += relayed
+    return options
 
 
 def replica_options(served: ServedModelConfig) -> dict[str, Any]:

@@ -1,8 +1,11 @@
-"""The HTTP and Python entry point: an OpenAI-compatible router in front of the model replicas.
+"""The HTTP and Python entry point: the OpenAI API, in front of (and usually hosting) the models.
 
-It parses and validates bodies (app.api.protocol), picks the replica deployment by model name,
-and relays responses, streaming as server-sent events. Other Ray jobs call the same paths through
-the app handle: ``completions``/``chat``/``generate`` and their ``*_stream`` twins.
+It parses and validates bodies (app.api.protocol), picks the model by name and streams answers as
+server-sent events. By default its replicas host the app's first model themselves (``local``), so that
+model's streamed chunks go from the engine to the HTTP response with no Ray hop in between; other
+models are deployments of their own, reached through their handles (deployments/routes.py). Other
+Ray jobs call the same paths through the app handle: ``completions``/``chat``/``generate`` and their
+``*_stream`` twins.
 
 Failures reach callers in one shape, an APIError (app/api/errors.py): a client's mistake as it is,
 a failure on our side (5xx, also mid-stream) as plain words plus the request id, with the exception
@@ -25,6 +28,11 @@ from ray.serve.handle import DeploymentHandle
 
 from app.api.errors import APIError, to_api_error
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse_body
+from app.config import ServedModelConfig
+from app.server import ModelServer
+from deployments.admission import HostedModel, ServerFactory
+from deployments.replica import MODEL_REPLICA_OPTIONS
+from deployments.routes import LocalModel, RemoteModel
 
 logger = logging.getLogger(__name__)
 
@@ -125,13 +133,36 @@ async def _as_generate_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dict
             yield {"text": choice["text"], "finish_reason": choice["finish_reason"]}
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000, **MODEL_REPLICA_OPTIONS)
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, servers: list[DeploymentHandle], model_names: list[str], max_request_bytes: int) -> None:
-        self._servers = dict(zip(model_names, servers))
-        self._default_model = model_names[0]
+    def __init__(
+        self,
+        servers: list[DeploymentHandle],
+        model_names: list[str],
+        max_request_bytes: int,
+        local: ServedModelConfig | None = None,
+        server_factory: str | ServerFactory = ModelServer,
+    ) -> None:
+        """``servers``: handles of the models served elsewhere, named by ``model_names``; ``local``: the model
+        this replica hosts itself (the app's first), loaded and warmed up before the replica takes traffic."""
+        self._hosted = HostedModel(local, server_factory) if local is not None else None
+        self._routes = {name: RemoteModel(server) for name, server in zip(model_names, servers)}
+        if self._hosted is not None:
+            self._routes = {local.model.name: LocalModel(self._hosted), **self._routes}
+        self._default_model = next(iter(self._routes))
         self._max_request_bytes = max_request_bytes
+
+    def check_health(self) -> None:
+        """Serve replaces this replica when the model it hosts can no longer serve (its engine died)."""
+        if self._hosted is not None:
+            self._hosted.server.check_health()
+
+    def __del__(self) -> None:
+        # Serve stops routing to a replica before deleting it; let what is in flight finish.
+        hosted = getattr(self, "_hosted", None)
+        if hosted is not None:
+            hosted.shutdown(timeout_s=30)
 
     # ---- HTTP ---------------------------------------------------------------------------
     @api.post("/v1/completions")
@@ -156,12 +187,12 @@ class OpenAIIngress:
     @api.get("/health")
     async def http_health(self):
         """200 when every model deployment answers; 503 naming the ones that do not."""
-        probes = [asyncio.wait_for(self._probe(server), timeout=_PROBE_TIMEOUT_S) for server in self._servers.values()]
+        probes = [asyncio.wait_for(route.stats(), timeout=_PROBE_TIMEOUT_S) for route in self._routes.values()]
         results = await asyncio.gather(*probes, return_exceptions=True)
-        failing = {name: _probe_failure(name, r) for name, r in zip(self._servers, results) if isinstance(r, BaseException)}
+        failing = {name: _probe_failure(name, r) for name, r in zip(self._routes, results) if isinstance(r, BaseException)}
         if failing:
             return JSONResponse({"status": "unavailable", "failing": failing}, status_code=503)
-        return {"status": "ok", "models": dict(zip(self._servers, results))}
+        return {"status": "ok", "models": dict(zip(self._routes, results))}
 
     # ---- Python handle API ----------------------------------------------------------------
     @_raises_api_errors
@@ -192,6 +223,10 @@ class OpenAIIngress:
         async for chunk in _as_generate_chunks(self._stream(request.to_completion(), "completion")):
             yield chunk
 
+    async def model_stats(self, model: str | None = None) -> dict:
+        """The engine counters of ``model`` (default: the first), wherever it runs: requests, KV blocks, steps."""
+        return await self._route_for(model).stats()
+
     # ---- internals (the HTTP routes' work too) ------------------------------------------
     async def _generate(self, request: GenerateRequest) -> dict:
         result = await self._call(request.to_completion(), "completion")
@@ -199,34 +234,22 @@ class OpenAIIngress:
         return {"model": result["model"], "text": choice["text"], "finish_reason": choice["finish_reason"], "usage": result["usage"]}
 
     async def _models(self) -> dict:
-        cards = await asyncio.gather(*(s.model_card.remote() for s in self._servers.values()))
+        cards = await asyncio.gather(*(route.model_card() for route in self._routes.values()))
         return {"object": "list", "data": list(cards)}
 
-    async def _probe(self, server: DeploymentHandle) -> dict:
-        return await server.stats.remote()
-
-    def _server_for(self, model: str | None) -> DeploymentHandle:
+    def _route_for(self, model: str | None):
         name = model or self._default_model
-        server = self._servers.get(name)
-        if server is None:
-            served = ", ".join(self._servers)
+        route = self._routes.get(name)
+        if route is None:
+            served = ", ".join(self._routes)
             raise APIError(404, f"The model {name!r} does not exist; this server serves: {served}", param="model", code="model_not_found")
-        return server
+        return route
 
     async def _call(self, request, kind: str) -> dict:
-        return await getattr(self._server_for(request.model), kind).remote(request)
+        return await self._route_for(request.model).call(kind, request)
 
-    async def _stream(self, request, kind: str) -> AsyncIterator[dict]:
-        server = self._server_for(request.model)
-        responses = getattr(server.options(stream=True), f"{kind}_stream").remote(request)
-        finished = False
-        try:
-            async for chunk in responses:
-                yield chunk
-            finished = True
-        finally:
-            if not finished:  # the client went away: stop generating for it
-                responses.cancel()
+    def _stream(self, request, kind: str) -> AsyncIterator[dict]:
+        return self._route_for(request.model).stream(kind, request)
 
     async def _respond(self, raw: Request, request_cls: type, kind: str, request_id: str):
         request = parse_body(await self._read_body(raw), request_cls)

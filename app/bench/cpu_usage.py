@@ -31,11 +31,11 @@ def process_cpu_snapshot() -> dict[int, tuple[str, float]]:
 
 
 def role_of(command: str, parent_command: str) -> str:
-    """A process's part in the server; the engine core is the replica's child process."""
+    """A process's part in the server; the engine core is the child process of the replica hosting its model."""
     for marker, role in _ROLES:
         if marker in command:
             return role
-    if "LLMServer" in parent_command:
+    if "LLMServer" in parent_command or "OpenAIIngress" in parent_command:
         return "engine core"
     return "other (Ray, system)"
 

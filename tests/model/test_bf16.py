@@ -1,6 +1,7 @@
 """The bf16 path on any CPU: a bf16 model through torch's ops, as ``dtype: auto`` serves it where bf16 is
-native (AVX-512 bf16, AMX). On other CPUs torch emulates bf16 (slower, still correct), so every machine
-runs the path that native-bf16 machines serve by default; the fp32 tests cover the other resolution."""
+native (AVX-512 bf16, AMX) and our kernels cannot run, and as ``dtype: bfloat16`` serves it on native-bf16
+CPUs. On other CPUs torch emulates bf16 (slower, still correct), so every machine runs this path; the
+fp32 tests cover the other resolution."""
 
 from contextlib import contextmanager
 from unittest import mock
@@ -41,7 +42,7 @@ def loaded_bf16():
     return loaded
 
 
-def test_auto_is_bf16_where_bf16_is_native_and_fp32_elsewhere():
+def test_auto_is_bf16_where_bf16_is_native_without_our_kernels_and_fp32_elsewhere(kernels_off):
     cpu = torch.device("cpu")
     with native_bf16(True):
         assert resolve_dtype("auto", cpu) == torch.bfloat16

@@ -7,7 +7,6 @@ import httpx
 import pytest
 from ray import serve
 
-from deployments.builder import deployment_name
 from tests.serve.conftest import BASE, MODEL
 
 pytestmark = pytest.mark.serve
@@ -16,8 +15,7 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Rain falls because", "
 
 
 def _engine_stats() -> dict:
-    handle = serve.get_deployment_handle(deployment_name(MODEL), app_name="default")
-    return handle.stats.remote().result()
+    return serve.get_app_handle("default").model_stats.remote(MODEL).result()
 
 
 def _wait_until_idle(timeout_s: float = 20) -> dict:

@@ -13,7 +13,6 @@ import pytest
 from ray import serve
 
 from app.api.errors import APIError
-from deployments.builder import deployment_name
 from tests.serve.conftest import FAKE_APP, FAKE_BASE, FAKE_MODELS, FRAGILE_MODEL
 from tests.serve.fake_model import echo
 
@@ -25,7 +24,7 @@ CHAT_PROMPT = "user: hi\nassistant:"  # what the fake chat template makes of CHA
 
 
 def _stats(model: str) -> dict:
-    return serve.get_deployment_handle(deployment_name(model), app_name=FAKE_APP).stats.remote().result()
+    return serve.get_app_handle(FAKE_APP).model_stats.remote(model).result()
 
 
 def _wait_for_stats(model: str, done, timeout_s: float = 10) -> dict:

@@ -14,6 +14,7 @@ def test_processes_are_grouped_by_their_serve_role():
     assert role_of("ray::ServeController.listen_for_change", "raylet") == "controller"
     engine_core = "python -B -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)"
     assert role_of(engine_core, "ray::ServeReplica:default:LLMServer:smollm2-135m-instruct") == "engine core"
+    assert role_of(engine_core, "ray::ServeReplica:default:OpenAIIngress") == "engine core"  # the model the ingress hosts
     assert role_of("gcs_server --log_dir=/tmp/ray", "bash") == "other (Ray, system)"
 
 

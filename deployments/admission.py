@@ -1,0 +1,70 @@
+"""A served model inside a Serve replica: the model server plus its ``@serve.batch`` admission window.
+
+Both deployments that host a model use it: ``LLMServer`` (one model per replica, reached through
+handles) and ``OpenAIIngress`` when it serves its first model in its own process (no hop per token).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+from ray import serve
+
+from app.config import ServedModelConfig
+from app.engine import Request
+from app.server import ModelServer
+
+ServerFactory = Callable[..., Any]
+
+
+def resolve_factory(factory: str | ServerFactory) -> ServerFactory:
+    """A factory itself, or the ``"module:attribute"`` import path of one (resolved in the replica's process)."""
+    if callable(factory):
+        return factory
+    module_name, _, attribute = factory.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"server_factory must be 'module:attribute', got {factory!r}")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+class HostedModel:
+    """One model served in this process: loads it (returns after a real warm-up generation) and admits requests.
+
+    What it serves is injectable, as Ray Serve LLM injects ``engine_cls``: ``server_factory`` is called as
+    ``factory(config, admit=...)`` and returns an object shaped like ``app.server.ModelServer``.
+    Serve keeps one batch queue per decorated method in a process, so a process hosts one model at most.
+    """
+
+    def __init__(self, config: ServedModelConfig, server_factory: str | ServerFactory = ModelServer) -> None:
+        batching = config.engine.batching != "none"
+        self.server = resolve_factory(server_factory)(config, admit=self._admit if batching else None)
+        self._admit_window.set_max_batch_size(config.engine.max_batch_size)
+        self._admit_window.set_batch_wait_timeout_s(config.engine.batch_wait_timeout_s)
+
+    @property
+    def name(self) -> str:
+        return self.server.config.model.name
+
+    async def _admit(self, request: Request) -> None:
+        """Hand one request to the engine, through the batch window unless it is alone."""
+        engine = self.server.engine
+        if engine.num_unfinished <= 1:  # only this request: nobody to wait for, so no window
+            engine.add_group([request])
+        else:
+            await self._admit_window(request)
+
+    # The @serve.batch window on the entry path: concurrent arrivals become one group, which the engine
+    # prefills together (continuous) or runs to completion together (dynamic). Admission returns at once,
+    # so one concurrent batch is enough and max_ongoing_requests (which counts streaming requests, the
+    # autoscaling signal) never caps a window.
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
+    async def _admit_window(self, requests: list[Request]) -> list[None]:
+        self.server.engine.add_group(requests)
+        return [None] * len(requests)
+
+    def stats(self) -> dict:
+        return self.server.engine.stats()
+
+    def shutdown(self, timeout_s: float) -> None:
+        self.server.shutdown(timeout_s=timeout_s)
