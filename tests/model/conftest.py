@@ -76,3 +76,35 @@ def hf_greedy(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
             torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def engine_greedy_with_logprobs(loaded, prompts: list[str], max_tokens: int, **engine_fields) -> tuple[list[Request], dict]:
+    """Greedy runs of ``prompts`` in one batch; the requests, and each one's chosen-token log-probabilities."""
+    engine = make_engine(loaded, **engine_fields)
+    requests = [Request(str(i), loaded.tokenizer.encode(p), greedy(max_tokens, logprobs=1), loaded.eos_token_ids)
+                for i, p in enumerate(prompts)]
+    engine.add_requests(requests)
+    logprobs = {r.request_id: [] for r in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            logprobs[out.request_id] += out.logprobs or []
+    return requests, logprobs
+
+
+def assert_tracks_transformers(loaded, requests: list[Request], logprobs: dict, tolerance: float) -> float:
+    """Teacher-forced through transformers' own forward of the same model: every token the engine chose is that
+    model's top choice up to a near-tie, with the same log-probability (within ``tolerance``); returns the largest gap."""
+    worst = 0.0
+    for request in requests:
+        assert len(logprobs[request.request_id]) == request.num_output_tokens
+        ids = torch.tensor([request.prompt_token_ids + list(request.output_token_ids)])
+        with torch.inference_mode():
+            reference = loaded.model(ids).logits[0].float().log_softmax(-1)
+        for step, lp in enumerate(logprobs[request.request_id]):
+            row = reference[len(request.prompt_token_ids) - 1 + step].clone()
+            row[list(loaded.eos_token_ids)] = float("-inf")  # greedy() masks EOS, as min_new_tokens does
+            gap = abs(lp.logprob - float(row[lp.token_id]))
+            worst = max(worst, gap)
+            assert gap < tolerance, (request.request_id, step, gap)
+            assert float(row[lp.token_id]) > float(row.max()) - tolerance, (request.request_id, step)
+    return worst

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from app.config import ModelConfig
-from app.engine import Request
 from app.models import load_model
 from app.models.loader import resolve_dtype
-from tests.model.conftest import PROMPTS, greedy, make_engine
+from tests.model.conftest import PROMPTS, assert_tracks_transformers, engine_greedy_with_logprobs
 
 pytestmark = pytest.mark.model
 
@@ -51,27 +50,8 @@ def test_auto_is_bf16_where_bf16_is_native_without_our_kernels_and_fp32_elsewher
 
 
 def test_the_engine_in_bf16_tracks_transformers_on_the_same_bf16_model(loaded_bf16):
-    """Teacher-forced through transformers' own bf16 forward: every token the engine chose (4 sequences
-    in one batch) is that model's top choice up to a near-tie, with the same log-probability."""
-    engine = make_engine(loaded_bf16, max_model_len=512)
-    assert engine.runner.kv_pool.dtype == torch.bfloat16
-    requests = [Request(str(i), loaded_bf16.tokenizer.encode(p), greedy(16, logprobs=1), loaded_bf16.eos_token_ids)
-                for i, p in enumerate(PROMPTS[:4])]
-    engine.add_requests(requests)
-    logprobs = {r.request_id: [] for r in requests}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            logprobs[out.request_id] += out.logprobs or []
-    worst = 0.0
-    for request in requests:
-        assert len(logprobs[request.request_id]) == 16
-        ids = torch.tensor([request.prompt_token_ids + list(request.output_token_ids)])
-        with torch.inference_mode():
-            reference = loaded_bf16.model(ids).logits[0].float().log_softmax(-1)
-        for step, lp in enumerate(logprobs[request.request_id]):
-            row = reference[len(request.prompt_token_ids) - 1 + step].clone()
-            row[list(loaded_bf16.eos_token_ids)] = float("-inf")  # greedy() masks EOS, as min_new_tokens does
-            worst = max(worst, abs(lp.logprob - float(row[lp.token_id])))
-            assert float(row[lp.token_id]) > float(row.max()) - LOGPROB_TOLERANCE, (request.request_id, step)
+    """4 sequences in one batch, teacher-forced through transformers' own bf16 forward."""
+    requests, logprobs = engine_greedy_with_logprobs(loaded_bf16, PROMPTS[:4], 16, max_model_len=512)
+    assert all(r.num_output_tokens == 16 for r in requests)
+    worst = assert_tracks_transformers(loaded_bf16, requests, logprobs, LOGPROB_TOLERANCE)
     print(f"bf16: largest |engine - transformers| log-probability {worst:.4f}")
-    assert worst < LOGPROB_TOLERANCE

@@ -14,7 +14,7 @@ from app.engine import Request
 from app.models import ModelLoadError, load_model
 from app.models.quantization import quantized_linear_bytes
 from app.models.registry import prepare_builtin
-from tests.model.conftest import greedy, make_engine
+from tests.model.conftest import assert_tracks_transformers, engine_greedy_with_logprobs, greedy, make_engine
 
 pytestmark = pytest.mark.model
 
@@ -50,18 +50,6 @@ def quantized(request):
     return request.param, _load(request.param)
 
 
-def _engine_greedy_with_logprobs(loaded, max_tokens: int):
-    engine = make_engine(loaded)
-    requests = [Request(str(i), loaded.tokenizer.encode(p), greedy(max_tokens, logprobs=1), loaded.eos_token_ids)
-                for i, p in enumerate(PROMPTS)]
-    engine.add_requests(requests)
-    logprobs = {r.request_id: [] for r in requests}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            logprobs[out.request_id] += out.logprobs or []
-    return requests, logprobs
-
-
 def test_loads_as_quantized_layers(quantized):
     method, loaded = quantized
     classes = {type(m).__name__ for m in loaded.model.model.layers[0].modules()}
@@ -74,23 +62,14 @@ def test_paged_engine_runs_the_quantized_model_as_transformers_does(quantized):
     """Teacher-forced through the plain transformers forward of the same quantized model, every token the
     engine chose is that model's top choice (up to a near-tie) with the same log-probability."""
     method, loaded = quantized
-    requests, logprobs = _engine_greedy_with_logprobs(loaded, max_tokens=16)
-    for request in requests:
-        ids = torch.tensor([request.prompt_token_ids + list(request.output_token_ids)])
-        with torch.inference_mode():
-            reference = loaded.model(ids).logits[0].float().log_softmax(-1)
-        for step, lp in enumerate(logprobs[request.request_id]):
-            row = reference[len(request.prompt_token_ids) - 1 + step].clone()
-            row[list(loaded.eos_token_ids)] = float("-inf")  # greedy() masks EOS, as min_new_tokens does
-            tolerance = LOGPROB_TOLERANCE[method]
-            assert abs(lp.logprob - float(row[lp.token_id])) < tolerance, (method, request.request_id, step)
-            assert float(row[lp.token_id]) > float(row.max()) - tolerance, (method, request.request_id, step)
+    requests, logprobs = engine_greedy_with_logprobs(loaded, PROMPTS, max_tokens=16)
+    assert_tracks_transformers(loaded, requests, logprobs, LOGPROB_TOLERANCE[method])
 
 
 def test_quantized_output_is_fluent(quantized, loaded_fp32):
     """The unquantized model finds the quantized model's greedy continuations likely (low perplexity)."""
     method, loaded = quantized
-    requests, _ = _engine_greedy_with_logprobs(loaded, max_tokens=24)
+    requests, _ = engine_greedy_with_logprobs(loaded, PROMPTS, max_tokens=24)
     for request in requests:
         prompt, output = request.prompt_token_ids, list(request.output_token_ids)
         with torch.inference_mode():
