@@ -1,0 +1,144 @@
+"""The draft-length policy: the speed-up model, the acceptance estimate, falling to 0, probing, bounds."""
+
+import math
+import random
+
+import pytest
+
+from app.spec.policy import (DraftLengthPolicy, DraftPolicyConfig, expected_speedup, expected_tokens_per_step,
+                             verify_cost)
+
+
+def simulate_draft(rng: random.Random, a: float, k: int) -> int:
+    """Accepted tokens of a k-token draft whose tokens pass independently with probability a."""
+    accepted = 0
+    while accepted < k and rng.random() < a:
+        accepted += 1
+    return accepted
+
+
+def test_expected_tokens_per_step_is_the_geometric_sum_and_matches_simulation():
+    rng = random.Random(1)
+    for a in (0.0, 0.3, 0.75, 1.0):
+        for k in (0, 1, 4):
+            assert expected_tokens_per_step(a, k) == pytest.approx(sum(a ** i for i in range(k + 1)))
+            mean = sum(simulate_draft(rng, a, k) + 1 for _ in range(20_000)) / 20_000
+            assert mean == pytest.approx(expected_tokens_per_step(a, k), abs=0.05)
+
+
+def test_speedup_by_hand():
+    # a = 0.5, c = 0.1: k=1 1.5/1.1 = 1.364, k=2 1.75/1.2 = 1.458, k=3 1.875/1.3 = 1.442
+    assert expected_speedup(0.5, 2, 0.1) == pytest.approx(1.75 / 1.2)
+    assert expected_speedup(0.7, 0, 0.3) == 1.0
+    policy = DraftLengthPolicy(DraftPolicyConfig(num_speculative_tokens=5, cost_ratio=0.1))
+    assert policy.best_length(0.5, batch_size=1) == 2
+    assert policy.best_length(0.9, batch_size=1) == 5  # 3.12 at 5, still rising
+    assert policy.best_length(0.2, batch_size=1) == 1  # k=1: 1.2 / 1.1 = 1.09; k=2: 1.24 / 1.2 = 1.03
+    policy.cost_ratio = 0.3
+    assert policy.best_length(0.2, batch_size=1) == 0  # k=1: 1.2 / 1.3 < 1: drafting does not pay
+
+
+def test_a_large_batch_turns_speculation_off():
+    # S = 64: at B = 1 verification is ~free (v = 1 + k/65); at B = 256, v(1) = (1 + 4*2) / 5 = 1.8 and
+    # E(0.8, 1) = 1.8, so even one drafted token costs more than it brings
+    assert verify_cost(3, 1, 64.0) == pytest.approx((1 + 4 / 64) / (1 + 1 / 64))
+    assert verify_cost(1, 256, 64.0) == pytest.approx(1.8)
+    assert verify_cost(7, 10_000, math.inf) == 1.0
+    policy = DraftLengthPolicy(DraftPolicyConfig(num_speculative_tokens=4, cost_ratio=0.05, saturation_tokens=64))
+    assert policy.best_length(0.8, batch_size=1) == 4
+    assert policy.best_length(0.8, batch_size=256) == 0
+    assert 0 < policy.best_length(0.8, batch_size=16) <= 4
+
+
+def test_starts_at_num_speculative_tokens_then_falls_to_zero_when_drafts_fail():
+    policy = DraftLengthPolicy(DraftPolicyConfig(num_speculative_tokens=4, cost_ratio=0.3))
+    assert policy.draft_length("r", batch_size=1) == 4
+    lengths = []
+    for _ in range(3):
+        k = lengths[-1] if lengths else 4
+        policy.record("r", k, 0)
+        lengths.append(policy.draft_length("r", batch_size=1))
+    assert lengths == [0, 0, 0]  # one failed draft: a = (0.8 * 0.5) / (0.8 * 1 + 1) = 0.22, k=1 gives 0.94
+    assert policy.acceptance("r") < 0.25
+
+
+def test_probes_while_off_and_comes_back_when_drafts_pass():
+    cfg = DraftPolicyConfig(num_speculative_tokens=4, cost_ratio=0.3, probe_interval=8, max_probe_interval=32)
+    policy = DraftLengthPolicy(cfg)
+    policy.draft_length("r", 1)
+    policy.record("r", 4, 0)
+
+    def steps_until_probe():
+        for step in range(1, 100):
+            k = policy.draft_length("r", 1)
+            if k:
+                return step, k
+        raise AssertionError("no probe")
+
+    assert steps_until_probe() == (8, 4)
+    policy.record("r", 4, 0)  # a failed probe: the next one waits twice as long, up to the cap
+    assert steps_until_probe() == (16, 4)
+    policy.record("r", 4, 0)
+    assert steps_until_probe() == (32, 4)
+    policy.record("r", 4, 0)
+    assert steps_until_probe() == (32, 4)
+    policy.record("r", 4, 4)  # the workload changed: the fresh probe outweighs the stale history
+    after = []
+    for _ in range(5):
+        k = policy.draft_length("r", 1)
+        after.append(k)
+        policy.record("r", k, k)
+    assert after == [4] * 5
+    # and a later failure streak turns it off again, with the probe interval back at its start
+    for streak in range(1, 20):
+        k = policy.draft_length("r", 1)
+        if k == 0:
+            break
+        policy.record("r", k, 0)
+    # by hand: 6 full drafts leave s = t = 4 (1 - 0.8^6) / 0.2 = 14.8; after m failures a = s x / (s x + 5 (1 - x)),
+    # x = 0.8^m, and k = 1 stops paying at a < 0.3 (1.3 / 1.3): x < 0.126, m = 10
+    assert streak == 11
+    assert steps_until_probe()[0] == 8 - 1  # this step's 0 was the first of the 8
+
+
+def test_acceptance_estimate_converges_to_the_true_rate():
+    rng = random.Random(2)
+    policy = DraftLengthPolicy(DraftPolicyConfig(num_speculative_tokens=4, ema_decay=0.998))
+    for _ in range(4_000):
+        k = policy.draft_length("r", 1)
+        assert k == 4  # c = 0, memory-bound target: drafting always pays
+        policy.record("r", k, simulate_draft(rng, 0.6, k))
+    assert policy.acceptance("r") == pytest.approx(0.6, abs=0.03)
+
+
+def test_lengths_stay_within_bounds_and_sequences_are_independent():
+    rng = random.Random(3)
+    cfg = DraftPolicyConfig(num_speculative_tokens=6, min_draft_tokens=2, cost_ratio=0.15, saturation_tokens=128,
+                            probe_interval=4)
+    policy = DraftLengthPolicy(cfg)
+    rates = {"good": 0.95, "bad": 0.05, "mixed": 0.5}
+    seen = {name: set() for name in rates}
+    for step in range(600):
+        batch = rng.choice([1, 8, 64])
+        names = list(rates)
+        for name, k in zip(names, policy.draft_lengths(names, batch)):
+            assert k == 0 or cfg.min_draft_tokens <= k <= cfg.num_speculative_tokens
+            seen[name].add(k)
+            if k:
+                policy.record(name, k, simulate_draft(rng, rates[name], k))
+    assert 0 in seen["bad"] and max(seen["good"]) == 6
+    assert policy.acceptance("good") > 0.8 and policy.acceptance("bad") < 0.2
+    policy.forget("good")
+    assert policy.draft_length("good", 1) == 6  # no history again
+
+
+def test_cost_ratio_updates_and_invalid_settings():
+    policy = DraftLengthPolicy(DraftPolicyConfig(num_speculative_tokens=3, cost_ratio=0.1))
+    policy.update_cost_ratio(0.5, weight=0.5)
+    assert policy.cost_ratio == pytest.approx(0.3)
+    with pytest.raises(ValueError):
+        policy.record("r", 2, 3)
+    with pytest.raises(ValueError):
+        DraftPolicyConfig(num_speculative_tokens=3, min_draft_tokens=4)
+    with pytest.raises(ValueError):
+        expected_tokens_per_step(1.5, 2)
