@@ -80,6 +80,34 @@ def _default_name(source: str) -> str:
     return source
 
 
+SPEC_DRAFTERS = ("none", "ngram")
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding inside the engine: drafts proposed each step and verified in the next (app/spec/).
+
+    ``ngram`` drafts by prompt lookup (no model). Greedy requests without penalties are drafted for; their
+    output is exactly what they would get without speculation. Others decode one token a step.
+    """
+
+    drafter: str = "none"  # none | ngram
+    num_speculative_tokens: int = 4  # the most drafts per sequence and step
+    ngram_min: int = 1  # ngram: the shortest suffix to look up
+    ngram_max: int = 3  # ngram: the longest suffix to look up (longer matches win)
+
+    def __post_init__(self) -> None:
+        if self.drafter not in SPEC_DRAFTERS:
+            raise ValueError(f"engine.speculative.drafter {self.drafter!r} is not one of {', '.join(SPEC_DRAFTERS)}")
+        _require_int("engine.speculative.num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        _require_int("engine.speculative.ngram_min", self.ngram_min, minimum=1)
+        _require_int("engine.speculative.ngram_max", self.ngram_max, minimum=self.ngram_min)
+
+    @property
+    def enabled(self) -> bool:
+        return self.drafter != "none"
+
+
 @dataclass
 class EngineConfig:
     """How the engine batches and schedules work on a replica.
@@ -108,6 +136,7 @@ class EngineConfig:
     cpu_rotary_kernel: str = "auto"  # fp32 RoPE in one-frame decoder layers: auto (ours where it gives the model's bits) | torch
     cpu_decoder_layer: str = "auto"  # packed CPU layers: auto (one-frame forward where it gives the module's bits) | torch
     max_queued_requests: int = 1024  # beyond this, new requests get 503 instead of waiting forever
+    speculative: SpecConfig = field(default_factory=SpecConfig)  # drafts verified in the next step (none by default)
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
@@ -259,6 +288,7 @@ _NESTED = {
     (ServedModelConfig, "model"): ModelConfig,
     (ServedModelConfig, "engine"): EngineConfig,
     (ServedModelConfig, "replica"): ReplicaConfig,
+    (EngineConfig, "speculative"): SpecConfig,
 }
 
 

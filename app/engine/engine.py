@@ -2,8 +2,10 @@
 
 The same core serves every batching mode; the mode only changes the scheduler's policy
 (``none``: one sequence at a time; ``dynamic``: a group runs to completion before the next is
-admitted; ``continuous``: admit whenever there is room). Driven from a single thread by
-``AsyncEngine``; not thread-safe by itself.
+admitted; ``continuous``: admit whenever there is room). With speculative decoding on
+(``engine.speculative``), each step also verifies the drafts proposed after the previous one, and a
+request may emit several tokens a step. Driven from a single thread by ``AsyncEngine``; not
+thread-safe by itself.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from dataclasses import dataclass
 from app.config import EngineConfig
 from app.engine.kv_cache import BlockManager
 from app.engine.output_processor import OutputProcessor
-from app.engine.request import Request, RequestOutput, RequestStatus
+from app.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from app.models import LoadedModel
+from app.spec.controller import SpeculationController
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.max_model_len)
+        spec = config.speculative
+        self.speculation = SpeculationController(spec, loaded.max_model_len) if spec.enabled else None
         self.counters = StepCounters()
         self._groups = itertools.count()
 
@@ -71,6 +76,8 @@ class LLMEngine:
         if request is None:
             return None
         self.runner.forget(request_id)
+        if self.speculation is not None:
+            self.speculation.forget(request_id)
         return self.outputs.finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
@@ -94,14 +101,20 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
             logger.exception("forward pass failed")
             return self._fail(scheduled, f"{type(exc).__name__}: {exc}")
-        self.scheduler.update(scheduled)
+        self.scheduler.update(scheduled, {r.request_id: n for r, n in zip(result.requests, result.num_accepted)})
         outputs = []
-        for request, token_id, logprob in zip(result.requests, result.token_ids, result.logprobs):
-            output = self.outputs.append_token(request, token_id, logprob)
+        for request, token_ids, logprobs, drafted, accepted in zip(
+            result.requests, result.token_ids, result.logprobs, result.num_drafted, result.num_accepted
+        ):
+            if self.speculation is not None:
+                self.speculation.record(request, drafted, accepted)
+            output = self._append(request, token_ids, logprobs)
             if output.finished:
                 self._release(request)
             outputs.append(output)
-        self._count(scheduled, len(outputs))
+        self._count(scheduled, sum(len(o.new_token_ids) for o in outputs))
+        if self.speculation is not None:
+            self.speculation.propose(self._decoding())
         self.counters.busy_s += time.perf_counter() - started
         return outputs
 
@@ -124,12 +137,30 @@ class LLMEngine:
             "last_step_seqs": c.last_step_seqs,
             "mean_tokens_per_step": c.num_batched_tokens / c.num_steps if c.num_steps else 0.0,
             "mean_step_ms": 1000 * c.busy_s / c.num_steps if c.num_steps else 0.0,
+            **({f"spec_{k}": v for k, v in self.speculation.stats.to_dict().items()} if self.speculation else {}),
         }
 
     # ---- internals ---------------------------------------------------------------------------
+    def _append(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> RequestOutput:
+        """Append a step's tokens in order until the request finishes; one output carries them all."""
+        request.spec_token_ids = []
+        output = None
+        for token_id, logprob in zip(token_ids, logprobs):
+            step = self.outputs.append_token(request, token_id, logprob)
+            output = step if output is None else _merged(output, step)
+            if step.finished:
+                break  # what was drafted past a stop is dropped, as if never generated
+        return output
+
+    def _decoding(self) -> list[Request]:
+        """Running requests whose next step decodes one token (so it may verify drafts too)."""
+        return [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+
     def _release(self, request: Request) -> None:
         self.scheduler.remove_request(request.request_id)
         self.runner.forget(request.request_id)
+        if self.speculation is not None:
+            self.speculation.forget(request.request_id)
 
     def _fail(self, scheduled: SchedulerOutput, error: str) -> list[RequestOutput]:
         outputs = []
@@ -138,10 +169,26 @@ class LLMEngine:
             outputs.append(self.outputs.finish(item.request, RequestStatus.FAILED, error))
         return outputs
 
-    def _count(self, scheduled: SchedulerOutput, num_sampled: int) -> None:
+    def _count(self, scheduled: SchedulerOutput, num_sampled: int) -> None:  # num_sampled: tokens emitted
         c = self.counters
         c.num_steps += 1
         c.last_step_tokens = scheduled.num_batched_tokens
         c.last_step_seqs = len(scheduled.scheduled)
         c.num_batched_tokens += c.last_step_tokens
         c.num_generated_tokens += num_sampled
+
+
+def _merged(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one (a step that emitted several tokens)."""
+    logprobs = None if first.logprobs is None and later.logprobs is None else (first.logprobs or []) + (later.logprobs or [])
+    return RequestOutput(
+        request_id=first.request_id,
+        new_token_ids=first.new_token_ids + later.new_token_ids,
+        new_text=first.new_text + later.new_text,
+        num_prompt_tokens=later.num_prompt_tokens,
+        num_output_tokens=later.num_output_tokens,
+        finished=later.finished,
+        finish_reason=later.finish_reason,
+        error=later.error,
+        logprobs=logprobs,
+    )

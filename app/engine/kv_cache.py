@@ -127,6 +127,15 @@ class BlockManager:
             entry.table.append(block_id)
         return True
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Keep only the blocks holding the request's first ``num_tokens`` tokens (rejected drafts give theirs back)."""
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return
+        keep = max(self.blocks_needed(num_tokens), len(entry.hashes))  # a cached (full, computed) block stays
+        while len(entry.table) > keep:
+            self._release(entry.table.pop())
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks; cached ones stay reusable until evicted."""
         entry = self._requests.pop(request_id, None)
@@ -134,10 +143,13 @@ class BlockManager:
             return
         # Tail blocks go on the queue first, so they are evicted before the prefix blocks shared more widely.
         for block_id in reversed(entry.table):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
+            self._release(block_id)
+
+    def _release(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
 
     def _take(self, block_id: int) -> None:
         block = self._blocks[block_id]

@@ -115,6 +115,9 @@ class Request:
     group: int = 0  # admission group (one @serve.batch window); dynamic batching runs a group to completion
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
+    # Draft tokens to verify in the next step, after the last output token (speculative decoding): the step
+    # computes them too, and keeps those the target model agrees with (app/spec/, engine.py).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

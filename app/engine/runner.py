@@ -10,7 +10,7 @@ Logits are computed only at the last token of the requests that sample this step
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -21,7 +21,7 @@ from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import PagedBatch, SequenceSlice, register_paged_attention
 from app.engine.request import Request, TokenLogprob
 from app.engine.sampling import Sampler
-from app.engine.scheduler import SchedulerOutput
+from app.engine.scheduler import ScheduledRequest, SchedulerOutput
 from app.models import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -49,11 +49,17 @@ class KVCacheShape:
 
 @dataclass
 class RunnerOutput:
-    """The requests that sampled this step, and the token each one sampled (same order)."""
+    """The requests that sampled this step and, in the same order, the tokens each one emits.
 
-    requests: list[Request]
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
+    One token per request, or for a request with drafts (greedy verification): the drafts the target's
+    argmax agreed with, then the target's own token at the first disagreement, or a bonus token after the last.
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob | None]] = field(default_factory=list)
+    num_drafted: list[int] = field(default_factory=list)  # drafts verified this step, per request
+    num_accepted: list[int] = field(default_factory=list)  # of which the target kept
 
 
 def check_attention_supported(model_config, max_model_len: int) -> None:
@@ -95,16 +101,17 @@ class ModelRunner:
         positions: list[int] = []
         slices: list[SequenceSlice] = []
         sample_rows: list[int] = []
-        sampling: list[Request] = []
+        sampling: list[ScheduledRequest] = []
         for item in output.scheduled:
             request, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
             slices.append(SequenceSlice(len(token_ids), item.num_new_tokens, start, blocks.block_table(request.request_id)))
-            token_ids.extend(_token_range(request, start, end))
+            token_ids.extend(_token_range(request, start, end - item.num_spec_tokens))
+            token_ids.extend(request.spec_token_ids[: item.num_spec_tokens])
             positions.extend(range(start, end))
-            if item.samples:
-                sample_rows.append(len(token_ids) - 1)
-                sampling.append(request)
+            if item.samples:  # the last token, and each draft after it, predicts the next one
+                sample_rows.extend(range(len(token_ids) - 1 - item.num_spec_tokens, len(token_ids)))
+                sampling.append(item)
         batch = PagedBatch.build(self.kv_pool, self.block_size, slices, self.fast_path.attention)
         with torch.inference_mode():
             out = self.model(
@@ -114,11 +121,35 @@ class ModelRunner:
                 logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
                 paged_batch=batch,
             )
-            sampled, logprobs = self.sampler.sample_with_logprobs(out.logits[0], sampling) if sampling else ([], [])
-        return RunnerOutput(sampling, sampled, logprobs)  # logits above: [S, V]
+            return self._sample(out.logits[0], sampling)  # logits: [S, V], one row per sampled position
+
+    def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> RunnerOutput:
+        """One token per request, or a greedy request's verified drafts and the token after them."""
+        rows_per_item = [1 + item.num_spec_tokens for item in items]
+        row_requests = [item.request for item, rows in zip(items, rows_per_item) for _ in range(rows)]
+        tokens, logprobs = self.sampler.sample_with_logprobs(logits, row_requests) if items else ([], [])
+        result, row = RunnerOutput(), 0
+        for item, rows in zip(items, rows_per_item):
+            drafts = item.request.spec_token_ids[: item.num_spec_tokens]
+            accepted = _agreeing_prefix(drafts, tokens[row : row + rows])  # greedy: the target's argmax decides
+            result.requests.append(item.request)
+            result.token_ids.append(tokens[row : row + accepted + 1])
+            result.logprobs.append(logprobs[row : row + accepted + 1])
+            result.num_drafted.append(item.num_spec_tokens)
+            result.num_accepted.append(accepted)
+            row += rows
+        return result
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
+
+
+def _agreeing_prefix(drafts: list[int], targets: list[int]) -> int:
+    """How many drafts equal the target's token at their position (target i follows the token before draft i)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return accepted
 
 
 def _token_range(request: Request, start: int, end: int) -> list[int]:

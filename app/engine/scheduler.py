@@ -6,7 +6,9 @@ token budget: running requests go first (a decode costs one token, an unfinished
 chunk), then waiting requests are admitted in arrival order while budget, sequence slots and KV
 blocks last. When a running request cannot get a block, the newest running request is preempted by
 recompute (its blocks are freed; it re-enters the waiting queue at the front and later re-prefills
-its prompt plus what it already generated), so a step never runs out of memory.
+its prompt plus what it already generated), so a step never runs out of memory. A decoding request
+with draft tokens (speculative decoding) is "more tokens to verify": its one new token plus its drafts,
+as far as the budget goes.
 
 No tensors here: the scheduler and the block manager are tested without a model.
 """
@@ -30,12 +32,13 @@ class SchedulerConfig:
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # computed this step, from request.num_computed_tokens on
+    num_new_tokens: int  # computed this step, from request.num_computed_tokens on (drafts included)
+    num_spec_tokens: int = 0  # of which draft tokens: the first num_spec_tokens of request.spec_token_ids
 
     @property
     def samples(self) -> bool:
-        """Whether this step reaches the request's last token, so the step samples its next one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """Whether this step reaches the request's last token, so the step samples its next one (or more)."""
+        return self.request.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -85,21 +88,31 @@ class Scheduler:
             self._schedule_waiting(budget, output)
         return output
 
-    def update(self, output: SchedulerOutput) -> None:
-        """Record that the runner computed what was scheduled (sampled tokens are appended by the engine)."""
+    def update(self, output: SchedulerOutput, num_accepted: dict[str, int] | None = None) -> None:
+        """Record what the runner computed, before the engine appends the sampled tokens.
+
+        A request's KV is valid up to its last token plus the drafts the target accepted (``num_accepted``
+        by request id): rejected drafts' positions are forgotten, and their blocks freed.
+        """
         for item in output.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            self.blocks.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            accepted = (num_accepted or {}).get(request.request_id, 0) if item.num_spec_tokens else 0
+            request.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens + accepted
+            token_ids = request.all_token_ids + request.spec_token_ids[:accepted]
+            self.blocks.cache_full_blocks(request.request_id, token_ids, request.num_computed_tokens)
+            if item.num_spec_tokens > accepted:
+                self.blocks.truncate(request.request_id, request.num_computed_tokens + 1)  # + the token sampled now
 
     def _schedule_running(self, budget: int, output: SchedulerOutput) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            drafts = len(request.spec_token_ids) if remaining == 1 else 0  # drafts follow the last token only
+            num_new = min(remaining + drafts, budget)
             if not self._reserve(request, num_new, output):
                 break  # the request preempted itself: it was the last one running
-            output.scheduled.append(ScheduledRequest(request, num_new))
+            output.scheduled.append(ScheduledRequest(request, num_new, max(0, num_new - remaining)))
             budget -= num_new
             index += 1
         return budget
