@@ -27,8 +27,9 @@ class SpeculationController:
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max, max_model_len)
-        # n-gram drafts cost next to nothing next to a target step: the policy weighs acceptance alone
-        self.policy = DraftLengthPolicy(DraftPolicyConfig(num_speculative_tokens=config.num_speculative_tokens))
+        # n-gram drafts cost next to nothing next to a target step; verifying them does not, once the batch is large
+        policy = DraftPolicyConfig(num_speculative_tokens=config.num_speculative_tokens, saturation_tokens=config.saturation_tokens)
+        self.policy = DraftLengthPolicy(policy)
         self.stats = SpecDecodingStats.new(config.num_speculative_tokens)
 
     def propose(self, decoding: Sequence[Request]) -> None:
