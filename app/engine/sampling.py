@@ -40,12 +40,12 @@ class Sampler:
         return tokens, _logprobs(raw, tokens, requests) if raw is not None else [None] * len(requests)
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        logits = _apply_penalties(logits, requests)
-        logits = _mask_stop_tokens_before_min(logits, requests)
+        logits = apply_penalties(logits, requests)
+        logits = mask_stop_tokens_before_min(logits, requests)
         greedy_tokens = argmax_rows(logits)  # [B]
         if all(r.sampling.greedy for r in requests):
             return greedy_tokens.tolist()
-        probs = _truncated_probs(logits, requests)  # [B, V]
+        probs = truncated_probs(logits, requests)  # [B, V]
         sampled = self._draw(probs, requests)  # [B]
         is_greedy = torch.tensor([r.sampling.greedy for r in requests], device=logits.device)
         return torch.where(is_greedy, greedy_tokens, sampled).tolist()
@@ -81,9 +81,9 @@ def _logprobs(raw: torch.Tensor, tokens: list[int], requests: Sequence[Request])
     return result
 
 
-def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """OpenAI presence/frequency penalties over output tokens; HF repetition penalty over all tokens."""
-    rows = [i for i, r in enumerate(requests) if _has_penalty(r)]
+    rows = [i for i, r in enumerate(requests) if has_penalty(r)]
     if not rows:
         return logits
     vocab = logits.shape[-1]
@@ -102,12 +102,12 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch
     return logits
 
 
-def _has_penalty(request: Request) -> bool:
+def has_penalty(request: Request) -> bool:
     p = request.sampling
     return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0
 
 
-def _mask_stop_tokens_before_min(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def mask_stop_tokens_before_min(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Until min_tokens are out, EOS and stop token ids cannot be chosen."""
     for row, request in enumerate(requests):
         if request.num_output_tokens < request.sampling.min_tokens:
@@ -120,7 +120,7 @@ def _mask_stop_tokens_before_min(logits: torch.Tensor, requests: Sequence[Reques
     return logits
 
 
-def _truncated_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def truncated_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p truncation; returns probabilities [B, V]."""
     device = logits.device
     temperature = torch.tensor([max(r.sampling.temperature, 1e-5) for r in requests], device=device)

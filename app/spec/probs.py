@@ -3,11 +3,8 @@
 Rejection sampling is lossless only if the target probabilities p and the draft probabilities q are the
 distributions the engine would sample from: penalties on the raw logits, min_tokens masking,
 temperature, then top-k / top-p / min-p (``app/engine/sampling.py``). This module does not reimplement
-any of that: it calls the sampler's own steps (``_apply_penalties``, ``_mask_stop_tokens_before_min``,
-``_truncated_probs``; ``_has_penalty``), which take a batch of ``Request`` rows. ``sampling.py`` has no public function
-returning the processed distribution, so those private names are imported here; making them public
-(e.g. a ``processed_probs(logits, requests)`` in sampling.py that ``Sampler._sample`` also calls) is the
-refactor that removes this coupling.
+any of that: it calls the sampler's own steps (``apply_penalties``, ``mask_stop_tokens_before_min``,
+``truncated_probs``; ``has_penalty``), which take a batch of ``Request`` rows.
 
 What a speculative position adds is the context: the distribution at draft position ``j`` is the one the
 request would have after emitting ``draft[:j]``, so penalties count those tokens and min_tokens counts
@@ -24,7 +21,7 @@ from typing import Sequence
 import torch
 
 from app.engine.request import Request
-from app.engine.sampling import _apply_penalties, _has_penalty, _mask_stop_tokens_before_min, _truncated_probs
+from app.engine.sampling import apply_penalties, has_penalty, mask_stop_tokens_before_min, truncated_probs
 
 
 def processed_probs(
@@ -64,8 +61,8 @@ def processed_probs(
     flat = x.reshape(B * S, V).to(torch.float32, copy=True)  # [B*S, V], ours to modify in place
     if vocab_size is not None and vocab_size < V:
         flat[:, vocab_size:] = float("-inf")
-    flat = _apply_penalties(flat, rows)  # [B*S, V]
-    flat = _mask_stop_tokens_before_min(flat, rows)  # [B*S, V]
+    flat = apply_penalties(flat, rows)  # [B*S, V]
+    flat = mask_stop_tokens_before_min(flat, rows)  # [B*S, V]
 
     greedy = torch.tensor([r.sampling.greedy for r in rows], dtype=torch.bool, device=flat.device)  # [B*S]
     probs = torch.zeros_like(flat)  # [B*S, V]
@@ -74,14 +71,14 @@ def processed_probs(
         probs[g_rows, flat[g_rows].argmax(dim=-1)] = 1.0
     if not bool(greedy.all()):
         s_rows = (~greedy).nonzero().squeeze(1)  # [R]
-        probs[s_rows] = _truncated_probs(flat[s_rows], [rows[i] for i in s_rows.tolist()])  # [R, V]
+        probs[s_rows] = truncated_probs(flat[s_rows], [rows[i] for i in s_rows.tolist()])  # [R, V]
     probs = probs.reshape(B, S, V)
     return probs.squeeze(1) if squeeze else probs
 
 
 def _needs_context(request: Request) -> bool:
     """Whether the tokens already emitted change this request's distribution (penalties, min_tokens)."""
-    return _has_penalty(request) or request.num_output_tokens < request.sampling.min_tokens
+    return has_penalty(request) or request.num_output_tokens < request.sampling.min_tokens
 
 
 def _position_request(request: Request, prefix: list[int]) -> Request:
