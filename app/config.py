@@ -98,6 +98,9 @@ class SpecConfig:
     # Batched tokens at which a target step costs twice a one-token step: how fast verifying extra tokens
     # stops being free as the batch grows (2-core AVX-512 EPYC: 1 token 15 ms, 32 sequences 85 ms: ~7).
     saturation_tokens: float = 8.0
+    # Also serve the model under this name, and draft only for requests addressed to it (unset: for every
+    # eligible request): one engine, with and without speculation side by side, as in the default app.
+    served_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.drafter not in SPEC_DRAFTERS:
@@ -107,6 +110,10 @@ class SpecConfig:
         _require_int("engine.speculative.ngram_max", self.ngram_max, minimum=self.ngram_min)
         if not isinstance(self.saturation_tokens, (int, float)) or self.saturation_tokens <= 0:
             raise ValueError("engine.speculative.saturation_tokens must be a number > 0")
+        if self.served_name is not None and (not isinstance(self.served_name, str) or not self.served_name):
+            raise ValueError("engine.speculative.served_name must be a non-empty string (or unset)")
+        if self.served_name is not None and not self.enabled:
+            raise ValueError("engine.speculative.served_name needs a drafter (drafter: ngram)")
 
     @property
     def enabled(self) -> bool:
@@ -210,6 +217,12 @@ class ServedModelConfig:
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     default_sampling: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def served_names(self) -> list[str]:
+        """The names clients may send as "model": the model's, then its speculative twin's if it has one."""
+        twin = self.engine.speculative.served_name
+        return [self.model.name] + ([twin] if twin else [])
+
     def __post_init__(self) -> None:
         unknown = sorted(set(self.default_sampling) - set(SAMPLING_DEFAULT_KEYS))
         if unknown:
@@ -237,7 +250,7 @@ class AppConfig:
     def __post_init__(self) -> None:
         if not self.models:
             raise ValueError("the app must serve at least one model (models: [...])")
-        names = [m.model.name for m in self.models]
+        names = [name for m in self.models for name in m.served_names]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")

@@ -57,6 +57,7 @@ class ModelServer:
             vocab_size=self.info.vocab_size,
             default_sampling=config.default_sampling,
             admit=admit,
+            speculative_name=config.engine.speculative.served_name,
         )
         self.ready_s = time.monotonic() - started
         logger.info("model %s ready in %.1fs (warm-up %.2fs)", self.info.name, self.ready_s, self.info.warmup_s)
@@ -65,9 +66,10 @@ class ModelServer:
     def name(self) -> str:
         return self.info.name
 
-    def model_card(self) -> dict:
+    def model_card(self, name: str | None = None) -> dict:
+        """What /v1/models lists for ``name`` (the model's own name by default, or its speculative twin's)."""
         return {
-            "id": self.info.name,
+            "id": name or self.info.name,
             "object": "model",
             "created": int(self.engine.started_at),
             "owned_by": "llm-serve",

@@ -33,8 +33,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     extra = {"server_factory": factory} if factory is not None else {}  # unset: the replica's default, the real model
     local = config.models[0] if config.ingress_hosts_first_model else None
     remote = [served for served in config.models if served is not local]
-    servers = [LLMServer.options(**replica_options(served)).bind(served, **extra) for served in remote]
-    names = [served.model.name for served in remote]
+    bound = [LLMServer.options(**replica_options(served)).bind(served, **extra) for served in remote]
+    servers = [server for server, served in zip(bound, remote) for _ in served.served_names]
+    names = [name for served in remote for name in served.served_names]
     ingress = OpenAIIngress.options(**ingress_options(config, local))
     return ingress.bind(servers, names, config.max_request_bytes, local=local, **extra)
 

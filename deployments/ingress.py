@@ -144,12 +144,14 @@ class OpenAIIngress:
         local: ServedModelConfig | None = None,
         server_factory: str | ServerFactory = ModelServer,
     ) -> None:
-        """``servers``: handles of the models served elsewhere, named by ``model_names``; ``local``: the model
+        """``servers``: handles of the models served elsewhere, named by ``model_names`` (a handle appears once
+        per name its model answers to); ``local``: the model
         this replica hosts itself (the app's first), loaded and warmed up before the replica takes traffic."""
         self._hosted = HostedModel(local, server_factory) if local is not None else None
         self._routes = {name: RemoteModel(server) for name, server in zip(model_names, servers)}
-        if self._hosted is not None:
-            self._routes = {local.model.name: LocalModel(self._hosted), **self._routes}
+        if self._hosted is not None:  # a model's speculative twin is the same model under a second name
+            hosted = LocalModel(self._hosted)
+            self._routes = {**{name: hosted for name in local.served_names}, **self._routes}
         self._default_model = next(iter(self._routes))
         self._max_request_bytes = max_request_bytes
 
@@ -234,7 +236,7 @@ class OpenAIIngress:
         return {"model": result["model"], "text": choice["text"], "finish_reason": choice["finish_reason"], "usage": result["usage"]}
 
     async def _models(self) -> dict:
-        cards = await asyncio.gather(*(route.model_card() for route in self._routes.values()))
+        cards = await asyncio.gather(*(route.model_card(name) for name, route in self._routes.items()))
         return {"object": "list", "data": list(cards)}
 
     def _route_for(self, model: str | None):

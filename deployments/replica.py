@@ -51,8 +51,8 @@ class LLMServer:
         async for chunk in self._server.serving.chat_stream(request):
             yield chunk
 
-    def model_card(self) -> dict:
-        return self._server.model_card()
+    def model_card(self, name: str | None = None) -> dict:
+        return self._server.model_card(name)
 
     def stats(self) -> dict:
         return self._model.stats()

@@ -35,8 +35,8 @@ class RemoteModel:
             if not finished:  # the client went away: stop generating for it
                 responses.cancel()
 
-    async def model_card(self) -> dict:
-        return await self.handle.model_card.remote()
+    async def model_card(self, name: str) -> dict:
+        return await self.handle.model_card.remote(name)
 
     async def stats(self) -> dict:
         return await self.handle.stats.remote()
@@ -58,8 +58,8 @@ class LocalModel:
     def stream(self, kind: str, request) -> AsyncIterator[dict]:
         return getattr(self.hosted.server.serving, f"{kind}_stream")(request)
 
-    async def model_card(self) -> dict:
-        return self.hosted.server.model_card()
+    async def model_card(self, name: str) -> dict:
+        return self.hosted.server.model_card(name)
 
     async def stats(self) -> dict:
         return self.hosted.stats()

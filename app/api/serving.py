@@ -27,6 +27,8 @@ class _Prepared:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     created: int
+    model: str  # the name the client asked for (answers carry it)
+    speculate: bool  # may the engine draft for it
 
 
 class OpenAIServing:
@@ -40,8 +42,12 @@ class OpenAIServing:
         vocab_size: int,
         default_sampling: dict | None = None,
         admit: Admit | None = None,
+        speculative_name: str | None = None,
     ) -> None:
+        """``speculative_name``: a second name of this model under which requests are drafted for (the
+        engine's speculation); without one, every request may be."""
         self.engine = engine
+        self.speculative_name = speculative_name
         self.admit = admit  # how a request enters the engine (the replica's batch window); None: at once
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -100,10 +106,13 @@ class OpenAIServing:
             )
         sampling = request.sampling_params(max_tokens or room, self.default_sampling)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        return _Prepared(request_id, prompt_ids, sampling, int(time.time()))
+        model = request.model or self.model_name
+        speculate = self.speculative_name is None or model == self.speculative_name
+        return _Prepared(request_id, prompt_ids, sampling, int(time.time()), model, speculate)
 
     async def _generate(self, prepared: _Prepared) -> AsyncIterator[RequestOutput]:
-        request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling, self.eos_token_ids)
+        request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling, self.eos_token_ids,
+                          speculate=prepared.speculate)
         async for output in self.engine.generate(request, self.admit):
             yield output
 
@@ -156,7 +165,7 @@ class OpenAIServing:
         }
 
     def _chunk(self, prepared: _Prepared, kind: str, choice: dict | None) -> dict:
-        chunk = {"id": prepared.request_id, "object": kind, "created": prepared.created, "model": self.model_name}
+        chunk = {"id": prepared.request_id, "object": kind, "created": prepared.created, "model": prepared.model}
         chunk["choices"] = [choice] if choice is not None else []
         return chunk
 

@@ -118,6 +118,7 @@ class Request:
     # Draft tokens to verify in the next step, after the last output token (speculative decoding): the step
     # computes them too, and keeps those the target model agrees with (app/spec/, engine.py).
     spec_token_ids: list[int] = field(default_factory=list)
+    speculate: bool = True  # may be drafted for (where the engine speculates and the request qualifies)
 
     @property
     def num_prompt_tokens(self) -> int:

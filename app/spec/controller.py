@@ -49,7 +49,9 @@ class SpeculationController:
     def _limit(self, request: Request) -> int:
         """The most drafts this request may take now (0: none)."""
         params = request.sampling
-        if not params.greedy or params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+        if not request.speculate or not params.greedy:
+            return 0
+        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
             return 0
         produced = request.num_output_tokens
         limit = min(self.config.num_speculative_tokens, params.max_tokens - produced - 1,

@@ -13,11 +13,13 @@ PORT = 8765
 BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "smollm2-135m-instruct"
 GPTQ_MODEL = "smollm2-135m-instruct-gptq"
+GPTQ_NGRAM_MODEL = "smollm2-135m-instruct-gptq-ngram"  # the GPTQ model's engine, drafting by prompt lookup
 
 FAKE_APP = "fake"
 FAKE_BASE = f"{BASE}/fake"
 FAKE_MODELS = ["fake-a", "fake-b"]
 FRAGILE_MODEL = "fake-fragile"  # the one whose replica a test kills
+FAKE_TWIN = "fake-a-ngram"  # fake-a's speculative twin: the same model under a second name
 
 
 def app_args() -> dict:
@@ -33,7 +35,9 @@ def fake_app_args() -> dict:
     def served(name: str) -> dict:
         return {"model": {"source": name}, "engine": {"separate_process": False}, "replica": {"num_cpus": 0}}
 
-    return {"server_factory": "tests.serve.fake_model:fake_model_server", "models": [served(n) for n in FAKE_MODELS + [FRAGILE_MODEL]]}
+    models = [served(n) for n in FAKE_MODELS + [FRAGILE_MODEL]]
+    models[0]["engine"]["speculative"] = {"drafter": "ngram", "served_name": FAKE_TWIN}  # a second name, hosted locally
+    return {"server_factory": "tests.serve.fake_model:fake_model_server", "models": models}
 
 
 @pytest.fixture(scope="session")

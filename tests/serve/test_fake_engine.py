@@ -13,7 +13,7 @@ import pytest
 from ray import serve
 
 from app.api.errors import APIError
-from tests.serve.conftest import FAKE_APP, FAKE_BASE, FAKE_MODELS, FRAGILE_MODEL
+from tests.serve.conftest import FAKE_APP, FAKE_BASE, FAKE_MODELS, FAKE_TWIN, FRAGILE_MODEL
 from tests.serve.fake_model import echo
 
 pytestmark = pytest.mark.serve
@@ -117,10 +117,10 @@ def test_bad_request_gets_its_status_and_the_next_request_is_served(fake_client,
 
 def test_models_and_health(fake_client):
     models = fake_client.get("/v1/models").json()
-    assert [m["id"] for m in models["data"]] == FAKE_MODELS + [FRAGILE_MODEL]
+    assert [m["id"] for m in models["data"]] == [FAKE_MODELS[0], FAKE_TWIN, FAKE_MODELS[1], FRAGILE_MODEL]
     health = fake_client.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
-    assert set(health.json()["models"]) == set(FAKE_MODELS + [FRAGILE_MODEL])
+    assert set(health.json()["models"]) == set(FAKE_MODELS + [FAKE_TWIN, FRAGILE_MODEL])
 
 
 def test_concurrent_requests_to_both_models_each_get_their_own_answer(fake_app):

@@ -9,7 +9,7 @@ import pytest
 from ray import serve
 
 from deployments.builder import build_app, deployment_name
-from tests.serve.conftest import BASE, FAKE_APP, FAKE_MODELS, FRAGILE_MODEL, fake_app_args
+from tests.serve.conftest import BASE, FAKE_APP, FAKE_MODELS, FAKE_TWIN, FRAGILE_MODEL, fake_app_args
 from tests.serve.fake_model import echo
 
 pytestmark = pytest.mark.serve
@@ -27,6 +27,8 @@ def test_by_default_the_ingress_hosts_the_first_model_and_the_others_have_deploy
     response = fake_client.post("/v1/completions", json={"model": first, "prompt": "local", "max_tokens": 5})
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == echo("local", 5)
     assert serve.get_app_handle(FAKE_APP).model_stats.remote(first).result()["num_finished"] >= 1
+    twin = fake_client.post("/v1/completions", json={"model": FAKE_TWIN, "prompt": "local", "max_tokens": 5}).json()
+    assert twin["model"] == FAKE_TWIN and twin["choices"][0]["text"] == echo("local", 5)  # the same model, its own name
 
 
 def test_as_a_router_every_model_is_a_deployment_and_answers_the_same(fake_app):

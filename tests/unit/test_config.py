@@ -84,3 +84,15 @@ def test_auto_dtype_on_cpu_is_fp32_on_our_kernels_else_bf16_only_where_native(mo
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
     assert loader.resolve_dtype("auto", torch.device("cpu")) == getattr(torch, expected)
     assert loader.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+def test_a_speculative_twin_name_needs_a_drafter_and_must_be_unique():
+    from app.config import AppConfig
+
+    twin = {"speculative": {"drafter": "ngram", "served_name": "m-ngram"}}
+    config = AppConfig.from_dict({"models": [{"model": {"source": "m"}, "engine": twin}]})
+    assert config.models[0].served_names == ["m", "m-ngram"]
+    with pytest.raises(ValueError, match="served_name needs a drafter"):
+        AppConfig.from_dict({"models": [{"model": {"source": "m"}, "engine": {"speculative": {"served_name": "x"}}}]})
+    with pytest.raises(ValueError, match="unique; repeated: m-ngram"):
+        AppConfig.from_dict({"models": [{"model": {"source": "m"}, "engine": twin}, {"model": {"source": "m-ngram"}}]})
