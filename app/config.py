@@ -87,8 +87,8 @@ SPEC_DRAFTERS = ("none", "ngram")
 class SpecConfig:
     """Speculative decoding inside the engine: drafts proposed each step and verified in the next (app/spec/).
 
-    ``ngram`` drafts by prompt lookup (no model). Greedy requests without penalties are drafted for; their
-    output is exactly what they would get without speculation. Others decode one token a step.
+    ``ngram`` drafts by prompt lookup (no model). Drafts are verified losslessly (rejection sampling on the
+    request's own processed distribution); a greedy request's output is exactly what it is without them.
     """
 
     drafter: str = "none"  # none | ngram

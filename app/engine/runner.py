@@ -9,6 +9,7 @@ Logits are computed only at the last token of the requests that sample this step
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -20,9 +21,10 @@ from app.cpu import install_fast_path
 from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import PagedBatch, SequenceSlice, register_paged_attention
 from app.engine.request import Request, TokenLogprob
-from app.engine.sampling import Sampler
+from app.engine.sampling import Sampler, token_logprobs
 from app.engine.scheduler import ScheduledRequest, SchedulerOutput
 from app.models import LoadedModel
+from app.spec.verify import verify_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +53,9 @@ class KVCacheShape:
 class RunnerOutput:
     """The requests that sampled this step and, in the same order, the tokens each one emits.
 
-    One token per request, or for a request with drafts (greedy verification): the drafts the target's
-    argmax agreed with, then the target's own token at the first disagreement, or a bonus token after the last.
+    One token per request, or for a request with drafts: the drafts the target accepted (lossless rejection
+    sampling; greedy: those its argmax agrees with), then one token from the target, at the first rejection
+    or after the last draft.
     """
 
     requests: list[Request] = field(default_factory=list)
@@ -124,32 +127,51 @@ class ModelRunner:
             return self._sample(out.logits[0], sampling)  # logits: [S, V], one row per sampled position
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> RunnerOutput:
-        """One token per request, or a greedy request's verified drafts and the token after them."""
-        rows_per_item = [1 + item.num_spec_tokens for item in items]
-        row_requests = [item.request for item, rows in zip(items, rows_per_item) for _ in range(rows)]
-        tokens, logprobs = self.sampler.sample_with_logprobs(logits, row_requests) if items else ([], [])
-        result, row = RunnerOutput(), 0
-        for item, rows in zip(items, rows_per_item):
-            drafts = item.request.spec_token_ids[: item.num_spec_tokens]
-            accepted = _agreeing_prefix(drafts, tokens[row : row + rows])  # greedy: the target's argmax decides
-            result.requests.append(item.request)
-            result.token_ids.append(tokens[row : row + accepted + 1])
-            result.logprobs.append(logprobs[row : row + accepted + 1])
+        """logits: [S, V], ``1 + num_spec_tokens`` rows per item. One token per plain request; a drafting
+        request's verified drafts and the token after them (app/spec/verify.py)."""
+        first_row = list(itertools.accumulate((1 + item.num_spec_tokens for item in items), initial=0))
+        plain = [i for i, item in enumerate(items) if not item.num_spec_tokens]
+        drafting = [i for i, item in enumerate(items) if item.num_spec_tokens]
+        emitted: list[list[int]] = [[] for _ in items]
+        accepted = [0] * len(items)
+        if plain:
+            rows = torch.tensor([first_row[i] for i in plain], device=logits.device)
+            tokens = self.sampler.sample(logits[rows], [items[i].request for i in plain])  # a copy: logits stay raw
+            for i, token in zip(plain, tokens):
+                emitted[i] = [token]
+        if drafting:
+            rows = torch.cat([torch.arange(first_row[i], first_row[i + 1]) for i in drafting]).to(logits.device)
+            requests = [items[i].request for i in drafting]
+            drafts = [r.spec_token_ids[: items[i].num_spec_tokens] for i, r in zip(drafting, requests)]
+            generators = [self._generator(r) for r in requests]
+            tokens, kept = verify_drafts(logits[rows], requests, drafts, generators)
+            for i, item_tokens, item_kept in zip(drafting, tokens, kept):
+                emitted[i], accepted[i] = item_tokens, item_kept
+        return self._output(logits, items, first_row, emitted, accepted)
+
+    def _output(self, logits, items, first_row, emitted, accepted) -> RunnerOutput:
+        """The runner's answer, with each emitted token's logprob from the raw logits of its row (if asked)."""
+        result = RunnerOutput()
+        for i, item in enumerate(items):
+            request, tokens = item.request, emitted[i]
+            if request.sampling.logprobs is not None:
+                raw = logits[first_row[i] : first_row[i] + len(tokens)].float()  # [n, V]
+                logprobs = token_logprobs(raw, tokens, [request] * len(tokens))
+            else:
+                logprobs = [None] * len(tokens)
+            result.requests.append(request)
+            result.token_ids.append(tokens)
+            result.logprobs.append(logprobs)
             result.num_drafted.append(item.num_spec_tokens)
-            result.num_accepted.append(accepted)
-            row += rows
+            result.num_accepted.append(accepted[i])
         return result
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        seeded = request.sampling.seed is not None and not request.sampling.greedy
+        return self.sampler.generator_for(request, self.device) if seeded else None
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
-
-
-def _agreeing_prefix(drafts: list[int], targets: list[int]) -> int:
-    """How many drafts equal the target's token at their position (target i follows the token before draft i)."""
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-        accepted += 1
-    return accepted
 
 
 def _token_range(request: Request, start: int, end: int) -> list[int]:

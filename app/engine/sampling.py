@@ -37,7 +37,7 @@ class Sampler:
         logits = logits.float()  # [B, V]
         raw = logits.clone() if any(r.sampling.logprobs is not None for r in requests) else None
         tokens = self._sample(logits, requests)
-        return tokens, _logprobs(raw, tokens, requests) if raw is not None else [None] * len(requests)
+        return tokens, token_logprobs(raw, tokens, requests) if raw is not None else [None] * len(requests)
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         logits = apply_penalties(logits, requests)
@@ -56,10 +56,11 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_()  # [B, V]
         for row, request in enumerate(requests):
             if request.sampling.seed is not None and not request.sampling.greedy:
-                noise[row].exponential_(generator=self._generator_for(request, probs.device))
+                noise[row].exponential_(generator=self.generator_for(request, probs.device))
         return argmax_rows(probs / noise)
 
-    def _generator_for(self, request: Request, device: torch.device) -> torch.Generator:
+    def generator_for(self, request: Request, device: torch.device) -> torch.Generator:
+        """The request's own generator (made from its seed on first use; for seeded requests only)."""
         generator = self._generators.get(request.request_id)
         if generator is None:
             generator = torch.Generator(device=device)
@@ -68,7 +69,7 @@ class Sampler:
         return generator
 
 
-def _logprobs(raw: torch.Tensor, tokens: list[int], requests: Sequence[Request]) -> list[TokenLogprob | None]:
+def token_logprobs(raw: torch.Tensor, tokens: list[int], requests: Sequence[Request]) -> list[TokenLogprob | None]:
     """Logprobs from the unprocessed logits (as vLLM and OpenAI report them), only for rows that asked."""
     rows = [i for i, r in enumerate(requests) if r.sampling.logprobs is not None]
     logprobs = raw[rows].log_softmax(dim=-1)  # [R, V]

@@ -5,10 +5,9 @@ next; each gets ``request.spec_token_ids`` (possibly none), which the scheduler 
 the runner verifies. :meth:`record` takes each verification's outcome into the draft-length policy
 (``policy.py``: drafts shrink, and stop, where they do not pay) and the counters (``stats.py``).
 
-Only greedy requests without penalties are drafted for: their verification (the target's argmax at
-every drafted position) keeps their output exactly what it is without speculation. A draft never
-crosses the request's ``min_tokens`` boundary (below it EOS is masked at every verified position alike)
-nor its ``max_tokens`` or the context length.
+Any request may draft (``request.speculate``): verification is lossless (``verify.py``), and a greedy
+request's output is exactly what it is without speculation. A draft never crosses the request's
+``max_tokens`` or the context length.
 """
 
 from __future__ import annotations
@@ -48,14 +47,8 @@ class SpeculationController:
 
     def _limit(self, request: Request) -> int:
         """The most drafts this request may take now (0: none)."""
-        params = request.sampling
-        if not request.speculate or not params.greedy:
+        if not request.speculate:
             return 0
-        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-            return 0
-        produced = request.num_output_tokens
-        limit = min(self.config.num_speculative_tokens, params.max_tokens - produced - 1,
+        limit = min(self.config.num_speculative_tokens, request.sampling.max_tokens - request.num_output_tokens - 1,
                     self.max_model_len - request.num_tokens - 1)
-        if produced < params.min_tokens:  # every verified position must be on the same side of min_tokens
-            limit = min(limit, params.min_tokens - produced - 1)
         return max(limit, 0)

@@ -57,7 +57,7 @@ def processed_probs(
     if any(c < 0 or c > len(d) for d, c in zip(drafts, counts)):
         raise ValueError("num_draft_tokens must be in [0, len(draft_token_ids[b])]")
 
-    rows = [_position_request(requests[b], drafts[b][: min(j, counts[b])]) for b in range(B) for j in range(S)]
+    rows = [position_request(requests[b], drafts[b][: min(j, counts[b])]) for b in range(B) for j in range(S)]
     flat = x.reshape(B * S, V).to(torch.float32, copy=True)  # [B*S, V], ours to modify in place
     if vocab_size is not None and vocab_size < V:
         flat[:, vocab_size:] = float("-inf")
@@ -81,7 +81,7 @@ def _needs_context(request: Request) -> bool:
     return has_penalty(request) or request.num_output_tokens < request.sampling.min_tokens
 
 
-def _position_request(request: Request, prefix: list[int]) -> Request:
+def position_request(request: Request, prefix: list[int]) -> Request:
     """The request as it would stand after emitting ``prefix`` (itself when that changes nothing)."""
     if not prefix or not _needs_context(request):
         return request

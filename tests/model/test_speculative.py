@@ -1,5 +1,6 @@
-"""Speculative decoding inside the engine (n-gram drafts, greedy verification): the output is exactly the
-target's own greedy output, alone and inside a batch, and speculation actually happens."""
+"""Speculative decoding inside the engine (n-gram drafts, lossless verification): a greedy request's output
+is exactly the target's own, alone and inside a batch, and speculation actually happens. (That sampled
+outputs follow the target's distribution is tested on the rejection sampler: tests/unit/spec.)"""
 
 import pytest
 
@@ -56,9 +57,11 @@ def test_alone_speculation_changes_no_token(loaded_fp32, plain, index):
     assert [t for t, _ in got[request.request_id]] == [t for t, _ in plain[request.request_id]]
 
 
-def test_sampled_and_penalized_requests_are_not_drafted_for_and_keep_their_output(loaded_fp32):
-    prompt = loaded_fp32.tokenizer.encode(PROMPTS[12])
-    params = [SamplingParams(max_tokens=16, temperature=0.8, seed=7), greedy(16, repetition_penalty=1.3)]
+def test_penalties_and_sampling_see_the_drafts_before_each_position(loaded_fp32):
+    """Verification uses each position's own processed distribution: a repetition penalty counting the drafts
+    before it, and sampling truncated to one token (top_k 1), both give exactly the plain decode's tokens."""
+    prompt = loaded_fp32.tokenizer.encode(PROMPTS[12])  # a repeated sentence: long n-gram matches
+    params = [greedy(16, repetition_penalty=1.3), SamplingParams(max_tokens=16, min_tokens=16, temperature=0.8, top_k=1)]
 
     def run(**engine_fields):
         engine = make_engine(loaded_fp32, max_model_len=512, **engine_fields)
@@ -67,7 +70,20 @@ def test_sampled_and_penalized_requests_are_not_drafted_for_and_keep_their_outpu
 
     (plain_out, _), (spec_out, stats) = run(), run(speculative=NGRAM)
     assert spec_out == plain_out
-    assert stats["spec_num_drafts"] == 0
+    assert stats["spec_num_drafts"] > 0
+
+
+def test_a_seeded_sampled_request_is_reproducible_with_speculation(loaded_fp32):
+    prompt = loaded_fp32.tokenizer.encode(PROMPTS[12])
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=11)
+
+    def run():
+        engine = make_engine(loaded_fp32, max_model_len=512, speculative=NGRAM)
+        out = run_engine(engine, [Request("seeded", prompt, params, loaded_fp32.eos_token_ids)])["seeded"]
+        return out, engine.stats()["spec_num_drafts"]
+
+    (first, drafts), (second, _) = run(), run()
+    assert first == second and len(first) >= 1 and drafts > 0
 
 
 def test_preemption_and_stop_conditions_with_speculation(loaded_fp32):

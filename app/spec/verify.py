@@ -1,0 +1,76 @@
+"""Verify a step's drafts against the target's logits: the runner's side of speculative decoding.
+
+The runner computes, for a sequence that drafted ``n`` tokens, ``n + 1`` rows of logits in the step's packed
+forward (its last token and each draft predict the next token). Each position is judged by the request as
+it would stand after the drafts before it (penalties and min_tokens count them, ``probs.position_request``):
+
+- a greedy request keeps the drafts equal to the target's greedy choice at their position, then takes that
+  choice: exactly its output without drafts. Done on the logits in place (argmax, no probabilities): the
+  cheap path, which batches of greedy requests take every step.
+- a sampled request goes through the lossless rejection sampler (``rejection.py``) on the distributions the
+  engine's sampler would draw from (``probs.processed_probs``), drafts as one-hot q (n-gram drafts carry no
+  probabilities), with its own generator when seeded.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import torch
+
+from app.cpu.argmax import argmax_rows
+from app.engine.request import Request
+from app.engine.sampling import apply_penalties, mask_stop_tokens_before_min
+from app.spec.probs import position_request, processed_probs
+from app.spec.rejection import padded_from_packed, rejection_sample
+
+
+def verify_drafts(
+    rows: torch.Tensor,  # [sum(n_b + 1), V] logits, sequence after sequence; modified in place
+    requests: Sequence[Request],
+    drafts: Sequence[Sequence[int]],  # sequence b's n_b drafted tokens
+    generators: Sequence[torch.Generator | None],  # a seeded sampled request's own generator, else None
+) -> tuple[list[list[int]], list[int]]:
+    """Each sequence's emitted tokens (accepted drafts, then one more) and how many drafts it kept."""
+    starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+    emitted: list[list[int]] = [[] for _ in requests]
+    accepted = [0] * len(requests)
+    greedy = [b for b, r in enumerate(requests) if r.sampling.greedy]
+    sampled = [b for b, r in enumerate(requests) if not r.sampling.greedy]
+    if greedy:
+        _verify_greedy(rows, requests, drafts, starts, greedy, emitted, accepted)
+    if sampled:
+        _verify_sampled(rows, requests, drafts, starts, sampled, generators, emitted, accepted)
+    return emitted, accepted
+
+
+def _verify_greedy(rows, requests, drafts, starts, chosen, emitted, accepted) -> None:
+    index = [row for b in chosen for row in range(starts[b], starts[b + 1])]
+    logits = rows if len(index) == rows.shape[0] else rows[index]  # [G, V]
+    position_requests = [position_request(requests[b], list(drafts[b][:j])) for b in chosen for j in range(len(drafts[b]) + 1)]
+    logits = mask_stop_tokens_before_min(apply_penalties(logits, position_requests), position_requests)
+    targets = argmax_rows(logits.contiguous()).tolist()  # [G]: the sampler's greedy choice at every position
+    at = 0
+    for b in chosen:
+        n = len(drafts[b])
+        choice = targets[at : at + n + 1]
+        kept = 0
+        while kept < n and drafts[b][kept] == choice[kept]:
+            kept += 1
+        emitted[b], accepted[b] = choice[: kept + 1], kept
+        at += n + 1
+
+
+def _verify_sampled(rows, requests, drafts, starts, chosen, generators, emitted, accepted) -> None:
+    counts = [len(drafts[b]) for b in chosen]
+    width = max(counts) + 1
+    index = [row for b in chosen for row in range(starts[b], starts[b + 1])]
+    logits = padded_from_packed(rows[index], [n + 1 for n in counts], width)  # [B, K+1, V]
+    draft_ids = torch.tensor([list(drafts[b]) + [0] * (width - 1 - len(drafts[b])) for b in chosen], dtype=torch.long)  # [B, K]
+    subset = [requests[b] for b in chosen]
+    target = processed_probs(logits, subset, draft_ids, counts)  # [B, K+1, V]
+    out = rejection_sample(draft_ids, counts, None, target, is_greedy=[False] * len(chosen),
+                           generators=[generators[b] for b in chosen])
+    for b, tokens, kept in zip(chosen, out.tolist(), out.num_accepted.tolist()):
+        emitted[b], accepted[b] = tokens, kept
