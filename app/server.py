@@ -77,6 +77,13 @@ class ModelServer:
             "max_model_len": self.info.max_model_len,
         }
 
+    def metrics(self) -> dict[str, dict]:
+        """For GET /metrics: per served name, its requests' metrics; the engine's counters under the model's own name."""
+        names = [self.info.name, *([self.serving.speculative_name] if self.serving.speculative_name else [])]
+        result = {name: {"requests": self.serving.metrics[name].to_dict() if name in self.serving.metrics else {}} for name in names}
+        result[self.info.name]["engine"] = self.engine.stats()
+        return result
+
     def check_health(self) -> None:
         """Raise if this replica can no longer serve (the engine loop died)."""
         if not self.engine.is_healthy():

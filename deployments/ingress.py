@@ -22,13 +22,14 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from app.api.errors import APIError, to_api_error
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse_body
 from app.config import ServedModelConfig
+from app.metrics import render
 from app.server import ModelServer
 from deployments.admission import HostedModel, ServerFactory
 from deployments.replica import MODEL_REPLICA_OPTIONS
@@ -186,6 +187,11 @@ class OpenAIIngress:
     async def http_models(self):
         return await _guarded(self._models(), _request_id())
 
+    @api.get("/metrics")
+    async def http_metrics(self):
+        """Prometheus text: every model's latency histograms, request and token counters, engine gauges."""
+        return await _guarded(self._metrics(), _request_id())
+
     @api.get("/health")
     async def http_health(self):
         """200 when every model deployment answers; 503 naming the ones that do not."""
@@ -234,6 +240,12 @@ class OpenAIIngress:
         result = await self._call(request.to_completion(), "completion")
         choice = result["choices"][0]
         return {"model": result["model"], "text": choice["text"], "finish_reason": choice["finish_reason"], "usage": result["usage"]}
+
+    async def _metrics(self) -> PlainTextResponse:
+        routes = list({id(route): route for route in self._routes.values()}.values())  # a twin shares its model's
+        gathered = await asyncio.gather(*(route.metrics() for route in routes))
+        by_model = {name: data for per_route in gathered for name, data in per_route.items()}
+        return PlainTextResponse(render(by_model), media_type="text/plain; version=0.0.4")
 
     async def _models(self) -> dict:
         cards = await asyncio.gather(*(route.model_card(name) for name, route in self._routes.items()))

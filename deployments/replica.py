@@ -57,6 +57,9 @@ class LLMServer:
     def stats(self) -> dict:
         return self._model.stats()
 
+    def metrics(self) -> dict[str, dict]:
+        return self._server.metrics()
+
     def check_health(self) -> None:
         self._server.check_health()
 

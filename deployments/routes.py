@@ -41,6 +41,9 @@ class RemoteModel:
     async def stats(self) -> dict:
         return await self.handle.stats.remote()
 
+    async def metrics(self) -> dict[str, dict]:
+        return await self.handle.metrics.remote()
+
 
 class LocalModel:
     """The model this ingress replica hosts itself: requests and their chunks stay in the process.
@@ -63,3 +66,6 @@ class LocalModel:
 
     async def stats(self) -> dict:
         return self.hosted.stats()
+
+    async def metrics(self) -> dict[str, dict]:
+        return self.hosted.server.metrics()

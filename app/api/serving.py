@@ -19,6 +19,7 @@ from app.api.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
 from app.engine.request import TokenLogprob
 from app.engine.async_engine import Admit
+from app.metrics import RequestMetrics, RequestTiming
 
 
 @dataclass
@@ -48,6 +49,7 @@ class OpenAIServing:
         engine's speculation); without one, every request may be."""
         self.engine = engine
         self.speculative_name = speculative_name
+        self.metrics: dict[str, RequestMetrics] = {}  # by the name requests were sent to (GET /metrics)
         self.admit = admit  # how a request enters the engine (the replica's batch window); None: at once
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -113,8 +115,19 @@ class OpenAIServing:
     async def _generate(self, prepared: _Prepared) -> AsyncIterator[RequestOutput]:
         request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling, self.eos_token_ids,
                           speculate=prepared.speculate)
-        async for output in self.engine.generate(request, self.admit):
-            yield output
+        timing = RequestTiming(time.monotonic(), len(prepared.prompt_token_ids))  # ends as "abort" unless told
+        try:
+            async for output in self.engine.generate(request, self.admit):
+                timing.tokens(time.monotonic(), len(output.new_token_ids))
+                if output.finished:
+                    timing.finish_reason = output.finish_reason or "stop"
+                yield output
+        except Exception:
+            timing.finish_reason = "error"
+            raise
+        finally:
+            timing.finish(time.monotonic(), timing.finish_reason)
+            self.metrics.setdefault(prepared.model, RequestMetrics()).record(timing)
 
     async def _collect(self, prepared: _Prepared) -> tuple[str, RequestOutput, list[TokenLogprob] | None]:
         parts, last, logprobs = [], None, None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app.config import EngineConfig
 from app.engine.kv_cache import BlockManager
@@ -21,6 +21,7 @@ from app.engine.output_processor import OutputProcessor
 from app.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from app.metrics import STEP_TOKEN_BUCKETS, Histogram
 from app.models import LoadedModel
 from app.spec.controller import SpeculationController
 
@@ -35,6 +36,7 @@ class StepCounters:
     last_step_tokens: int = 0
     last_step_seqs: int = 0
     busy_s: float = 0.0  # wall time spent in steps
+    step_tokens: Histogram = field(default_factory=lambda: Histogram(STEP_TOKEN_BUCKETS))  # tokens per step
 
 
 class LLMEngine:
@@ -137,6 +139,7 @@ class LLMEngine:
             "last_step_seqs": c.last_step_seqs,
             "mean_tokens_per_step": c.num_batched_tokens / c.num_steps if c.num_steps else 0.0,
             "mean_step_ms": 1000 * c.busy_s / c.num_steps if c.num_steps else 0.0,
+            "step_tokens": c.step_tokens.to_dict(),
             **({f"spec_{k}": v for k, v in self.speculation.stats.to_dict().items()} if self.speculation else {}),
         }
 
@@ -175,6 +178,7 @@ class LLMEngine:
         c.last_step_tokens = scheduled.num_batched_tokens
         c.last_step_seqs = len(scheduled.scheduled)
         c.num_batched_tokens += c.last_step_tokens
+        c.step_tokens.observe(c.last_step_tokens)
         c.num_generated_tokens += num_sampled
 
 

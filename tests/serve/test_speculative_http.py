@@ -54,3 +54,14 @@ def test_the_plain_name_is_never_drafted_for(serve_app):
     before = handle.model_stats.remote(GPTQ_MODEL).result()["spec_num_drafts"]
     asyncio.run(_complete_all(GPTQ_MODEL, [PROMPTS[12]] * 2))
     assert handle.model_stats.remote(GPTQ_MODEL).result()["spec_num_drafts"] == before
+
+
+def test_metrics_show_the_engine_and_its_speculation(serve_app, client):
+    asyncio.run(_complete_all(GPTQ_NGRAM_MODEL, [PROMPTS[12]]))
+    text = client.get("/metrics").text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    label = f'{{model_name="{GPTQ_MODEL}"}}'
+    assert float(samples[f"llm_serve:spec_decode_num_drafts_total{label}"]) > 0
+    assert float(samples[f"llm_serve:iteration_tokens_total_count{label}"]) > 0
+    assert 0 <= float(samples[f"llm_serve:kv_cache_usage_perc{label}"]) <= 1
+    assert float(samples[f'llm_serve:request_success_total{{model_name="{GPTQ_NGRAM_MODEL}",finished_reason="length"}}']) >= 1

@@ -1,0 +1,174 @@
+"""Serving metrics in Prometheus' text format, named after vLLM's (``vllm:*`` -> ``llm_serve:*``).
+
+Each process hosting a model keeps one :class:`RequestMetrics` per served name (latency histograms and
+request/token counters, recorded by ``OpenAIServing`` as answers stream) next to the engine's own counters
+(``LLMEngine.stats``: running/waiting, KV usage, prefix cache, preemptions, tokens per step, speculation).
+The ingress gathers both for every model and renders them with :func:`render` for ``GET /metrics``.
+Plain Python, no client library: the format is small and stable.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+# Latency buckets in seconds (vLLM's for TTFT and inter-token latency, cut to what a CPU replica sees).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram, as Prometheus exposes one (``le`` upper bounds, then +Inf)."""
+
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative; the last is +Inf
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def to_dict(self) -> dict:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.total, "count": self.count}
+
+
+@dataclass
+class RequestMetrics:
+    """What one served name's answers looked like: latencies, outcomes and token counts."""
+
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    inter_token: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # by finish reason: stop, length, abort, error
+
+    def record(self, timing: "RequestTiming") -> None:
+        """A request that ended (normally, aborted or failed)."""
+        if timing.first_token_s is not None:
+            self.ttft.observe(timing.first_token_s - timing.arrival_s)
+        for gap, tokens in timing.gaps:  # a chunk of several tokens (speculation) spreads its gap over them
+            for _ in range(tokens):
+                self.inter_token.observe(gap / tokens)
+        self.e2e.observe(timing.end_s - timing.arrival_s)
+        self.prompt_tokens += timing.prompt_tokens
+        self.generation_tokens += timing.output_tokens
+        self.finished[timing.finish_reason] = self.finished.get(timing.finish_reason, 0) + 1
+
+    def to_dict(self) -> dict:
+        return {
+            "time_to_first_token_seconds": self.ttft.to_dict(),
+            "inter_token_latency_seconds": self.inter_token.to_dict(),
+            "e2e_request_latency_seconds": self.e2e.to_dict(),
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            "request_success": dict(self.finished),
+        }
+
+
+@dataclass
+class RequestTiming:
+    """One request's clock, filled in as its outputs arrive (monotonic seconds)."""
+
+    arrival_s: float
+    prompt_tokens: int
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    end_s: float = 0.0
+    output_tokens: int = 0
+    finish_reason: str = "abort"
+    gaps: list[tuple[float, int]] = field(default_factory=list)  # (seconds since the previous chunk, its tokens)
+
+    def tokens(self, now: float, count: int) -> None:
+        """``count`` new tokens arrived at ``now`` (one streamed chunk)."""
+        if count <= 0:
+            return
+        self.output_tokens += count
+        if self.first_token_s is None:
+            self.first_token_s = now  # the first token is TTFT's; a chunk's other tokens came with it
+            if count > 1:
+                self.gaps.append((0.0, count - 1))
+        else:
+            self.gaps.append((now - self.last_token_s, count))
+        self.last_token_s = now
+
+    def finish(self, now: float, reason: str) -> None:
+        self.end_s, self.finish_reason = now, reason
+
+
+# Engine counters (LLMEngine.stats keys) exported as gauges or counters, with their Prometheus names.
+ENGINE_GAUGES = {
+    "num_running": "num_requests_running",
+    "num_waiting": "num_requests_waiting",
+    "kv_usage": "kv_cache_usage_perc",
+}
+ENGINE_COUNTERS = {
+    "prefix_cache_queried_tokens": "prefix_cache_queries",
+    "prefix_cache_hit_tokens": "prefix_cache_hits",
+    "num_preemptions": "num_preemptions",
+    "num_steps": "engine_steps",
+    "spec_num_drafts": "spec_decode_num_drafts",
+    "spec_num_draft_tokens": "spec_decode_num_draft_tokens",
+    "spec_num_accepted_tokens": "spec_decode_num_accepted_tokens",
+}
+PREFIX = "llm_serve:"
+
+
+def render(models: dict[str, dict]) -> str:
+    """Prometheus text for ``{served name: {"requests": RequestMetrics.to_dict(), "engine": LLMEngine.stats()}}``."""
+    lines: list[str] = []
+    families: dict[str, tuple[str, list[str]]] = {}
+
+    def add(name: str, kind: str, sample_lines: list[str]) -> None:
+        families.setdefault(name, (kind, []))[1].extend(sample_lines)
+
+    for model, data in models.items():
+        label = f'model_name="{_escape(model)}"'
+        engine, requests = data.get("engine") or {}, data.get("requests") or {}
+        for key, name in ENGINE_GAUGES.items():
+            if key in engine:
+                add(PREFIX + name, "gauge", [f"{PREFIX}{name}{{{label}}} {float(engine[key])}"])
+        for key, name in ENGINE_COUNTERS.items():
+            if key in engine:
+                add(PREFIX + name + "_total", "counter", [f"{PREFIX}{name}_total{{{label}}} {float(engine[key])}"])
+        for pos, count in enumerate(engine.get("spec_num_accepted_tokens_per_pos") or []):
+            name = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
+            add(name, "counter", [f'{name}{{{label},position="{pos}"}} {float(count)}'])
+        if "step_tokens" in engine:
+            add(PREFIX + "iteration_tokens_total", "histogram", _histogram_lines(PREFIX + "iteration_tokens_total", label, engine["step_tokens"]))
+        for key in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+            if key in requests:
+                add(PREFIX + key, "histogram", _histogram_lines(PREFIX + key, label, requests[key]))
+        for key in ("prompt_tokens", "generation_tokens"):
+            if key in requests:
+                add(PREFIX + key + "_total", "counter", [f"{PREFIX}{key}_total{{{label}}} {float(requests[key])}"])
+        for reason, count in (requests.get("request_success") or {}).items():
+            name = PREFIX + "request_success_total"
+            add(name, "counter", [f'{name}{{{label},finished_reason="{_escape(reason)}"}} {float(count)}'])
+    for name, (kind, samples) in families.items():
+        lines += [f"# TYPE {name} {kind}", *samples]
+    return "\n".join(lines) + "\n"
+
+
+def _histogram_lines(name: str, label: str, histogram: dict) -> list[str]:
+    lines, cumulative = [], 0
+    for bound, count in zip([*histogram["buckets"], float("inf")], histogram["counts"]):
+        cumulative += count
+        le = "+Inf" if bound == float("inf") else repr(float(bound))
+        lines.append(f'{name}_bucket{{{label},le="{le}"}} {float(cumulative)}')
+    lines.append(f"{name}_sum{{{label}}} {float(histogram['sum'])}")
+    lines.append(f"{name}_count{{{label}}} {float(histogram['count'])}")
+    return lines
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,51 @@
+"""Serving metrics: histograms, a request's clock, and the Prometheus text they render to."""
+
+import re
+
+from app.metrics import Histogram, RequestMetrics, RequestTiming, render
+
+VALUE = r'"(?:[^"\\]|\\.)*"'  # a label value: escaped quotes and backslashes allowed
+SAMPLE = re.compile(rf'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{{[a-z_]+={VALUE}(,[a-z_]+={VALUE})*\}})? -?[0-9.e+-]+$|^# TYPE \S+ (gauge|counter|histogram)$')
+
+
+def test_a_histogram_counts_each_value_in_the_first_bucket_that_holds_it():
+    histogram = Histogram((0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 3.0):
+        histogram.observe(value)
+    assert histogram.counts == [2, 1, 1] and histogram.count == 4 and abs(histogram.total - 3.65) < 1e-9
+
+
+def test_a_request_clock_gives_ttft_inter_token_gaps_and_e2e():
+    timing = RequestTiming(arrival_s=10.0, prompt_tokens=7)
+    timing.tokens(10.5, 1)  # TTFT 0.5
+    timing.tokens(10.6, 1)
+    timing.tokens(10.9, 3)  # a chunk of 3 (accepted drafts): 0.3 s spread over them
+    timing.finish(11.0, "length")
+    metrics = RequestMetrics()
+    metrics.record(timing)
+    data = metrics.to_dict()
+    assert data["time_to_first_token_seconds"]["count"] == 1 and abs(data["time_to_first_token_seconds"]["sum"] - 0.5) < 1e-9
+    assert data["inter_token_latency_seconds"]["count"] == 4  # 5 tokens: 4 gaps after the first
+    assert abs(data["inter_token_latency_seconds"]["sum"] - 0.4) < 1e-9
+    assert abs(data["e2e_request_latency_seconds"]["sum"] - 1.0) < 1e-9
+    assert (data["prompt_tokens"], data["generation_tokens"], data["request_success"]) == (7, 5, {"length": 1})
+
+
+def test_render_writes_valid_prometheus_text_with_cumulative_buckets_per_model():
+    requests = RequestMetrics()
+    timing = RequestTiming(0.0, 3)
+    timing.tokens(0.2, 2)
+    timing.finish(0.3, "stop")
+    requests.record(timing)
+    engine = {"num_running": 2, "num_waiting": 1, "kv_usage": 0.25, "prefix_cache_hit_tokens": 16, "spec_num_drafts": 4,
+              "spec_num_accepted_tokens_per_pos": [3, 1], "step_tokens": Histogram((1, 2, 4)).to_dict()}
+    text = render({'a"b': {"requests": requests.to_dict(), "engine": engine}, "m2": {"requests": {}}})
+    lines = text.strip().splitlines()
+    assert all(SAMPLE.match(line) for line in lines), [line for line in lines if not SAMPLE.match(line)]
+    assert 'llm_serve:num_requests_running{model_name="a\\"b"} 2.0' in lines
+    assert 'llm_serve:request_success_total{model_name="a\\"b",finished_reason="stop"} 1.0' in lines
+    assert 'llm_serve:spec_decode_num_accepted_tokens_per_pos_total{model_name="a\\"b",position="1"} 1.0' in lines
+    ttft = [line for line in lines if line.startswith("llm_serve:time_to_first_token_seconds_bucket")]
+    counts = [float(line.rsplit(" ", 1)[1]) for line in ttft]
+    assert counts == sorted(counts) and counts[-1] == 1.0 and ttft[-1].endswith('le="+Inf"} 1.0')
+    assert sum(line.startswith("# TYPE llm_serve:num_requests_running ") for line in lines) == 1  # one family header
