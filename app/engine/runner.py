@@ -133,31 +133,32 @@ class ModelRunner:
         plain = [i for i, item in enumerate(items) if not item.num_spec_tokens]
         drafting = [i for i, item in enumerate(items) if item.num_spec_tokens]
         emitted: list[list[int]] = [[] for _ in items]
+        logprobs: list[list[TokenLogprob | None] | None] = [None] * len(items)  # None: computed in _output
         accepted = [0] * len(items)
-        if plain:
-            rows = torch.tensor([first_row[i] for i in plain], device=logits.device)
-            tokens = self.sampler.sample(logits[rows], [items[i].request for i in plain])  # a copy: logits stay raw
-            for i, token in zip(plain, tokens):
-                emitted[i] = [token]
+        if plain:  # the steady state without drafts samples the logits as they are (the sampler keeps raw rows)
+            rows = logits if not drafting else logits[torch.tensor([first_row[i] for i in plain], device=logits.device)]
+            tokens, token_lps = self.sampler.sample_with_logprobs(rows, [items[i].request for i in plain])
+            for i, token, lp in zip(plain, tokens, token_lps):
+                emitted[i], logprobs[i] = [token], [lp]
         if drafting:
             rows = torch.cat([torch.arange(first_row[i], first_row[i + 1]) for i in drafting]).to(logits.device)
             requests = [items[i].request for i in drafting]
             drafts = [r.spec_token_ids[: items[i].num_spec_tokens] for i, r in zip(drafting, requests)]
             generators = [self._generator(r) for r in requests]
-            tokens, kept = verify_drafts(logits[rows], requests, drafts, generators)
+            tokens, kept = verify_drafts(logits[rows], requests, drafts, generators)  # a copy: logits stay raw
             for i, item_tokens, item_kept in zip(drafting, tokens, kept):
                 emitted[i], accepted[i] = item_tokens, item_kept
-        return self._output(logits, items, first_row, emitted, accepted)
+        return self._output(logits, items, first_row, emitted, logprobs, accepted)
 
-    def _output(self, logits, items, first_row, emitted, accepted) -> RunnerOutput:
-        """The runner's answer, with each emitted token's logprob from the raw logits of its row (if asked)."""
+    def _output(self, logits, items, first_row, emitted, token_lps, accepted) -> RunnerOutput:
+        """The runner's answer; a drafting request's logprobs from the raw logits of its emitted rows (if asked)."""
         result = RunnerOutput()
         for i, item in enumerate(items):
-            request, tokens = item.request, emitted[i]
-            if request.sampling.logprobs is not None:
+            request, tokens, logprobs = item.request, emitted[i], token_lps[i]
+            if logprobs is None and request.sampling.logprobs is not None:
                 raw = logits[first_row[i] : first_row[i] + len(tokens)].float()  # [n, V]
                 logprobs = token_logprobs(raw, tokens, [request] * len(tokens))
-            else:
+            elif logprobs is None:
                 logprobs = [None] * len(tokens)
             result.requests.append(request)
             result.token_ids.append(tokens)
