@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 api = FastAPI(title="llm-serve", description="OpenAI-compatible LLM serving on Ray Serve")
 
 _PROBE_TIMEOUT_S = 10
+RETRY_AFTER_S = 1  # the Retry-After of 429 and 503 answers
 
 
 # Helpers come before the deployment class: Serve pickles the class by value when it is decorated,
@@ -64,7 +65,9 @@ async def _guarded(response: Awaitable[Any], request_id: str) -> Any:
         return await response
     except Exception as exc:  # every error, expected or not, reaches the client in one shape
         error = _reported(exc, request_id)
-        return JSONResponse(error.to_dict(), status_code=error.status)
+        # A full queue or a replica being replaced clears within seconds: tell clients when to come back.
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
+        return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
 
 
 def _raises_api_errors(method):

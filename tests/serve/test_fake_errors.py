@@ -121,3 +121,20 @@ def test_the_log_has_the_exception_and_traceback_under_the_request_id(caplog):
     [record] = [r for r in caplog.records if r.name == "deployments.ingress"]
     assert "req-42" in record.getMessage()
     assert record.exc_info[1].args == (SECRET,)  # the traceback is printed from it
+
+
+async def test_a_full_queue_answers_503_with_retry_after_and_a_client_error_without():
+    from app.engine import EngineOverloadedError
+    from deployments.ingress import RETRY_AFTER_S, _guarded
+
+    async def overloaded():
+        raise EngineOverloadedError("the replica already holds 8 requests (engine.max_queued_requests); retry later")
+
+    async def bad():
+        raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
+
+    busy = await _guarded(overloaded(), "req-7")
+    assert busy.status_code == 503 and busy.headers["retry-after"] == str(RETRY_AFTER_S)
+    assert json.loads(busy.body)["error"]["code"] == "overloaded"
+    refused = await _guarded(bad(), "req-8")
+    assert refused.status_code == 400 and "retry-after" not in refused.headers
