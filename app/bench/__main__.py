@@ -170,7 +170,16 @@ def _machine() -> dict:
     import torch
 
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, "cpu_class": _cpu_class()}
+
+
+def _cpu_class() -> list[str]:
+    """The CPU features that pick our paths (as `lscpu | grep -o 'avx512_bf16\\|avx2'` shows them)."""
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return []
+    return sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
 
 
 def _parser() -> argparse.ArgumentParser:
