@@ -8,7 +8,6 @@ per-request asyncio.Queue fed with ``call_soon_threadsafe``; the event loop neve
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -68,13 +67,7 @@ def _merge_ready(first, pending: asyncio.Queue) -> tuple[RequestOutput | BaseExc
         nxt = pending.get_nowait()
         if not isinstance(nxt, RequestOutput):
             return merged, nxt
-        logprobs = (merged.logprobs or []) + (nxt.logprobs or []) if merged.logprobs or nxt.logprobs else None
-        merged = dataclasses.replace(
-            nxt,
-            new_token_ids=merged.new_token_ids + nxt.new_token_ids,
-            new_text=merged.new_text + nxt.new_text,
-            logprobs=logprobs,
-        )
+        merged = merged.followed_by(nxt)
     return merged, None
 
 

@@ -150,7 +150,7 @@ class LLMEngine:
         output = None
         for token_id, logprob in zip(token_ids, logprobs):
             step = self.outputs.append_token(request, token_id, logprob)
-            output = step if output is None else _merged(output, step)
+            output = step if output is None else output.followed_by(step)
             if step.finished:
                 break  # what was drafted past a stop is dropped, as if never generated
         return output
@@ -181,18 +181,3 @@ class LLMEngine:
         c.step_tokens.observe(c.last_step_tokens)
         c.num_generated_tokens += num_sampled
 
-
-def _merged(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one request as one (a step that emitted several tokens)."""
-    logprobs = None if first.logprobs is None and later.logprobs is None else (first.logprobs or []) + (later.logprobs or [])
-    return RequestOutput(
-        request_id=first.request_id,
-        new_token_ids=first.new_token_ids + later.new_token_ids,
-        new_text=first.new_text + later.new_text,
-        num_prompt_tokens=later.num_prompt_tokens,
-        num_output_tokens=later.num_output_tokens,
-        finished=later.finished,
-        finish_reason=later.finish_reason,
-        error=later.error,
-        logprobs=logprobs,
-    )

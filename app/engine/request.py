@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -150,3 +151,10 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+
+    def followed_by(self, later: "RequestOutput") -> "RequestOutput":
+        """This delta and the request's next one as one delta: both deltas' tokens, the later one's totals and status."""
+        logprobs = (self.logprobs or []) + (later.logprobs or []) if self.logprobs or later.logprobs else None
+        return dataclasses.replace(
+            later, new_token_ids=self.new_token_ids + later.new_token_ids, new_text=self.new_text + later.new_text, logprobs=logprobs
+        )
