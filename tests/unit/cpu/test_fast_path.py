@@ -2,7 +2,6 @@
 
 import logging
 
-import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
