@@ -48,6 +48,10 @@ class RequestMetrics:
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     inter_token: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    # the engine's phases of a request: waiting for its first step, prefill until its first token, decode after
+    queue: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    prefill: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    decode: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason: stop, length, abort, error
@@ -60,6 +64,9 @@ class RequestMetrics:
             for _ in range(tokens):
                 self.inter_token.observe(gap / tokens)
         self.e2e.observe(timing.end_s - timing.arrival_s)
+        for key, histogram in (("queue_s", self.queue), ("prefill_s", self.prefill), ("decode_s", self.decode)):
+            if key in timing.phase_times:
+                histogram.observe(max(timing.phase_times[key], 0.0))
         self.prompt_tokens += timing.prompt_tokens
         self.generation_tokens += timing.output_tokens
         self.finished[timing.finish_reason] = self.finished.get(timing.finish_reason, 0) + 1
@@ -69,6 +76,9 @@ class RequestMetrics:
             "time_to_first_token_seconds": self.ttft.to_dict(),
             "inter_token_latency_seconds": self.inter_token.to_dict(),
             "e2e_request_latency_seconds": self.e2e.to_dict(),
+            "request_queue_time_seconds": self.queue.to_dict(),
+            "request_prefill_time_seconds": self.prefill.to_dict(),
+            "request_decode_time_seconds": self.decode.to_dict(),
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
             "request_success": dict(self.finished),
@@ -87,6 +97,7 @@ class RequestTiming:
     output_tokens: int = 0
     finish_reason: str = "abort"
     gaps: list[tuple[float, int]] = field(default_factory=list)  # (seconds since the previous chunk, its tokens)
+    phase_times: dict[str, float] = field(default_factory=dict)  # the engine's queue/prefill/decode seconds
 
     def tokens(self, now: float, count: int) -> None:
         """``count`` new tokens arrived at ``now`` (one streamed chunk)."""
@@ -121,6 +132,8 @@ ENGINE_COUNTERS = {
     "spec_num_accepted_tokens": "spec_decode_num_accepted_tokens",
 }
 PREFIX = "llm_serve:"
+HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+              "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds")
 
 
 def render(models: dict[str, dict]) -> str:
@@ -145,7 +158,7 @@ def render(models: dict[str, dict]) -> str:
             add(name, "counter", [f'{name}{{{label},position="{pos}"}} {float(count)}'])
         if "step_tokens" in engine:
             add(PREFIX + "iteration_tokens_total", "histogram", _histogram_lines(PREFIX + "iteration_tokens_total", label, engine["step_tokens"]))
-        for key in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        for key in HISTOGRAMS:
             if key in requests:
                 add(PREFIX + key, "histogram", _histogram_lines(PREFIX + key, label, requests[key]))
         for key in ("prompt_tokens", "generation_tokens"):

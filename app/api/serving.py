@@ -121,6 +121,7 @@ class OpenAIServing:
                 timing.tokens(time.monotonic(), len(output.new_token_ids))
                 if output.finished:
                     timing.finish_reason = output.finish_reason or "stop"
+                    timing.phase_times = output.phase_times or {}
                 yield output
         except Exception:
             timing.finish_reason = "error"

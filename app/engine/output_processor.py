@@ -5,6 +5,8 @@ Shared by every batching mode, so all modes stop and detokenize identically.
 
 from __future__ import annotations
 
+import time
+
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
 
@@ -20,6 +22,8 @@ class OutputProcessor:
         detokenizer = self._detokenizer(request)
         params = request.sampling
         request.output_token_ids.append(token_id)
+        if request.first_token_s is None:
+            request.first_token_s = time.monotonic()
         text = ""
         if token_id in params.stop_token_ids or (token_id in request.eos_token_ids and not params.ignore_eos):
             request.status = RequestStatus.FINISHED_STOPPED  # the stop token's own text is not output
@@ -61,13 +65,15 @@ class OutputProcessor:
 
 
 def _output(request: Request, new_token_ids: list[int], text: str) -> RequestOutput:
+    finished = request.status.finished
     return RequestOutput(
         request_id=request.request_id,
         new_token_ids=new_token_ids,
         new_text=text,
         num_prompt_tokens=request.num_prompt_tokens,
         num_output_tokens=request.num_output_tokens,
-        finished=request.status.finished,
+        finished=finished,
         finish_reason=request.status.finish_reason,
         error=request.error,
+        phase_times=request.phase_times(time.monotonic()) if finished else None,
     )

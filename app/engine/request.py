@@ -120,6 +120,18 @@ class Request:
     # computes them too, and keeps those the target model agrees with (app/spec/, engine.py).
     spec_token_ids: list[int] = field(default_factory=list)
     speculate: bool = True  # may be drafted for (where the engine speculates and the request qualifies)
+    first_scheduled_s: float | None = None  # monotonic: first admitted to a step (the end of its queue time)
+    first_token_s: float | None = None  # monotonic: its first token was sampled (the end of its prefill)
+
+    def phase_times(self, now: float) -> dict[str, float]:
+        """Queue, prefill and decode time so far (seconds), for the metrics; phases not reached are absent."""
+        times: dict[str, float] = {}
+        if self.first_scheduled_s is not None:
+            times["queue_s"] = self.first_scheduled_s - self.arrival_time
+            if self.first_token_s is not None:
+                times["prefill_s"] = self.first_token_s - self.first_scheduled_s
+                times["decode_s"] = now - self.first_token_s
+        return times
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -151,6 +163,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+    phase_times: dict[str, float] | None = None  # on the finishing output: Request.phase_times
 
     def followed_by(self, later: "RequestOutput") -> "RequestOutput":
         """This delta and the request's next one as one delta: both deltas' tokens, the later one's totals and status."""

@@ -16,6 +16,7 @@ No tensors here: the scheduler and the block manager are tested without a model.
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 
 from app.engine.kv_cache import BlockManager
@@ -162,6 +163,7 @@ class Scheduler:
         self.blocks.record_prefix_query(len(token_ids), cached)
         if request.status is RequestStatus.WAITING:  # first admission, not a resumed preemption
             request.num_cached_tokens = cached
+            request.first_scheduled_s = time.monotonic()
         request.num_computed_tokens = cached
         request.status = RequestStatus.RUNNING
         return num_new

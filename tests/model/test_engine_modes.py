@@ -119,3 +119,17 @@ def test_logprobs_match_transformers_scores(loaded_fp32):
         assert abs(lp.logprob - float(expected[lp.token_id])) < 1e-4
         assert [t for t, _ in lp.top] == expected.topk(3).indices.tolist()
     assert len(logprobs) == 6
+
+
+def test_a_finished_request_reports_its_queue_prefill_and_decode_time(loaded_fp32):
+    """One sequence at a time: the second request waits for the first, so its queue time covers the first's run."""
+    engine = make_engine(loaded_fp32, batching="none")
+    requests = [Request(f"t{i}", loaded_fp32.tokenizer.encode(p), greedy(6), loaded_fp32.eos_token_ids) for i, p in enumerate(PROMPTS[:2])]
+    engine.add_requests(requests)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o.phase_times for o in engine.step() if o.finished})
+    first, second = finished["t0"], finished["t1"]
+    assert set(first) == set(second) == {"queue_s", "prefill_s", "decode_s"}
+    assert all(value >= 0 for value in (*first.values(), *second.values()))
+    assert second["queue_s"] >= first["prefill_s"] + first["decode_s"]  # it waited while the first ran

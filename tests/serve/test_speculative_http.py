@@ -65,3 +65,5 @@ def test_metrics_show_the_engine_and_its_speculation(serve_app, client):
     assert float(samples[f"llm_serve:iteration_tokens_total_count{label}"]) > 0
     assert 0 <= float(samples[f"llm_serve:kv_cache_usage_perc{label}"]) <= 1
     assert float(samples[f'llm_serve:request_success_total{{model_name="{GPTQ_NGRAM_MODEL}",finished_reason="length"}}']) >= 1
+    for phase in ("queue", "prefill", "decode"):  # the engine's phases, reported with each finished request
+        assert float(samples[f'llm_serve:request_{phase}_time_seconds_count{{model_name="{GPTQ_NGRAM_MODEL}"}}']) >= 1

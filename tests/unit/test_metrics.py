@@ -21,6 +21,7 @@ def test_a_request_clock_gives_ttft_inter_token_gaps_and_e2e():
     timing.tokens(10.6, 1)
     timing.tokens(10.9, 3)  # a chunk of 3 (accepted drafts): 0.3 s spread over them
     timing.finish(11.0, "length")
+    timing.phase_times = {"queue_s": 0.125, "prefill_s": 0.25, "decode_s": 0.5}  # as the engine reports them
     metrics = RequestMetrics()
     metrics.record(timing)
     data = metrics.to_dict()
@@ -29,6 +30,8 @@ def test_a_request_clock_gives_ttft_inter_token_gaps_and_e2e():
     assert abs(data["inter_token_latency_seconds"]["sum"] - 0.4) < 1e-9
     assert abs(data["e2e_request_latency_seconds"]["sum"] - 1.0) < 1e-9
     assert (data["prompt_tokens"], data["generation_tokens"], data["request_success"]) == (7, 5, {"length": 1})
+    for key, seconds in (("queue", 0.125), ("prefill", 0.25), ("decode", 0.5)):
+        assert data[f"request_{key}_time_seconds"]["sum"] == seconds and data[f"request_{key}_time_seconds"]["count"] == 1
 
 
 def test_render_writes_valid_prometheus_text_with_cumulative_buckets_per_model():
