@@ -79,9 +79,9 @@ class ModelServer:
 
     def metrics(self) -> dict[str, dict]:
         """For GET /metrics: per served name, its requests' metrics; the engine's counters under the model's own name."""
-        names = [self.info.name, *([self.serving.speculative_name] if self.serving.speculative_name else [])]
+        own, *_ = names = self.config.served_names
         result = {name: {"requests": self.serving.metrics[name].to_dict() if name in self.serving.metrics else {}} for name in names}
-        result[self.info.name]["engine"] = self.engine.stats()
+        result[own]["engine"] = self.engine.stats()
         return result
 
     def check_health(self) -> None:

@@ -42,10 +42,6 @@ class HostedModel:
         self._admit_window.set_max_batch_size(config.engine.max_batch_size)
         self._admit_window.set_batch_wait_timeout_s(config.engine.batch_wait_timeout_s)
 
-    @property
-    def name(self) -> str:
-        return self.server.config.model.name
-
     async def _admit(self, request: Request) -> None:
         """Hand one request to the engine, through the batch window unless it is alone."""
         engine = self.server.engine
