@@ -80,21 +80,29 @@ def _default_name(source: str) -> str:
     return source
 
 
-SPEC_DRAFTERS = ("none", "ngram")
+SPEC_DRAFTERS = ("none", "ngram", "model")
 
 
 @dataclass
 class SpecConfig:
-    """Speculative decoding inside the engine: drafts proposed each step and verified in the next (app/spec/).
+    """Speculative decoding: drafts proposed for each decoding sequence and verified by the next step (app/spec/).
 
-    ``ngram`` drafts by prompt lookup (no model). Drafts are verified losslessly (rejection sampling on the
-    request's own processed distribution); a greedy request's output is exactly what it is without them.
+    ``ngram`` drafts by prompt lookup (no model); ``model`` asks another model of the app (``draft``: its
+    name) for drafts, which it computes on its own replicas while this engine verifies (app/spec/remote.py).
+    Drafts are verified losslessly (rejection sampling on the request's own processed distribution); a
+    greedy request's output is exactly what it is without them.
     """
 
-    drafter: str = "none"  # none | ngram
+    drafter: str = "none"  # none | ngram | model
     num_speculative_tokens: int = 4  # the most drafts per sequence and step
     ngram_min: int = 1  # ngram: the shortest suffix to look up
     ngram_max: int = 3  # ngram: the longest suffix to look up (longer matches win)
+    draft: str | None = None  # model: the name of the app's model that drafts (any causal LM with this tokenizer)
+    # model: how long a sequence waits for drafts still being computed before it decodes a token without them
+    max_draft_wait_ms: float = 500.0
+    # model: draft window i+1 while the target verifies window i (assuming it keeps all of window i). Pays where
+    # draft and target run on separate hardware; on a few shared CPU cores the two compete for the same cores.
+    draft_ahead: bool = True
     # Batched tokens at which a target step costs twice a one-token step: how fast verifying extra tokens
     # stops being free as the batch grows (2-core AVX-512 EPYC: 1 token 15 ms, 32 sequences 85 ms: ~7).
     saturation_tokens: float = 8.0
@@ -110,14 +118,28 @@ class SpecConfig:
         _require_int("engine.speculative.ngram_max", self.ngram_max, minimum=self.ngram_min)
         if not isinstance(self.saturation_tokens, (int, float)) or self.saturation_tokens <= 0:
             raise ValueError("engine.speculative.saturation_tokens must be a number > 0")
+        if not isinstance(self.max_draft_wait_ms, (int, float)) or self.max_draft_wait_ms < 0:
+            raise ValueError("engine.speculative.max_draft_wait_ms must be a number >= 0")
         if self.served_name is not None and (not isinstance(self.served_name, str) or not self.served_name):
             raise ValueError("engine.speculative.served_name must be a non-empty string (or unset)")
         if self.served_name is not None and not self.enabled:
-            raise ValueError("engine.speculative.served_name needs a drafter (drafter: ngram)")
+            raise ValueError("engine.speculative.served_name needs a drafter (drafter: ngram or model)")
+        if (self.drafter == "model") != (self.draft is not None):
+            raise ValueError("engine.speculative: drafter: model needs draft: <the name of the app's model that drafts>, "
+                             "and draft is only for drafter: model")
 
     @property
     def enabled(self) -> bool:
         return self.drafter != "none"
+
+
+def _drafters(speculative: "SpecConfig | list[SpecConfig]") -> list[SpecConfig]:
+    """The enabled drafters of ``engine.speculative`` (one mapping, or a list of them with distinct served names)."""
+    specs = speculative if isinstance(speculative, list) else [speculative]
+    enabled = [spec for spec in specs if spec.enabled]
+    if len(enabled) > 1 and any(spec.served_name is None for spec in enabled):
+        raise ValueError("engine.speculative: with several drafters, each needs its own served_name")
+    return enabled
 
 
 @dataclass
@@ -148,7 +170,8 @@ class EngineConfig:
     cpu_rotary_kernel: str = "auto"  # fp32 RoPE in one-frame decoder layers: auto (ours where it gives the model's bits) | torch
     cpu_decoder_layer: str = "auto"  # packed CPU layers: auto (one-frame forward where it gives the module's bits) | torch
     max_queued_requests: int = 1024  # beyond this, new requests get 503 instead of waiting forever
-    speculative: SpecConfig = field(default_factory=SpecConfig)  # drafts verified in the next step (none by default)
+    # drafts verified in the next step (none by default): one drafter, or a list of them, each under its served_name
+    speculative: SpecConfig | list[SpecConfig] = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
@@ -164,6 +187,7 @@ class EngineConfig:
         for name, choices in _CPU_CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"engine.{name} {getattr(self, name)!r} is not one of {', '.join(choices)}")
+        self.drafters = _drafters(self.speculative)
         if self.batching == "none":
             self.max_num_seqs = 1  # the naive baseline: one request at a time, whatever else is set
 
@@ -219,9 +243,8 @@ class ServedModelConfig:
 
     @property
     def served_names(self) -> list[str]:
-        """The names clients may send as "model": the model's, then its speculative twin's if it has one."""
-        twin = self.engine.speculative.served_name
-        return [self.model.name] + ([twin] if twin else [])
+        """The names clients may send as "model": the model's, then those of its speculative twins."""
+        return [self.model.name] + [spec.served_name for spec in self.engine.drafters if spec.served_name]
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.default_sampling) - set(SAMPLING_DEFAULT_KEYS))
@@ -258,6 +281,12 @@ class AppConfig:
             raise ValueError("max_request_bytes must be an integer >= 1024")
         if not isinstance(self.ingress_hosts_first_model, bool):
             raise ValueError("ingress_hosts_first_model must be true or false")
+        own = {m.model.name for m in self.models}
+        for served in self.models:
+            for spec in served.engine.drafters:
+                if spec.drafter == "model" and (spec.draft not in own or spec.draft == served.model.name):
+                    raise ValueError(f"engine.speculative.draft of {served.model.name} must name another model of "
+                                     f"this app (one of: {', '.join(sorted(own - {served.model.name})) or 'none'})")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "AppConfig":
@@ -325,7 +354,9 @@ def _build(cls: type, data: Any, where: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         nested = _NESTED.get((cls, key))
-        if nested is not None and cls is AppConfig:
+        if nested is SpecConfig and isinstance(value, list):
+            value = [_build(nested, item, f"{where}.{key}[{i}]") for i, item in enumerate(value)]
+        elif nested is not None and cls is AppConfig:
             if not isinstance(value, list):
                 raise ValueError(f"{where}.{key} must be a list")
             value = [_build(nested, item, f"{where}.{key}[{i}]") for i, item in enumerate(value)]

@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import time
+import uuid
 from typing import Any, Callable
 
 import torch
@@ -17,9 +18,10 @@ import torch
 from app.api.serving import OpenAIServing
 from app.config import ServedModelConfig
 from app.engine import AsyncEngine, LLMEngine, Request, SamplingParams, build_engine_core
-from app.engine.async_engine import Admit
+from app.engine.async_engine import Admit, DraftClient
 from app.engine.core_process import CoreInfo, ProcessCore
 from app.models import LoadedModel, load_model
+from app.spec.remote import DraftCall, DraftResult, draft_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +32,22 @@ CoreBuilder = Callable[[ServedModelConfig], tuple[Any, CoreInfo]]
 
 
 class ModelServer:
-    def __init__(self, config: ServedModelConfig, admit: Admit | None = None, build_core: CoreBuilder | None = None) -> None:
-        """``build_core`` (default: load the configured model) lets serving tests run all of this on a fake model."""
+    def __init__(
+        self,
+        config: ServedModelConfig,
+        admit: Admit | None = None,
+        build_core: CoreBuilder | None = None,
+        draft_client: DraftClient | None = None,
+    ) -> None:
+        """``build_core`` (default: load the configured model) lets serving tests run all of this on a fake model;
+        ``draft_client`` sends draft calls to the draft model of a ``drafter: model`` (the deployment's handle)."""
         self.config = config
         started = time.monotonic()
         build = functools.partial(build_core or build_model_core, config)
         if config.engine.separate_process:
             process_core = ProcessCore(build)  # returns once the child has loaded and warmed up
             self.info = process_core.info
-            self.engine = AsyncEngine(lambda: process_core, **_front_options(config))
+            self.engine = AsyncEngine(lambda: process_core, draft_client=draft_client, **_front_options(config))
         else:
             built: dict = {}
 
@@ -46,7 +55,7 @@ class ModelServer:
                 core, built["info"] = build()
                 return core
 
-            self.engine = AsyncEngine(build_here, **_front_options(config))
+            self.engine = AsyncEngine(build_here, draft_client=draft_client, **_front_options(config))
             self.info = built["info"]
         self.serving = OpenAIServing(
             self.engine,
@@ -57,7 +66,7 @@ class ModelServer:
             vocab_size=self.info.vocab_size,
             default_sampling=config.default_sampling,
             admit=admit,
-            speculative_name=config.engine.speculative.served_name,
+            speculative_names=[spec.served_name for spec in config.engine.drafters],
         )
         self.ready_s = time.monotonic() - started
         logger.info("model %s ready in %.1fs (warm-up %.2fs)", self.info.name, self.ready_s, self.info.warmup_s)
@@ -78,11 +87,32 @@ class ModelServer:
         }
 
     def metrics(self) -> dict[str, dict]:
-        """For GET /metrics: per served name, its requests' metrics; the engine's counters under the model's own name."""
+        """For GET /metrics: per served name, its requests' metrics; the engine's counters under the model's own name,
+        each drafter's speculation counters under the name it serves (the model's own for an unnamed drafter)."""
         own, *_ = names = self.config.served_names
         result = {name: {"requests": self.serving.metrics[name].to_dict() if name in self.serving.metrics else {}} for name in names}
-        result[own]["engine"] = self.engine.stats()
+        engine = self.engine.stats()
+        by_drafter = engine.pop("spec_by_name", None) or {}
+        result[own]["engine"] = {key: value for key, value in engine.items() if not key.startswith("spec_")}
+        for name, counters in by_drafter.items():
+            result[name or own].setdefault("engine", {}).update({f"spec_{key}": value for key, value in counters.items()})
         return result
+
+    async def propose(self, call: DraftCall) -> DraftResult:
+        """Draft for another model's sequence (this model is its ``drafter: model``): this model's greedy choice
+        for ``call.num_tokens`` tokens after the call's context, computed in this engine's batches."""
+        room = self.info.max_model_len - len(call.prompt_token_ids) - len(call.output_token_ids)
+        num_tokens = min(call.num_tokens, room)
+        if num_tokens <= 0:
+            return DraftResult(call.call_id, call.drafter, call.sequence_id, [])
+        sampling = draft_sampling(call.sampling, len(call.output_token_ids), num_tokens)
+        request = Request(f"draft-{call.sequence_id}-{call.call_id}-{uuid.uuid4().hex[:8]}", list(call.prompt_token_ids),
+                          sampling, self.info.eos_token_ids, output_token_ids=list(call.output_token_ids),
+                          drafter=None, detokenize=False)
+        tokens: list[int] = []
+        async for output in self.engine.generate(request, self.serving.admit):
+            tokens.extend(output.new_token_ids)
+        return DraftResult(call.call_id, call.drafter, call.sequence_id, tokens)
 
     def check_health(self) -> None:
         """Raise if this replica can no longer serve (the engine loop died)."""

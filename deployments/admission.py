@@ -14,6 +14,7 @@ from ray import serve
 from app.config import ServedModelConfig
 from app.engine import Request
 from app.server import ModelServer
+from deployments.drafting import HandleDraftClient
 
 ServerFactory = Callable[..., Any]
 
@@ -36,9 +37,14 @@ class HostedModel:
     Serve keeps one batch queue per decorated method in a process, so a process hosts one model at most.
     """
 
-    def __init__(self, config: ServedModelConfig, server_factory: str | ServerFactory = ModelServer) -> None:
+    def __init__(
+        self, config: ServedModelConfig, server_factory: str | ServerFactory = ModelServer, draft_deployments: dict[int, str] | None = None
+    ) -> None:
+        """``draft_deployments``: for each of the model's ``drafter: model`` drafters (by index), the deployment
+        that serves its draft model (deployments/drafting.py)."""
         batching = config.engine.batching != "none"
-        self.server = resolve_factory(server_factory)(config, admit=self._admit if batching else None)
+        extra = {"draft_client": HandleDraftClient(draft_deployments)} if draft_deployments else {}
+        self.server = resolve_factory(server_factory)(config, admit=self._admit if batching else None, **extra)
         self._admit_window.set_max_batch_size(config.engine.max_batch_size)
         self._admit_window.set_batch_wait_timeout_s(config.engine.batch_wait_timeout_s)
 

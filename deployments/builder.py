@@ -18,6 +18,7 @@ from typing import Any
 from ray.serve import Application
 
 from app.config import AppConfig, ServedModelConfig
+from deployments.drafting import INGRESS_DEPLOYMENT
 from deployments.ingress import OpenAIIngress
 from deployments.replica import LLMServer
 
@@ -33,11 +34,22 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     extra = {"server_factory": factory} if factory is not None else {}  # unset: the replica's default, the real model
     local = config.models[0] if config.ingress_hosts_first_model else None
     remote = [served for served in config.models if served is not local]
-    bound = [LLMServer.options(**replica_options(served)).bind(served, **extra) for served in remote]
+    bound = [LLMServer.options(**replica_options(served)).bind(served, **extra, **drafts(config, served, local))
+             for served in remote]
     servers = [server for server, served in zip(bound, remote) for _ in served.served_names]
     names = [name for served in remote for name in served.served_names]
     ingress = OpenAIIngress.options(**ingress_options(config, local))
-    return ingress.bind(servers, names, config.max_request_bytes, local=local, **extra)
+    local_drafts = drafts(config, local, local) if local is not None else {}
+    return ingress.bind(servers, names, config.max_request_bytes, local=local, **extra, **local_drafts)
+
+
+def drafts(config: AppConfig, served: ServedModelConfig, local: ServedModelConfig | None) -> dict[str, Any]:
+    """The ``draft_deployments`` argument of a model that drafts with another model of the app (else nothing)."""
+    deployments = {
+        index: INGRESS_DEPLOYMENT if local is not None and spec.draft == local.model.name else deployment_name(spec.draft)
+        for index, spec in enumerate(served.engine.drafters) if spec.drafter == "model"
+    }
+    return {"draft_deployments": deployments} if deployments else {}
 
 
 def ingress_options(config: AppConfig, local: ServedModelConfig | None) -> dict[str, Any]:

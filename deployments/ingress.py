@@ -31,7 +31,9 @@ from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateR
 from app.config import ServedModelConfig
 from app.metrics import render
 from app.server import ModelServer
+from app.spec.remote import DraftCall, DraftResult
 from deployments.admission import HostedModel, ServerFactory
+from deployments.ray_metrics import RAY_METRICS_INTERVAL_S, RayMetricsExporter
 from deployments.replica import MODEL_REPLICA_OPTIONS
 from deployments.routes import LocalModel, RemoteModel
 
@@ -147,15 +149,19 @@ class OpenAIIngress:
         max_request_bytes: int,
         local: ServedModelConfig | None = None,
         server_factory: str | ServerFactory = ModelServer,
+        draft_deployments: dict[int, str] | None = None,
     ) -> None:
         """``servers``: handles of the models served elsewhere, named by ``model_names`` (a handle appears once
         per name its model answers to); ``local``: the model
         this replica hosts itself (the app's first), loaded and warmed up before the replica takes traffic."""
-        self._hosted = HostedModel(local, server_factory) if local is not None else None
+        self._hosted = HostedModel(local, server_factory, draft_deployments) if local is not None else None
         self._routes = {name: RemoteModel(server) for name, server in zip(model_names, servers)}
         if self._hosted is not None:  # a model's speculative twin is the same model under a second name
             hosted = LocalModel(self._hosted)
             self._routes = {**{name: hosted for name in local.served_names}, **self._routes}
+            # this replica's own model, through Ray's metrics agent too (docs/metrics.md)
+            self._ray_metrics = asyncio.get_running_loop().create_task(
+                RayMetricsExporter().run_periodically(hosted.metrics, interval_s=RAY_METRICS_INTERVAL_S))
         self._default_model = next(iter(self._routes))
         self._max_request_bytes = max_request_bytes
 
@@ -233,6 +239,12 @@ class OpenAIIngress:
         request = parse_body({**body, "stream": True}, GenerateRequest)
         async for chunk in _as_generate_chunks(self._stream(request.to_completion(), "completion")):
             yield chunk
+
+    async def propose(self, call: DraftCall) -> DraftResult:
+        """Draft for another model's sequence, with the model this replica hosts (app/spec/remote.py)."""
+        if self._hosted is None:
+            raise LookupError("this ingress hosts no model to draft with")
+        return await self._hosted.server.propose(call)
 
     async def model_stats(self, model: str | None = None) -> dict:
         """The engine counters of ``model`` (default: the first), wherever it runs: requests, KV blocks, steps."""

@@ -11,6 +11,7 @@ plug in a fake model that way.
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 from ray import serve
@@ -18,7 +19,9 @@ from ray import serve
 from app.api.protocol import ChatCompletionRequest, CompletionRequest
 from app.config import ServedModelConfig
 from app.server import ModelServer
+from app.spec.remote import DraftCall, DraftResult
 from deployments.admission import HostedModel, ServerFactory
+from deployments.ray_metrics import RAY_METRICS_INTERVAL_S, RayMetricsExporter
 
 # What a model-hosting replica tells Serve: health probes and a drain window for requests in flight.
 MODEL_REPLICA_OPTIONS = dict(
@@ -31,11 +34,16 @@ MODEL_REPLICA_OPTIONS = dict(
 
 @serve.deployment(**MODEL_REPLICA_OPTIONS)
 class LLMServer:
-    def __init__(self, config: ServedModelConfig, server_factory: str | ServerFactory = ModelServer) -> None:
+    def __init__(
+        self, config: ServedModelConfig, server_factory: str | ServerFactory = ModelServer, draft_deployments: dict[int, str] | None = None
+    ) -> None:
         # Serve sends no traffic until the constructor returns, and the model server only returns
         # after a real warm-up generation: a replica is ready only when the model runs.
-        self._model = HostedModel(config, server_factory)
+        self._model = HostedModel(config, server_factory, draft_deployments)
         self._server = self._model.server
+        # this replica's model, through Ray's metrics agent too (docs/metrics.md)
+        self._ray_metrics = asyncio.get_running_loop().create_task(
+            RayMetricsExporter().run_periodically(self._server.metrics, interval_s=RAY_METRICS_INTERVAL_S))
 
     async def completion(self, request: CompletionRequest) -> dict:
         return await self._server.serving.completion(request)
@@ -50,6 +58,10 @@ class LLMServer:
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
         async for chunk in self._server.serving.chat_stream(request):
             yield chunk
+
+    async def propose(self, call: DraftCall) -> DraftResult:
+        """Draft for a sequence of a model that uses this one as its draft model (app/spec/remote.py)."""
+        return await self._server.propose(call)
 
     def model_card(self, name: str | None = None) -> dict:
         return self._server.model_card(name)

@@ -29,7 +29,7 @@ class _Prepared:
     sampling: SamplingParams
     created: int
     model: str  # the name the client asked for (answers carry it)
-    speculate: bool  # may the engine draft for it
+    drafter: int | None  # which of the engine's drafters drafts for it (None: none)
 
 
 class OpenAIServing:
@@ -43,12 +43,13 @@ class OpenAIServing:
         vocab_size: int,
         default_sampling: dict | None = None,
         admit: Admit | None = None,
-        speculative_name: str | None = None,
+        speculative_names: list[str | None] | None = None,
     ) -> None:
-        """``speculative_name``: a second name of this model under which requests are drafted for (the
-        engine's speculation); without one, every request may be."""
+        """``speculative_names``: the served name of each of the engine's drafters (engine.drafters, in order):
+        requests sent to that name are drafted for by that drafter; a drafter without a name drafts for every
+        request."""
         self.engine = engine
-        self.speculative_name = speculative_name
+        self.speculative_names = list(speculative_names or [])
         self.metrics: dict[str, RequestMetrics] = {}  # by the name requests were sent to (GET /metrics)
         self.admit = admit  # how a request enters the engine (the replica's batch window); None: at once
         self.tokenizer = tokenizer
@@ -109,12 +110,18 @@ class OpenAIServing:
         sampling = request.sampling_params(max_tokens or room, self.default_sampling)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         model = request.model or self.model_name
-        speculate = self.speculative_name is None or model == self.speculative_name
-        return _Prepared(request_id, prompt_ids, sampling, int(time.time()), model, speculate)
+        return _Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model))
+
+    def _drafter_for(self, model: str) -> int | None:
+        """The drafter serving the name a request was sent to: its own, else an unnamed one, else none."""
+        names = self.speculative_names
+        if model in names:
+            return names.index(model)
+        return names.index(None) if None in names else None
 
     async def _generate(self, prepared: _Prepared) -> AsyncIterator[RequestOutput]:
         request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling, self.eos_token_ids,
-                          speculate=prepared.speculate)
+                          drafter=prepared.drafter)
         timing = RequestTiming(time.monotonic(), len(prepared.prompt_token_ids))  # ends as "abort" unless told
         try:
             async for output in self.engine.generate(request, self.admit):

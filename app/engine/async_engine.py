@@ -8,12 +8,13 @@ per-request asyncio.Queue fed with ``call_soon_threadsafe``; the event loop neve
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from app.engine.request import Request, RequestOutput
 
@@ -48,6 +49,15 @@ class RequestFailedError(RuntimeError):
 
 
 Admit = Callable[[Request], Awaitable[None]]
+# Sends one draft call (app/spec/remote.py DraftCall) to the draft model and returns its DraftResult.
+DraftClient = Callable[[Any], Awaitable[Any]]
+_DRAFT_CALL_TIMEOUT_S = 30.0
+
+
+def _failed(call, error: str):
+    from app.spec.remote import DraftResult  # the engine front imports nothing of app.spec unless drafts go out
+
+    return DraftResult(call.call_id, call.drafter, call.sequence_id, [], error=error)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
@@ -91,7 +101,10 @@ class AsyncEngine:
         max_queued_requests: int = 1024,
         stream_interval_s: float = 0.0,
         max_stream_chunks_per_s: float = 0.0,
+        draft_client: DraftClient | None = None,
     ) -> None:
+        self._draft_client = draft_client
+        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, where draft calls are awaited
         self._max_queued = max_queued_requests
         self._stream_interval_s = stream_interval_s
         self._max_chunk_rate = max_stream_chunks_per_s
@@ -122,6 +135,7 @@ class AsyncEngine:
         ``@serve.batch`` window, which gathers concurrent arrivals into one group.
         """
         self._check_accepting()
+        self._loop = self._loop or asyncio.get_running_loop()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request.request_id in self._streams:
@@ -233,17 +247,24 @@ class AsyncEngine:
             self._started.set()
         try:
             while not self._stopping.is_set():
-                self._drain_inbox(block=not self._core.has_unfinished_requests())
+                busy = self._core.has_unfinished_requests()
+                self._drain_inbox(timeout=self._idle_wait_s() if busy else _IDLE_POLL_S)
                 if self._core.has_unfinished_requests():
                     self._deliver(self._core.step())
+                self._send_draft_calls()
         except BaseException as exc:  # noqa: BLE001 - anything here ends the loop, so tell every caller
             logger.exception("engine loop died")
             self._dead_reason = f"{type(exc).__name__}: {exc}"
             self._fail_all(EngineDeadError(f"engine stopped: {self._dead_reason}"))
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _idle_wait_s(self) -> float:
+        """0 while the core has a step to run; longer while all its sequences wait for drafts (a command wakes it)."""
+        idle_wait = getattr(self._core, "idle_wait_s", None)
+        return min(idle_wait(), _IDLE_POLL_S) if idle_wait is not None else 0.0
+
+    def _drain_inbox(self, timeout: float) -> None:
         try:
-            command = self._inbox.get(timeout=_IDLE_POLL_S) if block else self._inbox.get_nowait()
+            command = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
             while True:
                 self._apply(command)
                 command = self._inbox.get_nowait()
@@ -259,6 +280,31 @@ class AsyncEngine:
                 self._core.add_requests(live)
         elif kind == "abort":
             self._core.abort_request(payload)
+        elif kind == "drafts":
+            self._core.add_draft_results(payload)
+
+    # ---- draft calls (engine.speculative drafter: model) ----------------------------------
+    def _send_draft_calls(self) -> None:
+        take = getattr(self._core, "take_draft_calls", None)
+        calls = take() if take is not None else []
+        if not calls:
+            return
+        if self._draft_client is None or self._loop is None:
+            self._post(("drafts", [_failed(call, "no draft model is reachable from this replica") for call in calls]))
+            return
+        for call in calls:
+            asyncio.run_coroutine_threadsafe(self._draft(call), self._loop)
+
+    async def _draft(self, call) -> None:
+        """Await one draft call on the serving loop; its answer (or failure) goes back to the core as a command."""
+        started = time.monotonic()
+        try:
+            result = await asyncio.wait_for(self._draft_client(call), _DRAFT_CALL_TIMEOUT_S)
+            result = dataclasses.replace(result, elapsed_s=time.monotonic() - started)
+        except Exception as exc:  # noqa: BLE001 - a lost draft costs speed, never output: report and go on
+            logger.warning("draft call for %s failed: %s: %s", call.sequence_id, type(exc).__name__, exc)
+            result = _failed(call, f"{type(exc).__name__}: {exc}")
+        self._post(("drafts", [result]))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         # One wake-up per event loop per step, not one per request: at batch 32 the difference is

@@ -70,6 +70,7 @@ class ProcessCore:
         self.info: CoreInfo = payload
         self._live: set[str] = set()
         self._stats: dict[str, float] = {}
+        self._draft_calls: list = []  # the child's draft calls, until the driver takes them
         self._wake_r, self._wake_w = os.pipe()  # a byte here ends the step's wait (see wakeup)
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -95,6 +96,13 @@ class ProcessCore:
             self._live.discard(request_id)  # whatever the child still sends for it has no reader
         return None
 
+    def take_draft_calls(self) -> list:
+        calls, self._draft_calls = self._draft_calls, []
+        return calls
+
+    def add_draft_results(self, results: list) -> None:
+        self._conn.send(("drafts", results))
+
     def has_unfinished_requests(self) -> bool:
         # Unread messages count too: the last statistics after an abort must still be read.
         return bool(self._live) or self._conn.poll(0)
@@ -108,7 +116,8 @@ class ProcessCore:
                 pass
         if self._conn not in ready:
             return []  # woken for a command (or the safety-net timeout): the driver sends it, then steps again
-        _, outputs, self._stats = self._conn.recv()  # EOFError if the child died: the engine loop reports it
+        _, outputs, self._stats, calls = self._conn.recv()  # EOFError if the child died: the engine loop reports it
+        self._draft_calls.extend(calls)
         for output in outputs:
             if output.finished:
                 self._live.discard(output.request_id)
@@ -160,7 +169,7 @@ def _serve(core, conn) -> None:
     while True:
         pending: list[RequestOutput] = []
         changed = False  # commands change the statistics even when they produce no output
-        wait = 0 if core.has_unfinished_requests() else _IDLE_POLL_S
+        wait = min(_idle_wait_s(core), _IDLE_POLL_S) if core.has_unfinished_requests() else _IDLE_POLL_S
         while conn.poll(wait):
             changed = True
             kind, payload = conn.recv()
@@ -172,8 +181,17 @@ def _serve(core, conn) -> None:
                 aborted = core.abort_request(payload)
                 if aborted is not None:
                     pending.append(aborted)
+            elif kind == "drafts":
+                core.add_draft_results(payload)
             wait = 0
         if core.has_unfinished_requests():
             pending.extend(core.step())
-        if pending or changed:
-            conn.send(("outputs", pending, core.stats()))
+        calls = core.take_draft_calls() if hasattr(core, "take_draft_calls") else []
+        if pending or changed or calls:
+            conn.send(("outputs", pending, core.stats(), calls))
+
+
+def _idle_wait_s(core) -> float:
+    """0 while the core has a step to run; while all its sequences wait for drafts, until the first stops waiting."""
+    idle_wait = getattr(core, "idle_wait_s", None)
+    return idle_wait() if idle_wait is not None else 0.0

@@ -57,8 +57,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.max_model_len)
-        spec = config.speculative
-        self.speculation = SpeculationController(spec, loaded.max_model_len) if spec.enabled else None
+        self.speculation = SpeculationController(config.drafters, loaded.max_model_len) if config.drafters else None
         self.counters = StepCounters()
         self._groups = itertools.count()
 
@@ -95,6 +94,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        if self.speculation is not None:
+            self.speculation.expire(self.scheduler.running, time.monotonic())
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
@@ -115,10 +116,29 @@ class LLMEngine:
                 self._release(request)
             outputs.append(output)
         self._count(scheduled, sum(len(o.new_token_ids) for o in outputs))
-        if self.speculation is not None:
-            self.speculation.propose(self._decoding())
         self.counters.busy_s += time.perf_counter() - started
+        if self.speculation is not None:
+            self.speculation.propose(self._decoding(), self._mean_step_s(), time.monotonic())
         return outputs
+
+    # ---- drafts computed elsewhere (engine.speculative drafter: model) ----------------------------
+    def take_draft_calls(self) -> list:
+        """The draft calls this engine wants sent (app/spec/remote.py); the serving side sends them."""
+        return self.speculation.take_calls() if self.speculation is not None else []
+
+    def add_draft_results(self, results: list) -> None:
+        if self.speculation is not None:
+            self.speculation.add_results(results, self.scheduler.running, self._mean_step_s(), time.monotonic())
+
+    def idle_wait_s(self) -> float:
+        """How long the driver may wait for a command before the next step: 0 while a step has work; while every
+        running sequence waits for drafts (and nothing waits for admission), until the first stops waiting."""
+        if self.speculation is None or self.scheduler.waiting or not self.scheduler.running:
+            return 0.0
+        if any(not r.awaiting_draft for r in self.scheduler.running):
+            return 0.0
+        deadline = self.speculation.next_deadline(self.scheduler.running)
+        return 0.0 if deadline is None else max(0.0, deadline - time.monotonic())
 
     # ---- statistics --------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -141,6 +161,7 @@ class LLMEngine:
             "mean_step_ms": 1000 * c.busy_s / c.num_steps if c.num_steps else 0.0,
             "step_tokens": c.step_tokens.to_dict(),
             **({f"spec_{k}": v for k, v in self.speculation.stats.to_dict().items()} if self.speculation else {}),
+            **({"spec_by_name": self.speculation.stats_by_name()} if self.speculation else {}),
         }
 
     # ---- internals ---------------------------------------------------------------------------
@@ -155,6 +176,10 @@ class LLMEngine:
             if step.finished:
                 break  # what was drafted past a stop is dropped, as if never generated
         return output
+
+    def _mean_step_s(self) -> float:
+        c = self.counters
+        return c.busy_s / c.num_steps if c.num_steps else 0.0
 
     def _decoding(self) -> list[Request]:
         """Running requests whose next step decodes one token (so it may verify drafts too)."""

@@ -19,7 +19,7 @@ class OutputProcessor:
 
     def append_token(self, request: Request, token_id: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         """Record one new token of ``request`` and decide whether it finished."""
-        detokenizer = self._detokenizer(request)
+        detokenizer = self._detokenizer(request) if request.detokenize else None
         params = request.sampling
         request.output_token_ids.append(token_id)
         if request.first_token_s is None:
@@ -27,7 +27,7 @@ class OutputProcessor:
         text = ""
         if token_id in params.stop_token_ids or (token_id in request.eos_token_ids and not params.ignore_eos):
             request.status = RequestStatus.FINISHED_STOPPED  # the stop token's own text is not output
-        else:
+        elif request.detokenize:
             past_min = request.num_output_tokens >= params.min_tokens
             text, hit_stop = detokenizer.add_token(token_id, check_stop=past_min)
             if hit_stop:
@@ -38,7 +38,7 @@ class OutputProcessor:
         ):
             request.status = RequestStatus.FINISHED_LENGTH
         if request.status.finished:
-            text += detokenizer.flush()
+            text += detokenizer.flush() if request.detokenize else ""
             self.forget(request.request_id)
         output = _output(request, [token_id], text)
         output.logprobs = [logprob] if logprob is not None else None

@@ -119,7 +119,10 @@ class Request:
     # Draft tokens to verify in the next step, after the last output token (speculative decoding): the step
     # computes them too, and keeps those the target model agrees with (app/spec/, engine.py).
     spec_token_ids: list[int] = field(default_factory=list)
-    speculate: bool = True  # may be drafted for (where the engine speculates and the request qualifies)
+    # Which of the engine's drafters (engine.drafters) drafts for it (None: none); by default the first, if any.
+    drafter: int | None = 0
+    awaiting_draft: bool = False  # its next drafts are being computed elsewhere: the scheduler lets it wait
+    detokenize: bool = True  # False: token ids only (a draft model's proposals need no text)
     first_scheduled_s: float | None = None  # monotonic: first admitted to a step (the end of its queue time)
     first_token_s: float | None = None  # monotonic: its first token was sampled (the end of its prefill)
 

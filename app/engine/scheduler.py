@@ -108,6 +108,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.awaiting_draft:  # its drafts are on their way (app/spec/remote.py): the others go on
+                index += 1
+                continue
             remaining = request.num_tokens - request.num_computed_tokens
             drafts = len(request.spec_token_ids) if remaining == 1 else 0  # drafts follow the last token only
             num_new = min(remaining + drafts, budget)
@@ -131,6 +134,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request.request_id)
         request.num_computed_tokens = 0
+        request.awaiting_draft = False
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)  # ahead of newer arrivals: it is older than they are

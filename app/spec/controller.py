@@ -1,13 +1,19 @@
 """The speculation controller: which running sequences draft, how many tokens, and what became of them.
 
-The engine calls :meth:`SpeculationController.propose` after each step for the sequences that will decode
-next; each gets ``request.spec_token_ids`` (possibly none), which the scheduler adds to its next step and
-the runner verifies. :meth:`record` takes each verification's outcome into the draft-length policy
-(``policy.py``: drafts shrink, and stop, where they do not pay) and the counters (``stats.py``).
+An engine has one drafter per entry of ``engine.speculative`` (``EngineConfig.drafters``); a request names
+the one that drafts for it (``request.drafter``, from the name it was sent to), or none. After each step
+the engine calls :meth:`SpeculationController.propose` for the sequences that will decode next; each gets
+``request.spec_token_ids`` (possibly none), which the scheduler adds to its next step and the runner
+verifies. :meth:`record` takes each verification's outcome into the drafter's draft-length policy
+(``policy.py``: drafts shrink, and stop, where they do not pay) and counters (``stats.py``).
 
-Any request may draft (``request.speculate``): verification is lossless (``verify.py``), and a greedy
-request's output is exactly what it is without speculation. A draft never crosses the request's
-``max_tokens`` or the context length.
+- ``ngram``: prompt lookup, computed here at once.
+- ``model``: a draft model on other replicas, asked without waiting (``remote.py``): its calls go out
+  through :meth:`take_calls`, its answers come back through :meth:`add_results`, and a sequence whose
+  drafts are still being computed may wait for them (``request.awaiting_draft``) for a bounded time.
+
+Verification is lossless (``verify.py``): a greedy request's output is exactly what it is without
+speculation. A draft never crosses the request's ``max_tokens`` or the context length.
 """
 
 from __future__ import annotations
@@ -18,25 +24,22 @@ from app.config import SpecConfig
 from app.engine.request import Request
 from app.spec.ngram import NgramProposer
 from app.spec.policy import DraftLengthPolicy, DraftPolicyConfig
+from app.spec.remote import DraftCall, DraftResult, ModelDrafter
 from app.spec.stats import SpecDecodingStats
 
 
-class SpeculationController:
+class NgramDrafter:
     def __init__(self, config: SpecConfig, max_model_len: int) -> None:
         self.config = config
-        self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max, max_model_len)
         # n-gram drafts cost next to nothing next to a target step; verifying them does not, once the batch is large
         policy = DraftPolicyConfig(num_speculative_tokens=config.num_speculative_tokens, saturation_tokens=config.saturation_tokens)
         self.policy = DraftLengthPolicy(policy)
         self.stats = SpecDecodingStats.new(config.num_speculative_tokens)
 
-    def propose(self, decoding: Sequence[Request]) -> None:
-        """Give each sequence about to decode its drafts for the next step (an empty list where it should not)."""
-        for request in decoding:
-            limit = self._limit(request)
-            k = min(limit, self.policy.draft_length(request.request_id, len(decoding))) if limit > 0 else 0
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, k) if k > 0 else []
+    def propose(self, request: Request, limit: int, batch_size: int, target_step_s: float, now: float) -> None:
+        k = min(limit, self.policy.draft_length(request.request_id, batch_size)) if limit > 0 else 0
+        request.spec_token_ids = self.proposer.propose(request.all_token_ids, k) if k > 0 else []
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         self.policy.record(request.request_id, num_drafted, num_accepted)
@@ -45,10 +48,84 @@ class SpeculationController:
     def forget(self, request_id: str) -> None:
         self.policy.forget(request_id)
 
+
+class SpeculationController:
+    def __init__(self, configs: Sequence[SpecConfig], max_model_len: int) -> None:
+        self.configs = list(configs)
+        self.max_model_len = max_model_len
+        self.drafters = [
+            ModelDrafter(i, c, max_model_len) if c.drafter == "model" else NgramDrafter(c, max_model_len)
+            for i, c in enumerate(self.configs)
+        ]
+
+    @property
+    def stats(self) -> SpecDecodingStats:
+        """All drafters' counters together (the model's own totals)."""
+        total = SpecDecodingStats.new(max(c.num_speculative_tokens for c in self.configs))
+        for drafter in self.drafters:
+            total += drafter.stats
+        return total
+
+    def stats_by_name(self) -> dict[str | None, dict]:
+        """Each drafter's counters under the name it is served as."""
+        return {c.served_name: d.stats.to_dict() for c, d in zip(self.configs, self.drafters)}
+
+    def propose(self, decoding: Sequence[Request], target_step_s: float, now: float) -> None:
+        """Give each sequence about to decode its drafts for the next step (an empty list where it should not)."""
+        for request in decoding:
+            drafter = self._drafter(request)
+            if drafter is None:
+                request.spec_token_ids = []
+                continue
+            drafter.propose(request, self._limit(request), len(decoding), target_step_s, now)
+
+    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        drafter = self._drafter(request)
+        if drafter is not None:
+            drafter.record(request, num_drafted, num_accepted)
+
+    def forget(self, request_id: str) -> None:
+        for drafter in self.drafters:
+            drafter.forget(request_id)
+
+    # ---- drafts computed elsewhere (drafter: model) -------------------------------------------
+    def take_calls(self) -> list[DraftCall]:
+        return [call for d in self.drafters if isinstance(d, ModelDrafter) for call in d.take_calls()]
+
+    def add_results(self, results: Sequence[DraftResult], running: Sequence[Request], target_step_s: float, now: float) -> None:
+        """Take answers in; a sequence waiting for one gets its drafts at once."""
+        by_id = {r.request_id: r for r in running}
+        for result in results:
+            drafter = self.drafters[result.drafter] if 0 <= result.drafter < len(self.drafters) else None
+            if not isinstance(drafter, ModelDrafter) or not drafter.add_result(result, now):
+                continue
+            request = by_id.get(result.sequence_id)
+            if request is not None and request.awaiting_draft:
+                drafter.propose(request, self._limit(request), len(running), target_step_s, now)
+
+    def expire(self, running: Sequence[Request], now: float) -> None:
+        """Sequences that waited their longest for drafts decode without them."""
+        for request in running:
+            drafter = self._drafter(request)
+            if request.awaiting_draft and isinstance(drafter, ModelDrafter):
+                drafter.expire(request, now)
+            elif request.awaiting_draft:
+                request.awaiting_draft = False
+
+    def next_deadline(self, running: Sequence[Request]) -> float | None:
+        """When the earliest waiting sequence stops waiting (None: none waits)."""
+        deadlines = [d.wait_deadline(r) for r in running if isinstance(d := self._drafter(r), ModelDrafter)]
+        deadlines = [t for t in deadlines if t is not None]
+        return min(deadlines) if deadlines else None
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _drafter(self, request: Request):
+        index = request.drafter
+        return self.drafters[index] if index is not None and 0 <= index < len(self.drafters) else None
+
     def _limit(self, request: Request) -> int:
         """The most drafts this request may take now (0: none)."""
-        if not request.speculate:
-            return 0
-        limit = min(self.config.num_speculative_tokens, request.sampling.max_tokens - request.num_output_tokens - 1,
+        config = self.configs[request.drafter]
+        limit = min(config.num_speculative_tokens, request.sampling.max_tokens - request.num_output_tokens - 1,
                     self.max_model_len - request.num_tokens - 1)
         return max(limit, 0)

@@ -76,6 +76,8 @@ class DraftPolicyConfig:
     probe_interval: int = 16  # steps at 0 before a probe
     max_probe_interval: int = 256
     probe_draft_tokens: int | None = None  # default: num_speculative_tokens
+    # A sequence with no history drafts num_speculative_tokens (False), or what its prior says pays (True).
+    start_from_prior: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_draft_tokens <= max(self.num_speculative_tokens, 1):
@@ -112,6 +114,10 @@ class DraftLengthPolicy:
             raise ValueError("need measured >= 0 and 0 < weight <= 1")
         self.cost_ratio = (1 - weight) * self.cost_ratio + weight * measured
 
+    def set_prior(self, acceptance: float) -> None:
+        """The acceptance rate sequences seen from now on start from (e.g. the drafter's rate so far)."""
+        self.config.prior_acceptance = min(max(acceptance, 0.0), 1.0)
+
     def acceptance(self, seq_id: Hashable) -> float:
         """The sequence's current acceptance-rate estimate (the prior before any draft)."""
         s = self._state(seq_id)
@@ -131,7 +137,7 @@ class DraftLengthPolicy:
         """How many tokens to draft for this sequence at this step (one call per sequence per step)."""
         cfg, s = self.config, self._state(seq_id)
         s.steps_since_record += 1
-        if not s.observed:
+        if not s.observed and not cfg.start_from_prior:
             return cfg.num_speculative_tokens
         k = self.best_length(s.successes / s.trials, batch_size)
         if k > 0:

@@ -103,6 +103,6 @@ def build_fake_core(config: ServedModelConfig) -> tuple[EchoCore, CoreInfo]:
     return EchoCore(), CoreInfo(config.model.name, tokenizer, MAX_MODEL_LEN, frozenset({EOS_TOKEN_ID}), 256, 0.0)
 
 
-def fake_model_server(config: ServedModelConfig, admit=None) -> ModelServer:
+def fake_model_server(config: ServedModelConfig, admit=None, draft_client=None) -> ModelServer:
     """The ``server_factory`` the fake app names: the real ModelServer on the fake model."""
-    return ModelServer(config, admit, build_core=build_fake_core)
+    return ModelServer(config, admit, build_core=build_fake_core, draft_client=draft_client)

@@ -1,0 +1,202 @@
+"""Drafts from a draft model served elsewhere (``drafter: model``): asked for without waiting, matched on arrival.
+
+The target's engine runs on its own thread and never blocks on a draft. After each step it decides, per
+decoding sequence, what to verify next (:meth:`ModelDrafter.propose`) and queues :class:`DraftCall` s that
+the serving side sends to the draft model's replica (``ModelServer.propose`` there); each answer comes
+back as a :class:`DraftResult` (:meth:`ModelDrafter.add_result`).
+
+What overlaps with what: when a sequence enters a step with drafts ``d1..dk``, it asks at once for the
+window after them, assuming the target keeps all of them: context + ``d1..dk``, ``k + 1`` tokens (the
+first is the draft's guess of the target's bonus token). So the draft replica drafts window i+1 while the
+target verifies window i; when the target keeps everything and its bonus token is the draft's guess,
+window i+1 is ready (or nearly) when step i ends. After a rejection, the pre-drafted window is dropped and
+the sequence asks again from where it stands; it then waits (it is not scheduled; the rest of the batch
+goes on) for at most ``max_draft_wait_ms``, after which it decodes a token without drafts.
+
+Matching, and why any arrival is safe to use: a result says "after output O, the draft model proposes
+t1..tn". When it arrives the sequence's output is O'. If O' = O + t1..tm (the target emitted exactly what
+the draft guessed so far), t(m+1).. are proposals for O'; otherwise they are dropped. The draft picks its
+tokens (its own greedy choice under the request's penalties) without ever seeing the target's random
+draws, and the target verifies them as one-hot drafts (``rejection.py``: accept x with probability p(x),
+else resample from p without x), which gives exactly the target's distribution for any such x. Output is
+therefore lossless whatever the timing, a lost call, or which replica answered.
+
+State that survives routing: every call carries the sequence's whole context (prompt and output), so a
+draft replica that never saw the sequence, or a restarted one, recomputes it (its prefix cache keeps the
+full blocks of a sequence's context between calls, wherever its calls land). A failed call makes the
+drafter stand down for a while (the draft replica is being replaced): sequences decode without drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from app.config import SpecConfig
+from app.engine.request import Request, SamplingParams
+from app.spec.policy import DraftLengthPolicy, DraftPolicyConfig
+from app.spec.stats import SpecDecodingStats
+
+_BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # pause after 1, 2, 3, 4+ consecutive failed calls
+_PRIOR_AFTER_DRAFTS = 8  # verified drafts before the drafter's own acceptance rate is every new sequence's prior
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """Ask the draft model for ``num_tokens`` proposals after ``prompt + output`` (plain data: crosses Ray)."""
+
+    call_id: int
+    drafter: int  # which of the target engine's drafters asks (engine.drafters index)
+    sequence_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # the output the draft assumes (the target's, plus drafts assumed kept)
+    num_tokens: int
+    sampling: SamplingParams  # the request's own: penalties and min_tokens shape the draft's choice too
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    call_id: int
+    drafter: int
+    sequence_id: str
+    token_ids: list[int]  # the proposals (empty on failure, or when the draft model could not draft)
+    elapsed_s: float = 0.0  # the call's round trip, as the target side measured it
+    error: str | None = None
+
+
+def draft_sampling(sampling: SamplingParams, num_output_tokens: int, num_tokens: int) -> SamplingParams:
+    """The draft model's sampling for a call: its greedy choice under the request's penalties and min_tokens."""
+    max_tokens = num_output_tokens + num_tokens
+    return dataclasses.replace(
+        sampling, temperature=0.0, seed=None, stop=(), logprobs=None, max_tokens=max_tokens,
+        min_tokens=min(sampling.min_tokens, max_tokens),
+    )
+
+
+@dataclass
+class _Sequence:
+    asked_id: int | None = None  # the newest call in flight
+    asked_base: list[int] | None = None  # the output that call assumes
+    arrived_base: list[int] | None = None  # the newest answer: proposals after this output ...
+    arrived: list[int] | None = None  # ... these
+    waiting_since: float | None = None
+    answered: int = 0  # calls answered so far
+
+
+class ModelDrafter:
+    """One target engine's drafts from one draft model: policy, counters, calls out, results in."""
+
+    def __init__(self, index: int, config: SpecConfig, max_model_len: int) -> None:
+        self.index = index
+        self.config = config
+        self.max_model_len = max_model_len
+        # A draft model costs a good part of a target step per token: a sequence starts speculating only where its
+        # prior (this drafter's acceptance so far) says it pays, and waits for each window (no free parallelism).
+        policy = DraftPolicyConfig(num_speculative_tokens=config.num_speculative_tokens, saturation_tokens=config.saturation_tokens,
+                                   start_from_prior=True)
+        self.policy = DraftLengthPolicy(policy)
+        self.stats = SpecDecodingStats.new(config.num_speculative_tokens)
+        self._seqs: dict[str, _Sequence] = {}
+        self._calls: list[DraftCall] = []
+        self._ids = itertools.count()
+        self._failures = 0
+        self._paused_until = 0.0
+        self.draft_s_per_token: float | None = None  # measured round trip per drafted token (EMA)
+
+    # ---- the engine's side ---------------------------------------------------------------------
+    def propose(self, request: Request, limit: int, batch_size: int, target_step_s: float, now: float) -> None:
+        """Give ``request`` its drafts for the next step (maybe none), and ask for those it will want after."""
+        if self.draft_s_per_token is not None and target_step_s > 0:
+            self.policy.update_cost_ratio(self.draft_s_per_token / target_step_s)
+        k = min(limit, self.policy.draft_length(request.request_id, batch_size)) if limit > 0 else 0
+        seq = self._seqs.setdefault(request.request_id, _Sequence())
+        drafts = self._usable(seq, request.output_token_ids)
+        request.spec_token_ids, request.awaiting_draft = [], False
+        if k == 0 or now < self._paused_until:
+            seq.waiting_since = None
+            return
+        if drafts:
+            request.spec_token_ids = drafts[:k]
+            seq.waiting_since = None
+            if self.config.draft_ahead:  # the overlap: draft the window after these while the target verifies them
+                self._ask(request, request.output_token_ids + request.spec_token_ids, k + 1)
+            return
+        if not _extends(request.output_token_ids, seq.asked_base):
+            self._ask(request, list(request.output_token_ids), k)
+        seq.waiting_since = seq.waiting_since if seq.waiting_since is not None else now
+        request.awaiting_draft = now - seq.waiting_since < self.config.max_draft_wait_ms / 1000
+
+    def add_result(self, result: DraftResult, now: float) -> bool:
+        """Take an answer in; True when it is the one its sequence is waiting for."""
+        seq = self._seqs.get(result.sequence_id)
+        if result.error is not None:
+            self._failures += 1
+            self._paused_until = now + _BACKOFF_S[min(self._failures, len(_BACKOFF_S)) - 1]
+        elif result.token_ids:
+            self._failures = 0
+            if seq is not None and seq.answered > 0:  # a first call also prefills the prompt: not the drafting cost
+                per_token = result.elapsed_s / len(result.token_ids)
+                self.draft_s_per_token = per_token if self.draft_s_per_token is None else 0.8 * self.draft_s_per_token + 0.2 * per_token
+        if seq is not None and result.error is None:
+            seq.answered += 1
+        if self.stats.num_drafts >= _PRIOR_AFTER_DRAFTS:  # new sequences start from what this drafter achieves
+            self.policy.set_prior(self.stats.acceptance_rate)
+        if seq is None or result.call_id != seq.asked_id:
+            return False  # a sequence that ended, or an answer overtaken by a newer call
+        seq.arrived_base, seq.arrived = seq.asked_base, list(result.token_ids)
+        seq.asked_id = seq.asked_base = None
+        return True
+
+    def expire(self, request: Request, now: float) -> None:
+        """A sequence that waited its longest for drafts decodes without them."""
+        seq = self._seqs.get(request.request_id)
+        if request.awaiting_draft and (seq is None or seq.waiting_since is None
+                                       or now - seq.waiting_since >= self.config.max_draft_wait_ms / 1000
+                                       or now < self._paused_until):
+            request.awaiting_draft = False
+
+    def wait_deadline(self, request: Request) -> float | None:
+        seq = self._seqs.get(request.request_id)
+        if not request.awaiting_draft or seq is None or seq.waiting_since is None:
+            return None
+        return seq.waiting_since + self.config.max_draft_wait_ms / 1000
+
+    def take_calls(self) -> list[DraftCall]:
+        calls, self._calls = self._calls, []
+        return calls
+
+    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        self.policy.record(request.request_id, num_drafted, num_accepted)
+        self.stats.observe_draft(num_drafted, num_accepted)
+
+    def forget(self, request_id: str) -> None:
+        self.policy.forget(request_id)
+        self._seqs.pop(request_id, None)
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _ask(self, request: Request, output: list[int], num_tokens: int) -> None:
+        num_tokens = min(num_tokens, self.max_model_len - request.num_prompt_tokens - len(output))
+        if num_tokens <= 0:
+            return
+        seq = self._seqs[request.request_id]
+        seq.asked_id, seq.asked_base = next(self._ids), output
+        self._calls.append(DraftCall(seq.asked_id, self.index, request.request_id, request.prompt_token_ids, output,
+                                     num_tokens, request.sampling))
+
+    def _usable(self, seq: _Sequence, output: list[int]) -> list[int]:
+        """The arrived proposals that continue ``output`` (see the module docstring); consumed once read."""
+        base, arrived = seq.arrived_base, seq.arrived
+        if base is None or arrived is None or not _extends(output, base):
+            return []
+        emitted = len(output) - len(base)
+        if output[len(base):] != arrived[:emitted]:
+            seq.arrived_base = seq.arrived = None
+            return []
+        seq.arrived_base = seq.arrived = None
+        return arrived[emitted:]
+
+
+def _extends(output: list[int], base: list[int] | None) -> bool:
+    """Whether ``output`` starts with ``base``."""
+    return base is not None and len(output) >= len(base) and output[: len(base)] == base
