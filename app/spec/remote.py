@@ -39,6 +39,7 @@ from app.spec.policy import DraftLengthPolicy, DraftPolicyConfig
 from app.spec.stats import SpecDecodingStats
 
 _BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # pause after 1, 2, 3, 4+ consecutive failed calls
+_FIRST_PRIOR = 0.8  # a draft model of the target's family agrees on most tokens (until measured otherwise)
 _PRIOR_AFTER_DRAFTS = 8  # verified drafts before the drafter's own acceptance rate is every new sequence's prior
 
 
@@ -94,7 +95,7 @@ class ModelDrafter:
         # A draft model costs a good part of a target step per token: a sequence starts speculating only where its
         # prior (this drafter's acceptance so far) says it pays, and waits for each window (no free parallelism).
         policy = DraftPolicyConfig(num_speculative_tokens=config.num_speculative_tokens, saturation_tokens=config.saturation_tokens,
-                                   start_from_prior=True)
+                                   start_from_prior=True, prior_acceptance=_FIRST_PRIOR)
         self.policy = DraftLengthPolicy(policy)
         self.stats = SpecDecodingStats.new(config.num_speculative_tokens)
         self._seqs: dict[str, _Sequence] = {}
@@ -107,8 +108,8 @@ class ModelDrafter:
     # ---- the engine's side ---------------------------------------------------------------------
     def propose(self, request: Request, limit: int, batch_size: int, target_step_s: float, now: float) -> None:
         """Give ``request`` its drafts for the next step (maybe none), and ask for those it will want after."""
-        if self.draft_s_per_token is not None and target_step_s > 0:
-            self.policy.update_cost_ratio(self.draft_s_per_token / target_step_s)
+        if self.draft_s_per_token is not None and target_step_s > 0:  # c, from the two measured averages
+            self.policy.cost_ratio = self.draft_s_per_token / target_step_s
         k = min(limit, self.policy.draft_length(request.request_id, batch_size)) if limit > 0 else 0
         seq = self._seqs.setdefault(request.request_id, _Sequence())
         drafts = self._usable(seq, request.output_token_ids)

@@ -1,5 +1,6 @@
-"""Speculative decoding inside the engine (n-gram drafts, lossless verification): a greedy request's output
-is exactly the target's own, alone and inside a batch, and speculation actually happens. (That sampled
+"""Speculative decoding in the engine (n-gram drafts, and a draft model's drafts as its replicas answer them;
+lossless verification): a greedy request's output is exactly the target's own, alone and inside a batch, and
+speculation actually happens. (That sampled
 outputs follow the target's distribution is tested on the rejection sampler: tests/unit/spec.)"""
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from app.config import SpecConfig
 from app.cpu.ops import unavailable_reason
 from app.engine import Request, SamplingParams
+from app.spec.remote import DraftResult, draft_sampling
 from tests.model.conftest import PROMPTS, greedy, make_engine, run_engine
 
 pytestmark = pytest.mark.model
@@ -96,3 +98,69 @@ def test_preemption_and_stop_conditions_with_speculation(loaded_fp32):
     stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_num_drafts"] > 0
     assert stats["kv_blocks_used"] == 0
+
+
+# ---- a draft model on other replicas (drafter: model), its calls answered here by a draft engine ----------------
+DRAFT_MODEL = SpecConfig(drafter="model", draft="draft", num_speculative_tokens=4)
+
+
+def _answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every: int) -> list[DraftResult]:
+    """What a draft replica answers (ModelServer.propose: the draft model's greedy tokens after each call's context),
+    with every ``corrupt_every``-th proposal replaced by a token the target will not choose, to force rejections."""
+    results = []
+    for call in calls:
+        request = Request(f"draft-{call.call_id}", call.prompt_token_ids,
+                          draft_sampling(call.sampling, len(call.output_token_ids), call.num_tokens), eos_token_ids,
+                          output_token_ids=list(call.output_token_ids), drafter=None, detokenize=False)
+        tokens = run_engine(draft_engine, [request])[request.request_id][len(call.output_token_ids):]
+        if corrupt_every:
+            tokens = [0 if (call.call_id + i) % corrupt_every == 0 else t for i, t in enumerate(tokens)]
+        results.append(DraftResult(call.call_id, call.drafter, call.sequence_id, tokens, elapsed_s=0.001))
+    return results
+
+
+def _run_with_draft_model(target, draft_engine, requests, eos_token_ids, corrupt_every: int = 3) -> dict[str, list]:
+    """Step the target; after each step answer its draft calls (a sequence waiting for drafts is not scheduled)."""
+    seen = {r.request_id: [] for r in requests}
+    target.add_requests(requests)
+    while target.has_unfinished_requests():
+        for output in target.step():
+            seen[output.request_id] += [(lp.token_id, lp.logprob) for lp in output.logprobs or []]
+        target.add_draft_results(_answer_draft_calls(draft_engine, target.take_draft_calls(), eos_token_ids, corrupt_every))
+    return seen
+
+
+def test_with_a_draft_model_inside_a_batch_of_16_no_token_changes(loaded_fp32, plain):
+    target = make_engine(loaded_fp32, max_model_len=512, speculative=DRAFT_MODEL)
+    draft_engine = make_engine(loaded_fp32, max_model_len=512)
+    got = _run_with_draft_model(target, draft_engine, _requests(loaded_fp32, PROMPTS, "p", logprobs=0), loaded_fp32.eos_token_ids)
+    assert [[t for t, _ in got[k]] for k in plain] == [[t for t, _ in plain[k]] for k in plain]
+    stats = target.stats()
+    assert stats["spec_num_accepted_tokens"] > 0  # drafts were kept ...
+    assert stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]  # ... and some rejected
+    assert stats["num_steps"] < NEW_TOKENS + 2
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_with_a_draft_model_each_of_16_prompts_alone_gives_the_targets_tokens(loaded_fp32, plain):
+    target = make_engine(loaded_fp32, max_model_len=512, speculative=DRAFT_MODEL)
+    draft_engine = make_engine(loaded_fp32, max_model_len=512)
+    for index in range(len(PROMPTS)):
+        [request] = _requests(loaded_fp32, [PROMPTS[index]], "p", logprobs=0)
+        request.request_id = f"p-{index}"
+        got = _run_with_draft_model(target, draft_engine, [request], loaded_fp32.eos_token_ids, corrupt_every=4)
+        assert [t for t, _ in got[request.request_id]] == [t for t, _ in plain[request.request_id]], PROMPTS[index]
+    assert target.stats()["spec_num_drafts"] >= len(PROMPTS)
+
+
+def test_with_a_draft_model_that_never_answers_the_target_decodes_on_alone(loaded_fp32, plain):
+    """Lost draft calls (a dead draft replica) cost time, never tokens: each wait ends after max_draft_wait_ms."""
+    target = make_engine(loaded_fp32, max_model_len=512, speculative=SpecConfig(drafter="model", draft="d", max_draft_wait_ms=1))
+    [request] = _requests(loaded_fp32, [PROMPTS[0]], "p", logprobs=0)
+    request.request_id = "p-0"
+    target.add_requests([request])
+    while target.has_unfinished_requests():
+        target.step()
+        target.take_draft_calls()  # sent nowhere
+    assert request.output_token_ids == [t for t, _ in plain["p-0"]]
+    assert target.stats()["spec_num_drafts"] == 0 and target.stats()["kv_blocks_used"] == 0

@@ -1,0 +1,135 @@
+"""Drafts from a draft model on other replicas (app/spec/remote.py): what is asked for, when an answer is used,
+what a sequence waits for, and what a failure does. No model: answers are written by hand."""
+
+import pytest
+
+from app.config import SpecConfig
+from app.engine.request import Request, SamplingParams
+from app.spec.remote import DraftResult, ModelDrafter, draft_sampling
+
+STEP_S = 0.02  # the target's one-token step, for the cost ratio
+
+
+def _drafter(**fields) -> ModelDrafter:
+    config = SpecConfig(drafter="model", draft="d", num_speculative_tokens=4, **fields)
+    return ModelDrafter(0, config, max_model_len=1000)
+
+
+def _request(output: list[int] | None = None, max_tokens: int = 100) -> Request:
+    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=max_tokens, temperature=0))
+    request.output_token_ids = list(output or [])
+    return request
+
+
+def _answer(drafter: ModelDrafter, tokens: list[int], now: float, elapsed_s: float = 0.01) -> DraftResult:
+    [call] = drafter.take_calls()
+    return DraftResult(call.call_id, 0, call.sequence_id, tokens, elapsed_s=elapsed_s)
+
+
+def test_a_new_sequence_asks_for_a_window_and_waits_for_it():
+    drafter, request = _drafter(), _request([7])
+    drafter.propose(request, limit=4, batch_size=1, target_step_s=STEP_S, now=0.0)
+    assert request.spec_token_ids == [] and request.awaiting_draft
+    [call] = drafter.take_calls()
+    assert (call.prompt_token_ids, call.output_token_ids, call.num_tokens) == ([1, 2, 3], [7], 4)
+    assert drafter.take_calls() == []  # asked once: a second call waits for this one
+
+
+def test_an_answer_for_where_the_sequence_stands_becomes_its_drafts_and_the_next_window_is_asked_ahead():
+    drafter, request = _drafter(), _request([7])
+    drafter.propose(request, 4, 1, STEP_S, 0.0)
+    assert drafter.add_result(_answer(drafter, [8, 9, 10, 11], 0.0), now=0.01)
+    drafter.propose(request, 4, 1, STEP_S, 0.01)
+    assert request.spec_token_ids == [8, 9, 10, 11] and not request.awaiting_draft
+    [ahead] = drafter.take_calls()  # drafted while the target verifies: assumes all four kept, one more token
+    assert ahead.output_token_ids == [7, 8, 9, 10, 11] and ahead.num_tokens == 5
+
+
+def test_an_answer_is_used_past_the_tokens_the_target_emitted_meanwhile_if_it_guessed_them():
+    drafter, request = _drafter(), _request([7])
+    drafter.propose(request, 4, 1, STEP_S, 0.0)
+    drafter.add_result(_answer(drafter, [8, 9, 10, 11], 0.0), now=0.01)
+    request.output_token_ids += [8, 9]  # the target moved on by two tokens, the ones the draft guessed
+    drafter.propose(request, 4, 1, STEP_S, 0.02)
+    assert request.spec_token_ids == [10, 11]
+
+
+def test_an_answer_that_the_target_contradicted_is_dropped_and_the_sequence_asks_again():
+    drafter, request = _drafter(), _request([7])
+    drafter.propose(request, 4, 1, STEP_S, 0.0)
+    drafter.add_result(_answer(drafter, [8, 9, 10, 11], 0.0), now=0.01)
+    request.output_token_ids += [8, 5]  # the target rejected the second draft token
+    drafter.propose(request, 4, 1, STEP_S, 0.02)
+    assert request.spec_token_ids == [] and request.awaiting_draft
+    [again] = drafter.take_calls()
+    assert again.output_token_ids == [7, 8, 5]
+
+
+def test_a_pre_drafted_window_after_a_rejection_is_never_used():
+    drafter, request = _drafter(), _request([7])
+    drafter.propose(request, 4, 1, STEP_S, 0.0)
+    drafter.add_result(_answer(drafter, [8, 9, 10, 11], 0.0), now=0.01)
+    drafter.propose(request, 4, 1, STEP_S, 0.01)  # verifying 8 9 10 11; window after them asked ahead
+    [ahead] = drafter.take_calls()
+    request.output_token_ids += [8, 9, 4]  # two kept, then the target's own token
+    drafter.propose(request, 4, 1, STEP_S, 0.05)  # a fresh call from where it stands supersedes the ahead one
+    [fresh] = drafter.take_calls()
+    assert fresh.output_token_ids == [7, 8, 9, 4]
+    late = DraftResult(ahead.call_id, 0, "r", [12, 13, 14, 15, 16], elapsed_s=0.01)
+    assert not drafter.add_result(late, now=0.06)  # overtaken: ignored
+    drafter.propose(request, 4, 1, STEP_S, 0.07)
+    assert request.spec_token_ids == []
+
+
+def test_a_sequence_waits_at_most_max_draft_wait_ms_then_decodes_without_drafts():
+    drafter, request = _drafter(max_draft_wait_ms=100), _request([7])
+    drafter.propose(request, 4, 1, STEP_S, 0.0)
+    assert request.awaiting_draft and drafter.wait_deadline(request) == pytest.approx(0.1)
+    drafter.expire(request, now=0.05)
+    assert request.awaiting_draft
+    drafter.expire(request, now=0.1)
+    assert not request.awaiting_draft
+
+
+def test_a_failed_call_stands_the_drafter_down_for_a_while():
+    drafter, request = _drafter(), _request([7])
+    drafter.propose(request, 4, 1, STEP_S, 0.0)
+    [call] = drafter.take_calls()
+    drafter.add_result(DraftResult(call.call_id, 0, "r", [], error="ActorDiedError: gone"), now=1.0)
+    drafter.expire(request, now=1.0)
+    assert not request.awaiting_draft  # decodes on without drafts
+    drafter.propose(request, 4, 1, STEP_S, 1.1)
+    assert request.spec_token_ids == [] and not request.awaiting_draft and drafter.take_calls() == []
+    drafter.propose(request, 4, 1, STEP_S, 5.0)  # the pause is over: it asks again
+    assert len(drafter.take_calls()) == 1
+
+
+def test_no_call_crosses_the_context_length():
+    drafter = ModelDrafter(0, SpecConfig(drafter="model", draft="d", num_speculative_tokens=4), max_model_len=6)
+    request = _request([7, 8])  # 5 tokens of 6
+    drafter.propose(request, limit=4, batch_size=1, target_step_s=STEP_S, now=0.0)
+    [call] = drafter.take_calls()
+    assert call.num_tokens == 1
+
+
+@pytest.mark.parametrize("draft_s_per_token, drafts", [(STEP_S, False), (STEP_S / 20, True)])
+def test_new_sequences_draft_only_while_the_measured_draft_cost_pays(draft_s_per_token, drafts):
+    drafter, first = _drafter(), _request([7])
+    drafter.propose(first, 4, 1, STEP_S, 0.0)
+    drafter.add_result(_answer(drafter, [8, 9, 10, 11], 0.0, elapsed_s=1.0), now=0.01)  # the first also prefilled
+    first.output_token_ids += [8, 9, 10, 11, 12]
+    drafter.propose(first, 4, 1, STEP_S, 0.02)
+    for call in drafter.take_calls():  # a second answer measures the drafting cost
+        drafter.add_result(DraftResult(call.call_id, 0, "r", [1, 1, 1, 1], elapsed_s=4 * draft_s_per_token), now=0.03)
+    fresh = _request([7])
+    fresh.request_id = "new"
+    drafter.propose(fresh, 4, 1, STEP_S, 1.0)
+    assert fresh.awaiting_draft == drafts and bool(drafter.take_calls()) == drafts
+
+
+def test_the_draft_model_drafts_its_greedy_choice_under_the_requests_penalties_and_min_tokens():
+    sampling = SamplingParams(max_tokens=50, temperature=0.8, top_p=0.9, seed=3, stop=("x",), logprobs=2,
+                              frequency_penalty=0.5, min_tokens=20)
+    draft = draft_sampling(sampling, num_output_tokens=10, num_tokens=4)
+    assert (draft.temperature, draft.seed, draft.stop, draft.logprobs) == (0.0, None, (), None)
+    assert (draft.max_tokens, draft.min_tokens, draft.frequency_penalty) == (14, 14, 0.5)
