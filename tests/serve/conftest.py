@@ -14,6 +14,7 @@ BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "smollm2-135m-instruct"
 GPTQ_MODEL = "smollm2-135m-instruct-gptq"
 GPTQ_NGRAM_MODEL = "smollm2-135m-instruct-gptq-ngram"  # the GPTQ model's engine, drafting by prompt lookup
+GPTQ_SPEC_MODEL = "smollm2-135m-instruct-spec"  # the GPTQ model's engine, verifying the embedded model's drafts
 
 FAKE_APP = "fake"
 FAKE_BASE = f"{BASE}/fake"

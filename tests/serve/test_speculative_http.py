@@ -1,5 +1,6 @@
-"""The speculative twin of the GPTQ model over HTTP: the same engine drafting by prompt lookup answers
-every greedy request exactly as the model without speculation, alone and inside a batch of 16."""
+"""The speculative twins of the GPTQ model over HTTP: the same engine drafting by prompt lookup (-ngram), or
+verifying what the embedded model drafts on the ingress's replica (-spec), answers every greedy request exactly
+as the model without speculation, alone and inside a batch of 16."""
 
 import asyncio
 
@@ -8,7 +9,7 @@ import pytest
 from ray import serve
 
 from tests.model.conftest import PROMPTS
-from tests.serve.conftest import BASE, GPTQ_MODEL, GPTQ_NGRAM_MODEL
+from tests.serve.conftest import BASE, GPTQ_MODEL, GPTQ_NGRAM_MODEL, GPTQ_SPEC_MODEL
 
 pytestmark = pytest.mark.serve
 
@@ -30,23 +31,29 @@ def _texts(answers: list[dict]) -> list[str]:
     return [a["choices"][0]["text"] for a in answers]
 
 
-def test_inside_a_batch_of_16_the_twin_answers_as_the_model_does(serve_app):
-    plain = asyncio.run(_complete_all(GPTQ_MODEL, PROMPTS))
-    before = serve.get_app_handle("default").model_stats.remote(GPTQ_MODEL).result()
-    speculative = asyncio.run(_complete_all(GPTQ_NGRAM_MODEL, PROMPTS))
-    after = serve.get_app_handle("default").model_stats.remote(GPTQ_NGRAM_MODEL).result()
-    assert _texts(speculative) == _texts(plain)
-    assert {a["model"] for a in speculative} == {GPTQ_NGRAM_MODEL} and {a["model"] for a in plain} == {GPTQ_MODEL}
+@pytest.fixture(scope="module")
+def plain_answers(serve_app) -> list[dict]:
+    return asyncio.run(_complete_all(GPTQ_MODEL, PROMPTS))
+
+
+@pytest.mark.parametrize("twin", [GPTQ_NGRAM_MODEL, GPTQ_SPEC_MODEL])
+def test_inside_a_batch_of_16_the_twin_answers_as_the_model_does(serve_app, plain_answers, twin):
+    handle = serve.get_app_handle("default")
+    before = handle.model_stats.remote(GPTQ_MODEL).result()["spec_by_name"][twin]
+    speculative = asyncio.run(_complete_all(twin, PROMPTS))
+    after = handle.model_stats.remote(GPTQ_MODEL).result()["spec_by_name"][twin]
+    assert _texts(speculative) == _texts(plain_answers)
+    assert {a["model"] for a in speculative} == {twin} and {a["model"] for a in plain_answers} == {GPTQ_MODEL}
     assert all(a["usage"]["completion_tokens"] == MAX_TOKENS for a in speculative)
-    assert after["spec_num_drafts"] > before["spec_num_drafts"]  # the twin drafted; the plain name never does
-    assert after["spec_num_accepted_tokens"] > before["spec_num_accepted_tokens"]
+    assert after["num_drafts"] > before["num_drafts"]  # the twin drafted; the plain name never does
+    assert after["num_accepted_tokens"] > before["num_accepted_tokens"]
 
 
-@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[12]])
-def test_alone_the_twin_answers_as_the_model_does(serve_app, prompt):
-    [plain] = asyncio.run(_complete_all(GPTQ_MODEL, [prompt]))
-    [speculative] = asyncio.run(_complete_all(GPTQ_NGRAM_MODEL, [prompt]))
-    assert speculative["choices"][0]["text"] == plain["choices"][0]["text"]
+@pytest.mark.parametrize("twin", [GPTQ_NGRAM_MODEL, GPTQ_SPEC_MODEL])
+def test_alone_the_twin_answers_each_of_16_prompts_as_the_model_does(serve_app, plain_answers, twin):
+    for prompt, plain in zip(PROMPTS, plain_answers):
+        [speculative] = asyncio.run(_complete_all(twin, [prompt]))
+        assert speculative["choices"][0]["text"] == plain["choices"][0]["text"], prompt
 
 
 def test_the_plain_name_is_never_drafted_for(serve_app):
