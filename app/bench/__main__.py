@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m app.bench {load,compare,engine,hf,quant,profile,gemm,kernel-pairs}`` (``make bench`` runs ``compare``
+"""Benchmarks: ``python -m app.bench {load,compare,engine,hf,quant,spec,profile,gemm,kernel-pairs}`` (``make bench`` runs ``compare``
 and ``hf``; ``make bench-quant`` runs ``quant``).
 
 - ``load``: drive an already running server (e.g. ``make serve``) with N concurrent streaming requests.
@@ -12,6 +12,9 @@ and ``hf``; ``make bench-quant`` runs ``quant``).
 - ``gemm``: the CPU fp32 Linear kernels (our AVX2 GEMM, oneDNN, torch) on the model's matrix shapes.
 - ``kernel-pairs``: decode steps with one of our small kernels (``--kernel norm``: RMSNorm; ``rotary``:
   RoPE) and with torch's ops, alternated inside one engine.
+- ``spec``: speculative decoding (n-gram drafts; the embedded model drafting for its GPTQ build) against the
+  same target alone, on chat and rewrite workloads at 1 and 8 streams: acceptance, speed-up, cost ratio, and
+  the Leviathan et al. prediction (app/bench/spec_bench.py). JSON plus a markdown file.
 - ``quant``: per quantization (none, bnb-int8, bnb-nf4, gptq) weight and resident memory, held-out
   perplexity and greedy agreement with bf16 (the fidelity report), then naive bf16 and batched
   bf16/int8/nf4/GPTQ served through HTTP on W1 (the comparison table). JSON plus a markdown file.
@@ -61,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         from app.bench.kernel_pairs import run_kernel_pairs
 
         result = run_kernel_pairs(spec, args.kernel, args.batches, _concrete_dtype(args.dtype), args.pairs, args.steps)
+    elif args.command == "spec":
+        from app.bench.spec_bench import run_spec_bench
+
+        result = run_spec_bench(args.max_tokens, tuple(args.concurrencies), args.num_speculative_tokens, args.dtype)
     elif args.command == "gemm":
         from app.bench.gemm import run_gemm_bench
 
@@ -71,14 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or RESULTS / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    if args.command == "quant":
-        from app.bench.quant import markdown
+    if args.command in ("quant", "spec"):
+        from app.bench.quant import markdown as quant_markdown
+        from app.bench.spec_bench import markdown as spec_markdown
 
-        out.with_suffix(".md").write_text(markdown(result) + "\n")
-        print(markdown(result))
+        table = (quant_markdown if args.command == "quant" else spec_markdown)(result)
+        out.with_suffix(".md").write_text(table + "\n")
+        print(table)
     elif args.command == "compare":
         print(format_table(result))
-    elif args.command not in ("profile", "gemm", "kernel-pairs"):  # these printed their own tables as they went
+    elif args.command not in ("profile", "gemm", "kernel-pairs", "spec"):  # these printed their own tables as they went
         print(json.dumps(result, indent=2))
     print(f"saved {out}")
     return 0
@@ -184,7 +193,7 @@ def _cpu_class() -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["load", "compare", "engine", "hf", "quant", "profile", "gemm", "kernel-pairs"])
+    parser.add_argument("command", choices=["load", "compare", "engine", "hf", "quant", "profile", "gemm", "kernel-pairs", "spec"])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="load: the server to drive")
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare: the app config to serve")
     parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])
@@ -213,6 +222,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--prompt-words", type=int, default=56)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrencies", type=int, nargs="+", default=[1, 8], help="spec: concurrent streams per run")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="spec: the longest draft")
     parser.add_argument("--out", default=None)
     return parser
 

@@ -1,0 +1,165 @@
+"""Speculative decoding against its target alone: ``python -m app.bench spec``.
+
+One target (the GPTQ build of the embedded model, as the default app serves it) in one engine, served under
+three names: alone, with n-gram drafts, and with the embedded model drafting on a model server of its own
+(``drafter: model``; the calls go to that server's engine as they would to its replica). Per drafter,
+workload and concurrency (1 and 8 streams), greedy, every request the same length:
+
+- output tok/s and the speed-up over the target alone in the same sitting;
+- acceptance rate a (accepted / drafted tokens), mean accepted length (1 + accepted / drafts), target
+  forward passes per emitted token (the target's steps over its tokens: 1.0 without speculation);
+- the draft/target cost ratio c: the draft's measured seconds per drafted token (a draft model: its own
+  single-stream decode, measured alone; n-gram: ~0) over the target's per-token step at that concurrency;
+- the Leviathan et al. prediction from a and c, E(a, k) / (1 + k c) with k the mean draft length, and the
+  measured speed-up over it (only meaningful where speculation ran: ``draft share`` = steps that drafted).
+
+Workloads: ``chat`` (short questions in the chat template) and ``rewrite`` (rewrite or extract a passage
+given in the prompt: the answer copies from the input, where prompt lookup shines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from app.api.protocol import ChatCompletionRequest
+from app.config import EngineConfig, ModelConfig, ServedModelConfig, SpecConfig
+from app.server import ModelServer
+from app.spec.policy import expected_tokens_per_step
+
+TARGET_SOURCE = "smollm2-135m-instruct-gptq"
+NGRAM, SPEC = "target-ngram", "target-spec"
+
+CHAT = [
+    "What is the capital of France? Answer in two sentences.",
+    "Give three tips for staying focused while studying.",
+    "Explain what a hash table is to a beginner.",
+    "Write a short poem about the sea.",
+    "Why is the sky blue?",
+    "Describe how to make a cup of tea.",
+    "What are the benefits of regular exercise?",
+    "Summarize the plot of Romeo and Juliet.",
+]
+PASSAGES = [
+    "The library opens at nine in the morning and closes at six in the evening. Visitors may borrow up to five books "
+    "for two weeks. Late returns cost ten cents per day. The reading room on the second floor is quiet at all times.",
+    "Our team meets every Monday at ten. Alice presents the weekly numbers, Bob reviews open tickets, and Carol plans "
+    "the next release. Meetings end at eleven. Notes are shared in the team folder by the end of the day.",
+    "To reset your password, open the settings page, choose security, and click reset password. A link is sent to "
+    "your email address. The link expires after thirty minutes. If it expires, request a new one from the same page.",
+    "The recipe needs two cups of flour, one cup of sugar, three eggs, and a spoon of butter. Mix the flour and sugar, "
+    "add the eggs one at a time, then the butter. Bake for forty minutes at one hundred and eighty degrees.",
+]
+REWRITE = [f"Rewrite the following text exactly, fixing nothing:\n\n{p}" for p in PASSAGES] + [
+    f"Copy the following notice word for word:\n\n{p}" for p in PASSAGES
+]
+WORKLOADS = {"chat": CHAT, "rewrite": REWRITE}
+
+
+def run_spec_bench(max_tokens: int = 96, concurrencies: tuple[int, ...] = (1, 8), num_speculative_tokens: int = 4,
+                   dtype: str = "auto") -> dict:
+    draft = ModelServer(ServedModelConfig(model=ModelConfig(dtype=dtype, max_model_len=2048)))
+    target_config = ServedModelConfig(
+        model=ModelConfig(source=TARGET_SOURCE, quantization="gptq", dtype=dtype, max_model_len=2048),
+        engine=EngineConfig(speculative=[
+            SpecConfig(drafter="ngram", num_speculative_tokens=num_speculative_tokens, served_name=NGRAM),
+            SpecConfig(drafter="model", draft="draft", num_speculative_tokens=num_speculative_tokens, served_name=SPEC),
+        ]),
+    )
+    target = ModelServer(target_config, draft_client=draft.propose)
+    try:
+        return asyncio.run(_measure(target, draft, max_tokens, concurrencies, num_speculative_tokens))
+    finally:
+        target.shutdown(timeout_s=5)
+        draft.shutdown(timeout_s=5)
+
+
+async def _measure(target: ModelServer, draft: ModelServer, max_tokens: int, concurrencies, k: int) -> dict:
+    alone = target.info.name
+    await _run(target, alone, CHAT[:2], 8, 2)  # warm-up: first steps of each shape pay one-time costs
+    await _run(target, NGRAM, REWRITE[:2], 16, 2)
+    await _run(target, SPEC, CHAT[:2], 16, 2)
+    draft_alone = await _run(draft, draft.info.name, CHAT[:4], max_tokens, 1)
+    draft_s_per_token = 1 / draft_alone["output_tok_per_s"]
+    result: dict = {"spec": {"target": TARGET_SOURCE, "draft": draft.info.name, "max_tokens": max_tokens,
+                             "num_speculative_tokens": k, "concurrencies": list(concurrencies)},
+                    "draft_single_stream_tok_per_s": draft_alone["output_tok_per_s"], "runs": []}
+    for workload, prompts in WORKLOADS.items():
+        for concurrency in concurrencies:
+            base = await _run(target, alone, prompts, max_tokens, concurrency)
+            target_s_per_token = 1 / base["output_tok_per_s"] * concurrency  # one stream's share of a step
+            for name, drafter in ((alone, "none"), (NGRAM, "ngram"), (SPEC, "model")):
+                run = base if name == alone else await _run(target, name, prompts, max_tokens, concurrency)
+                row = _row(workload, concurrency, drafter, run, base, k,
+                           draft_s_per_token / target_s_per_token if drafter == "model" else 0.0)
+                result["runs"].append(row)
+                print(_format_row(row), flush=True)
+    return result
+
+
+async def _run(server: ModelServer, model: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
+    """Every prompt once, ``concurrency`` at a time; tokens/s and the engine's counters over the run."""
+    before = server.engine.stats()
+    queue = list(prompts)
+    tokens = 0
+
+    async def worker():
+        nonlocal tokens
+        while queue:
+            prompt = queue.pop(0)
+            request = ChatCompletionRequest(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                                            min_tokens=max_tokens, temperature=0, ignore_eos=True)
+            answer = await server.serving.chat(request)
+            tokens += answer["usage"]["completion_tokens"]
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    after = server.engine.stats()
+    spec = _delta((after.get("spec_by_name") or {}).get(model, {}), (before.get("spec_by_name") or {}).get(model, {}))
+    return {"output_tok_per_s": round(tokens / wall, 2), "tokens": tokens, "wall_s": round(wall, 2),
+            "steps": after.get("num_steps", 0) - before.get("num_steps", 0), "spec": spec}
+
+
+def _delta(after: dict, before: dict) -> dict:
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    return {key: after.get(key, 0) - before.get(key, 0) for key in keys}
+
+
+def _row(workload: str, concurrency: int, drafter: str, run: dict, base: dict, k: int, cost_ratio: float) -> dict:
+    spec, tokens = run["spec"], max(run["tokens"], 1)
+    drafted, accepted, drafts = spec["num_draft_tokens"], spec["num_accepted_tokens"], spec["num_drafts"]
+    a = accepted / drafted if drafted else 0.0
+    mean_k = drafted / drafts if drafts else 0.0
+    predicted = expected_tokens_per_step(a, round(mean_k)) / (1 + mean_k * cost_ratio) if drafts else 1.0
+    speedup = run["output_tok_per_s"] / base["output_tok_per_s"]
+    return {
+        "workload": workload, "concurrency": concurrency, "drafter": drafter,
+        "output_tok_per_s": run["output_tok_per_s"], "speedup": round(speedup, 3),
+        "acceptance_rate": round(a, 3), "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
+        "mean_draft_length": round(mean_k, 2),
+        # each step is one forward pass for every running stream (all of them, but for the run's tail)
+        "target_passes_per_token": round(run["steps"] * concurrency / tokens, 3),
+        "draft_share": round(drafts / (run["steps"] * concurrency), 3) if run["steps"] else 0.0,
+        "cost_ratio": round(cost_ratio, 3),
+        "leviathan_speedup": round(predicted, 3),
+        "measured_over_predicted": round(speedup / predicted, 3) if drafts else None,
+    }
+
+
+def _format_row(row: dict) -> str:
+    return (f"{row['workload']:8s} c={row['concurrency']:<2d} {row['drafter']:6s} {row['output_tok_per_s']:7.1f} tok/s "
+            f"x{row['speedup']:.2f}  a={row['acceptance_rate']:.2f} len={row['mean_accepted_length']:.2f} "
+            f"passes/token={row['target_passes_per_token']:.2f} drafted {row['draft_share']:.0%} of steps "
+            f"c={row['cost_ratio']:.2f} leviathan x{row['leviathan_speedup']:.2f}")
+
+
+def markdown(result: dict) -> str:
+    rows = ["| workload | streams | drafter | tok/s | speed-up | acceptance | mean accepted length | target passes / token | "
+            "steps drafting | c | Leviathan | measured / Leviathan |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        ratio = "" if r["measured_over_predicted"] is None else r["measured_over_predicted"]
+        rows.append(f"| {r['workload']} | {r['concurrency']} | {r['drafter']} | {r['output_tok_per_s']} | {r['speedup']} | "
+                    f"{r['acceptance_rate']} | {r['mean_accepted_length']} | {r['target_passes_per_token']} | "
+                    f"{r['draft_share']} | {r['cost_ratio']} | {r['leviathan_speedup']} | {ratio} |")
+    return "\n".join(rows)
