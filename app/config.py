@@ -169,7 +169,10 @@ class EngineConfig:
     cpu_norm_kernel: str = "auto"  # fp32 RMSNorm on CPU: auto (ours where it builds and matches the model's) | torch
     cpu_rotary_kernel: str = "auto"  # fp32 RoPE in one-frame decoder layers: auto (ours where it gives the model's bits) | torch
     cpu_decoder_layer: str = "auto"  # packed CPU layers: auto (one-frame forward where it gives the module's bits) | torch
-    max_queued_requests: int = 1024  # beyond this, new requests get 503 instead of waiting forever
+    # Requests a replica holds waiting for a place in the running batch (beyond max_num_seqs running); one more
+    # gets 503 with Retry-After instead of waiting behind an ever longer queue (docs/configuration.md: Backpressure).
+    max_queued_requests: int = 64
+    max_queue_time_s: float = 0  # > 0: a request without its first token after this long ends with 503 (0: no deadline)
     # drafts verified in the next step (none by default): one drafter, or a list of them, each under its served_name
     speculative: SpecConfig | list[SpecConfig] = field(default_factory=SpecConfig)
 
@@ -184,6 +187,8 @@ class EngineConfig:
             raise ValueError(f"engine.max_stream_chunks_per_s must be a number >= 0, got {self.max_stream_chunks_per_s!r}")
         if not isinstance(self.batch_wait_timeout_s, (int, float)) or self.batch_wait_timeout_s < 0:
             raise ValueError(f"engine.batch_wait_timeout_s must be a number >= 0, got {self.batch_wait_timeout_s!r}")
+        if not isinstance(self.max_queue_time_s, (int, float)) or isinstance(self.max_queue_time_s, bool) or self.max_queue_time_s < 0:
+            raise ValueError(f"engine.max_queue_time_s must be a number >= 0 (0: no deadline), got {self.max_queue_time_s!r}")
         for name, choices in _CPU_CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"engine.{name} {getattr(self, name)!r} is not one of {', '.join(choices)}")
@@ -204,16 +209,32 @@ class ReplicaConfig:
     num_replicas: int | str = 1  # an integer, or "auto" to autoscale
     num_cpus: float = 1.0
     num_gpus: float | None = None  # None: 1 when the model's device resolves to cuda, else 0
-    max_ongoing_requests: int = 64
+    # What Serve hands one replica at a time. None: room for the engine's running batch, its queue and one
+    # admission window (max_num_seqs + engine.max_queued_requests + max_batch_size), so that past its bound
+    # the engine answers (503, Retry-After) rather than requests waiting in Serve's queue.
+    max_ongoing_requests: int | None = None
+    # Serve's queue at each caller (proxy, handles) for when no replica can take a request (all full, starting
+    # or being replaced); past it Serve answers 503 with Retry-After itself. -1: unbounded.
+    max_queued_requests: int = 64
     autoscaling_config: dict[str, Any] | None = None
+    # num_replicas auto: the engine's waiting + running sequences per replica the autoscaler aims at
+    # (deployments/autoscaling.py); Serve's ongoing requests against target_ongoing_requests where unreported.
+    target_queue_depth: float = 16
 
     def __post_init__(self) -> None:
         if self.num_replicas != "auto" and (not isinstance(self.num_replicas, int) or self.num_replicas < 1):
             raise ValueError(f"replica.num_replicas must be an integer >= 1 or 'auto', got {self.num_replicas!r}")
         if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
             raise ValueError("replica.num_cpus and replica.num_gpus must not be negative")
-        if not isinstance(self.max_ongoing_requests, int) or self.max_ongoing_requests < 1:
-            raise ValueError(f"replica.max_ongoing_requests must be an integer >= 1, got {self.max_ongoing_requests!r}")
+        if self.max_ongoing_requests is not None:
+            _require_int("replica.max_ongoing_requests", self.max_ongoing_requests, minimum=1)
+        if self.max_queued_requests != -1:
+            _require_int("replica.max_queued_requests (or -1: unbounded)", self.max_queued_requests, minimum=1)
+        if self.autoscaling_config is not None and not isinstance(self.autoscaling_config, dict):
+            raise ValueError("replica.autoscaling_config must be a mapping of Serve's autoscaling options (or null)")
+        if (not isinstance(self.target_queue_depth, (int, float)) or isinstance(self.target_queue_depth, bool)
+                or self.target_queue_depth <= 0):
+            raise ValueError(f"replica.target_queue_depth must be a number > 0, got {self.target_queue_depth!r}")
 
 
 SAMPLING_DEFAULT_KEYS = (
@@ -250,13 +271,16 @@ class ServedModelConfig:
         unknown = sorted(set(self.default_sampling) - set(SAMPLING_DEFAULT_KEYS))
         if unknown:
             raise ValueError(f"default_sampling: unknown key(s) {', '.join(unknown)} (known: {', '.join(SAMPLING_DEFAULT_KEYS)})")
+        if self.replica.max_ongoing_requests is None:
+            engine = self.engine
+            self.replica.max_ongoing_requests = engine.max_num_seqs + engine.max_queued_requests + engine.max_batch_size
         # Each request is one ongoing request at the replica while it streams; a smaller cap than the
         # batch window would make Serve hold back requests the batcher is waiting for.
         if self.engine.batching != "none" and self.replica.max_ongoing_requests < self.engine.max_batch_size:
             raise ValueError(
                 f"replica.max_ongoing_requests ({self.replica.max_ongoing_requests}) must be at least "
                 f"engine.max_batch_size ({self.engine.max_batch_size}), or Serve silently caps every batch; "
-                "raise max_ongoing_requests (ideally to engine.max_num_seqs) or lower max_batch_size"
+                "raise max_ongoing_requests (or leave it unset: batch, queue and one window) or lower max_batch_size"
             )
 
 

@@ -125,9 +125,11 @@ class ModelServer:
 
 def _front_options(config: ServedModelConfig) -> dict:
     return {
-        "max_queued_requests": config.engine.max_queued_requests,
+        # all a replica holds: its running batch and the requests waiting for a place in it
+        "max_queued_requests": config.engine.max_num_seqs + config.engine.max_queued_requests,
         "stream_interval_s": config.engine.stream_interval_ms / 1000,
         "max_stream_chunks_per_s": config.engine.max_stream_chunks_per_s,
+        "max_queue_time_s": config.engine.max_queue_time_s,
     }
 
 

@@ -18,12 +18,15 @@ from typing import Any
 from ray.serve import Application
 
 from app.config import AppConfig, ServedModelConfig
+from deployments.autoscaling import POLICY_PATH
 from deployments.drafting import INGRESS_DEPLOYMENT
 from deployments.ingress import OpenAIIngress
+from deployments.routing import SEQUENCE_AFFINITY_ROUTER
 from deployments.replica import LLMServer
 
 DEFAULT_AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16}
 ROUTER_MAX_ONGOING_REQUESTS = 1000  # a router that hosts no model only relays: its limit is the models'
+RETRY_AFTER_S = 1  # Serve's own 503 (its queue at a caller is full) tells clients when to come back, as ours do
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -34,11 +37,11 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     extra = {"server_factory": factory} if factory is not None else {}  # unset: the replica's default, the real model
     local = config.models[0] if config.ingress_hosts_first_model else None
     remote = [served for served in config.models if served is not local]
-    bound = [LLMServer.options(**replica_options(served)).bind(served, **extra, **drafts(config, served, local))
+    bound = [LLMServer.options(**replica_options(served), **affinity(config, served)).bind(served, **extra, **drafts(config, served, local))
              for served in remote]
     servers = [server for server, served in zip(bound, remote) for _ in served.served_names]
     names = [name for served in remote for name in served.served_names]
-    ingress = OpenAIIngress.options(**ingress_options(config, local))
+    ingress = OpenAIIngress.options(**ingress_options(config, local), **(affinity(config, local) if local is not None else {}))
     local_drafts = drafts(config, local, local) if local is not None else {}
     return ingress.bind(servers, names, config.max_request_bytes, local=local, **extra, **local_drafts)
 
@@ -52,13 +55,24 @@ def drafts(config: AppConfig, served: ServedModelConfig, local: ServedModelConfi
     return {"draft_deployments": deployments} if deployments else {}
 
 
+def affinity(config: AppConfig, served: ServedModelConfig) -> dict[str, Any]:
+    """A draft model's deployment keeps each sequence's draft calls on one replica (deployments/routing.py)."""
+    drafting = {spec.draft for m in config.models for spec in m.engine.drafters if spec.drafter == "model"}
+    return {"request_router_config": {"request_router_class": SEQUENCE_AFFINITY_ROUTER}} if served.model.name in drafting else {}
+
+
 def ingress_options(config: AppConfig, local: ServedModelConfig | None) -> dict[str, Any]:
     """A router's options, or those of the model it hosts; its request limit also covers what it relays."""
+    # Serve's queue in front of the ingress (at the HTTP proxy) holds requests for every model
+    queued = [served.replica.max_queued_requests for served in config.models]
+    max_queued = -1 if -1 in queued else sum(queued)
     if local is None:
-        return {"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": ROUTER_MAX_ONGOING_REQUESTS}
+        return {"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": ROUTER_MAX_ONGOING_REQUESTS,
+                **_backpressure(max_queued)}
     options = {key: value for key, value in replica_options(local).items() if key != "name"}
     relayed = sum(served.replica.max_ongoing_requests for served in config.models if served is not local)
     options["max_ongoing_requests"] += relayed
+    options.update(_backpressure(max_queued))
     return options
 
 
@@ -70,12 +84,27 @@ def replica_options(served: ServedModelConfig) -> dict[str, Any]:
         "name": deployment_name(served.model.name),
         "ray_actor_options": {"num_cpus": replica.num_cpus, "num_gpus": num_gpus},
         "max_ongoing_requests": replica.max_ongoing_requests,
+        **_backpressure(replica.max_queued_requests),
     }
     if replica.num_replicas == "auto" or replica.autoscaling_config:
-        options["autoscaling_config"] = {**DEFAULT_AUTOSCALING, **(replica.autoscaling_config or {})}
+        options["autoscaling_config"] = autoscaling_config(served)
     else:
         options["num_replicas"] = replica.num_replicas
     return options
+
+
+def autoscaling_config(served: ServedModelConfig) -> dict[str, Any]:
+    """Serve's autoscaling_config: the defaults, the config's own keys, and (unless it names a policy of its
+    own) the policy that scales on the engines' queue depth (deployments/autoscaling.py)."""
+    replica = served.replica
+    policy = {"policy_function": POLICY_PATH, "policy_kwargs": {"target_queue_depth": replica.target_queue_depth}}
+    return {**DEFAULT_AUTOSCALING, "policy": policy, **(replica.autoscaling_config or {})}
+
+
+def _backpressure(max_queued_requests: int) -> dict[str, Any]:
+    """Serve's bound on its queue at each caller; past it Serve answers 503 with Retry-After (docs/configuration.md)."""
+    return {"max_queued_requests": max_queued_requests,
+            "backpressure_config": {"status_code": 503, "retry_after_s": RETRY_AFTER_S}}
 
 
 def deployment_name(model_name: str) -> str:

@@ -33,6 +33,7 @@ from app.metrics import render
 from app.server import ModelServer
 from app.spec.remote import DraftCall, DraftResult
 from deployments.admission import HostedModel, ServerFactory
+from deployments.autoscaling import engine_queue_depth
 from deployments.ray_metrics import RAY_METRICS_INTERVAL_S, RayMetricsExporter
 from deployments.replica import MODEL_REPLICA_OPTIONS
 from deployments.routes import LocalModel, RemoteModel
@@ -164,6 +165,11 @@ class OpenAIIngress:
                 RayMetricsExporter().run_periodically(hosted.metrics, interval_s=RAY_METRICS_INTERVAL_S))
         self._default_model = next(iter(self._routes))
         self._max_request_bytes = max_request_bytes
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's hook (autoscaled deployments): the hosted model's queue depth, for deployments/autoscaling.py
+        (a router reports nothing: Serve's ongoing requests decide)."""
+        return engine_queue_depth(self._hosted.stats()) if self._hosted is not None else {}
 
     def check_health(self) -> None:
         """Serve replaces this replica when the model it hosts can no longer serve (its engine died)."""

@@ -21,6 +21,7 @@ from app.config import ServedModelConfig
 from app.server import ModelServer
 from app.spec.remote import DraftCall, DraftResult
 from deployments.admission import HostedModel, ServerFactory
+from deployments.autoscaling import engine_queue_depth
 from deployments.ray_metrics import RAY_METRICS_INTERVAL_S, RayMetricsExporter
 
 # What a model-hosting replica tells Serve: health probes and a drain window for requests in flight.
@@ -68,6 +69,10 @@ class LLMServer:
 
     def stats(self) -> dict:
         return self._model.stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's hook (autoscaled deployments): this replica's queue depth, for deployments/autoscaling.py."""
+        return engine_queue_depth(self._model.stats())
 
     def metrics(self) -> dict[str, dict]:
         return self._server.metrics()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.engine.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
+from app.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineQueueTimeoutError, RequestFailedError
 
 _TYPES = {
     400: "invalid_request_error",
@@ -76,6 +76,8 @@ def _cause_chain(exc: BaseException) -> list[BaseException]:
 
 def _server_failure(chain: list[BaseException]) -> tuple[int, str, str]:
     innermost = chain[-1]
+    if isinstance(innermost, EngineQueueTimeoutError):  # our own words, written for clients
+        return 503, str(innermost), "queue_timeout"
     if isinstance(innermost, EngineOverloadedError):  # our own words, written for clients
         return 503, str(innermost), "overloaded"
     class_names = {cls.__name__ for exc in chain for cls in type(exc).__mro__}

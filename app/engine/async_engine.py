@@ -40,6 +40,10 @@ class EngineOverloadedError(RuntimeError):
     """The engine's queue is full; the caller should retry later (HTTP 503)."""
 
 
+class EngineQueueTimeoutError(EngineOverloadedError):
+    """A request had no first token within ``max_queue_time_s``; the caller should retry later (HTTP 503)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an unrecoverable error; the replica must be replaced."""
 
@@ -101,11 +105,13 @@ class AsyncEngine:
         max_queued_requests: int = 1024,
         stream_interval_s: float = 0.0,
         max_stream_chunks_per_s: float = 0.0,
+        max_queue_time_s: float = 0.0,
         draft_client: DraftClient | None = None,
     ) -> None:
         self._draft_client = draft_client
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, where draft calls are awaited
         self._max_queued = max_queued_requests
+        self._max_queue_time_s = max_queue_time_s  # > 0: the deadline of a request's first token
         self._stream_interval_s = stream_interval_s
         self._max_chunk_rate = max_stream_chunks_per_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -132,8 +138,11 @@ class AsyncEngine:
         """Stream the outputs of ``request``; leaving the loop early (cancel, disconnect) aborts it.
 
         ``admit`` hands the request to the engine (default: at once, alone); the replica passes its
-        ``@serve.batch`` window, which gathers concurrent arrivals into one group.
+        ``@serve.batch`` window, which gathers concurrent arrivals into one group. With ``max_queue_time_s``,
+        a request with no first token that long after it came here ends with EngineQueueTimeoutError (and
+        leaves the engine); a request that has had its first token is never timed out.
         """
+        arrived = time.monotonic()
         self._check_accepting()
         self._loop = self._loop or asyncio.get_running_loop()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -148,8 +157,10 @@ class AsyncEngine:
             else:
                 await admit(request)
             carry = None  # an exception read while merging, raised on the next turn
+            deadline = arrived + self._max_queue_time_s if self._max_queue_time_s > 0 else None
             while not finished:
-                item = carry if carry is not None else await stream.queue.get()
+                item = carry if carry is not None else await self._next_output(stream.queue, deadline)
+                deadline = None  # only the first token has a deadline: from then on the request is in the batch
                 item, carry = _merge_ready(item, stream.queue)
                 if isinstance(item, BaseException):
                     raise item
@@ -165,6 +176,17 @@ class AsyncEngine:
                 self._streams.pop(request.request_id, None)
             if not finished:
                 self.abort(request.request_id)
+
+    async def _next_output(self, outputs: asyncio.Queue, deadline: float | None):
+        if deadline is None:
+            return await outputs.get()
+        try:
+            return await asyncio.wait_for(outputs.get(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise EngineQueueTimeoutError(
+                f"no place for this request on the replica within {self._max_queue_time_s:g} s "
+                "(engine.max_queue_time_s); retry later"
+            ) from None
 
     def _chunk_pause_s(self) -> float:
         """How long a stream lets tokens gather after sending a chunk (0 for a lone request).
@@ -233,7 +255,8 @@ class AsyncEngine:
             raise EngineOverloadedError("the replica is shutting down; retry on another replica")
         if self.num_unfinished >= self._max_queued:
             raise EngineOverloadedError(
-                f"the replica already holds {self._max_queued} requests (engine.max_queued_requests); retry later"
+                f"the replica already holds {self._max_queued} requests, all its batch and queue take "
+                "(engine.max_num_seqs + engine.max_queued_requests); retry later"
             )
 
     # ---- engine thread ------------------------------------------------------------------

@@ -53,18 +53,32 @@ class ByteTokenizer:
 
 
 class EchoCore(CountingCore):
-    """An engine core that answers each request with its own prompt, one byte per step."""
+    """An engine core that answers each request with its own prompt, one byte per step.
 
-    def __init__(self) -> None:
+    As the real engine, it runs at most ``max_running`` requests (engine.max_num_seqs) at a time, in arrival
+    order; the others wait for a place.
+    """
+
+    def __init__(self, max_running: int = 64) -> None:
         super().__init__()
         self.num_finished = 0
+        self.max_running = max_running
+
+    @property
+    def num_running(self) -> int:
+        return min(len(self.requests), self.max_running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.requests) - self.num_running
 
     def stats(self) -> dict:
-        return {"num_running": self.num_running, "num_finished": self.num_finished, "num_aborted": len(self.aborted)}
+        return {"num_running": self.num_running, "num_waiting": self.num_waiting, "num_finished": self.num_finished,
+                "num_aborted": len(self.aborted)}
 
     def step(self) -> list[RequestOutput]:
         time.sleep(STEP_S)
-        return [self._next_byte(request) for request in list(self.requests.values())]
+        return [self._next_byte(request) for request in list(self.requests.values())[:self.max_running]]
 
     def _next_byte(self, request) -> RequestOutput:
         prompt = request.prompt_token_ids
@@ -100,7 +114,7 @@ class EchoCore(CountingCore):
 
 def build_fake_core(config: ServedModelConfig) -> tuple[EchoCore, CoreInfo]:
     tokenizer = ByteTokenizer()
-    return EchoCore(), CoreInfo(config.model.name, tokenizer, MAX_MODEL_LEN, frozenset({EOS_TOKEN_ID}), 256, 0.0)
+    return EchoCore(config.engine.max_num_seqs), CoreInfo(config.model.name, tokenizer, MAX_MODEL_LEN, frozenset({EOS_TOKEN_ID}), 256, 0.0)
 
 
 def fake_model_server(config: ServedModelConfig, admit=None, draft_client=None) -> ModelServer:

@@ -73,3 +73,34 @@ class SlowCountingCore(CountingCore):
 
         time.sleep(0.005)
         return super().step()
+
+
+class QueueingCore(SlowCountingCore):
+    """Runs at most ``max_running`` requests at a time, in arrival order (as max_num_seqs bounds the real
+    engine's batch); the others wait for a place."""
+
+    def __init__(self, max_running=1):
+        super().__init__()
+        self.max_running = max_running
+
+    @property
+    def num_running(self):
+        return min(len(self.requests), self.max_running)
+
+    @property
+    def num_waiting(self):
+        return len(self.requests) - self.num_running
+
+    def stats(self):
+        return {"num_running": self.num_running, "num_waiting": self.num_waiting}
+
+    def step(self):
+        import time
+
+        time.sleep(0.005)
+        running = dict(list(self.requests.items())[:self.max_running])
+        waiting = {rid: request for rid, request in self.requests.items() if rid not in running}
+        self.requests = running
+        outputs = CountingCore.step(self)
+        self.requests.update(waiting)
+        return outputs

@@ -1,0 +1,135 @@
+"""The queue-depth autoscaling policy on synthetic contexts (no cluster), and the options the builder gives Serve."""
+
+import pytest
+from ray.serve._private.common import DeploymentID, ReplicaID
+from ray.serve.autoscaling_policy import _apply_autoscaling_config
+from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+from app.config import AppConfig, ReplicaConfig
+from deployments.autoscaling import POLICY_PATH, QUEUE_DEPTH_METRIC, QueueDepthPolicy, engine_queue_depth
+from deployments.builder import ingress_options, replica_options
+
+DEPLOYMENT = DeploymentID(name="LLMServer:m", app_name="default")
+REPLICAS = [ReplicaID(unique_id=f"r{i}", deployment_id=DEPLOYMENT) for i in range(4)]
+
+
+def context(depths=None, replicas=1, target=None, ongoing=0.0, queued=0.0, state=None, **config) -> AutoscalingContext:
+    """``depths``: each running replica's reported queue depth (None: no replica reports the metric)."""
+    running = REPLICAS[:replicas]
+    metrics = {} if depths is None else {QUEUE_DEPTH_METRIC: dict(zip(running, depths))}
+    autoscaling = AutoscalingConfig(**{"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 2,
+                                       "upscale_delay_s": 0, "downscale_delay_s": 0, **config})
+    return AutoscalingContext(
+        deployment_id=DEPLOYMENT, deployment_name=DEPLOYMENT.name, app_name=DEPLOYMENT.app_name,
+        current_num_replicas=replicas, target_num_replicas=replicas if target is None else target, running_replicas=running,
+        total_num_requests=ongoing, total_queued_requests=queued, aggregated_metrics=metrics, raw_metrics={},
+        capacity_adjusted_min_replicas=autoscaling.min_replicas, capacity_adjusted_max_replicas=autoscaling.max_replicas,
+        policy_state=dict(state or {}), last_scale_up_time=None, last_scale_down_time=None, current_time=0.0,
+        config=autoscaling,
+    )
+
+
+def decide(policy, ctx) -> tuple[int, dict]:
+    """What Serve's controller does with a custom policy: its factors and delays around it."""
+    return _apply_autoscaling_config(policy)(ctx)
+
+
+def test_a_replica_reports_its_engines_waiting_and_running_sequences():
+    assert engine_queue_depth({"num_running": 5, "num_waiting": 3, "kv_usage": 0.5, "ready": True}) == {QUEUE_DEPTH_METRIC: 8.0}
+    assert engine_queue_depth({"num_running": 2}) == {QUEUE_DEPTH_METRIC: 2.0}  # a core without a queue
+
+
+@pytest.mark.parametrize("depths, queued, expected", [
+    ([4.0], 0, 1.0),  # at the target
+    ([12.0], 0, 3.0),  # three replicas' worth
+    ([6.0, 2.0], 0, 2.0),  # the sum over replicas counts, not each one
+    ([3.0], 5.0, 2.0),  # requests queued at callers for want of a replica are load too
+    ([0.0, 0.0], 0, 1.0),  # idle: min_replicas
+    ([100.0], 0, 4.0),  # never beyond max_replicas
+])
+def test_the_policy_asks_for_the_replicas_the_queue_depth_needs(depths, queued, expected):
+    desired, state = QueueDepthPolicy(target_queue_depth=4)(context(depths, replicas=len(depths), queued=queued))
+    assert desired == expected and state["signal"] == QUEUE_DEPTH_METRIC
+
+
+def test_without_the_metric_serve_s_ongoing_requests_decide():
+    policy = QueueDepthPolicy(target_queue_depth=4)
+    desired, state = policy(context(None, replicas=2, ongoing=6.0))  # target_ongoing_requests 2
+    assert desired == 3.0 and state == {"signal": "ongoing_requests", "load": 6.0}
+    # a replica that has not reported yet (just started) adds nothing; the others' depths still decide
+    desired, _ = policy(context([8.0], replicas=2, ongoing=100.0))
+    assert desired == 2.0
+
+
+def test_scaling_up_waits_upscale_delay_s_and_down_downscale_delay_s(monkeypatch):
+    import ray.serve.autoscaling_policy as serve_policy
+
+    now = [1000.0]
+    monkeypatch.setattr(serve_policy.time, "time", lambda: now[0])
+    policy = QueueDepthPolicy(target_queue_depth=2)
+    busy = dict(depths=[8.0], replicas=1, upscale_delay_s=1.0, downscale_delay_s=3.0)
+    replicas, state = decide(policy, context(**busy))
+    assert replicas == 1  # wants 4, but the delay has only begun
+    now[0] += 0.5
+    replicas, state = decide(policy, context(**busy, state=state))
+    assert replicas == 1
+    now[0] += 0.6
+    replicas, state = decide(policy, context(**busy, state=state))
+    assert replicas == 4  # 1.1 s of consistent wish: scaled, to what the load needs
+    quiet = dict(depths=[1.0, 0.0, 0.0, 0.0], replicas=4, upscale_delay_s=1.0, downscale_delay_s=3.0)
+    for _ in range(3):  # quiet at t, t + 1, t + 2: not yet
+        now[0] += 1.0
+        replicas, state = decide(policy, context(**quiet, state=state))
+        assert replicas == 4
+    now[0] += 1.05
+    replicas, state = decide(policy, context(**quiet, state=state))
+    assert replicas == 1  # 3.05 s of consistent wish
+
+
+def test_a_short_spike_does_not_scale_up(monkeypatch):
+    import ray.serve.autoscaling_policy as serve_policy
+
+    now = [1000.0]
+    monkeypatch.setattr(serve_policy.time, "time", lambda: now[0])
+    policy = QueueDepthPolicy(target_queue_depth=2)
+    replicas, state = decide(policy, context([8.0], upscale_delay_s=2.0))
+    now[0] += 1.0
+    replicas, state = decide(policy, context([1.0], upscale_delay_s=2.0, state=state))  # the spike is gone
+    now[0] += 1.5
+    replicas, state = decide(policy, context([8.0], upscale_delay_s=2.0, state=state))  # a new one starts the delay over
+    assert replicas == 1
+
+
+def test_the_target_must_be_positive():
+    with pytest.raises(ValueError, match="target_queue_depth"):
+        QueueDepthPolicy(target_queue_depth=0)
+    with pytest.raises(ValueError, match="replica.target_queue_depth"):
+        ReplicaConfig(target_queue_depth=-1)
+    with pytest.raises(ValueError, match="replica.max_queued_requests"):
+        ReplicaConfig(max_queued_requests=0)
+
+
+def test_num_replicas_auto_gives_serve_the_queue_depth_policy():
+    served = AppConfig.from_dict({"models": [{"replica": {"num_replicas": "auto", "target_queue_depth": 3,
+                                                          "autoscaling_config": {"max_replicas": 2, "upscale_delay_s": 1}}}]}).models[0]
+    options = replica_options(served)
+    assert "num_replicas" not in options
+    config = AutoscalingConfig(**options["autoscaling_config"])  # what Serve builds from it
+    assert (config.min_replicas, config.max_replicas, config.upscale_delay_s) == (1, 2, 1)
+    assert config.policy.policy_function == POLICY_PATH and config.policy.policy_kwargs == {"target_queue_depth": 3}
+    assert config.policy.get_policy() is QueueDepthPolicy
+    # a config that names its own policy keeps it
+    own = {"policy": {"policy_function": "ray.serve.autoscaling_policy:default_autoscaling_policy"}}
+    served = AppConfig.from_dict({"models": [{"replica": {"num_replicas": "auto", "autoscaling_config": own}}]}).models[0]
+    assert AutoscalingConfig(**replica_options(served)["autoscaling_config"]).policy.is_default_policy_function()
+
+
+def test_the_ingress_hosting_the_first_model_scales_as_that_model():
+    config = AppConfig.from_dict({"models": [{"replica": {"num_replicas": "auto"}}, {"model": "other"}]})
+    options = ingress_options(config, config.models[0])
+    assert options["autoscaling_config"]["policy"]["policy_function"] == POLICY_PATH
+
+
+def test_the_default_cpu_config_fits_two_replicas_of_each_model_on_two_cores():
+    config = AppConfig.from_args({"config": "configs/smollm2-cpu.yaml"})
+    assert sum(2 * served.replica.num_cpus for served in config.models) <= 2

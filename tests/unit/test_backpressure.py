@@ -1,0 +1,82 @@
+"""Backpressure in the engine front: a bounded wait for a place in the batch, a deadline on the first token."""
+
+import asyncio
+import json
+
+import pytest
+
+from app.api.errors import to_api_error
+from app.config import EngineConfig, ReplicaConfig, ServedModelConfig
+from app.engine import AsyncEngine, EngineOverloadedError, Request, SamplingParams
+from app.engine.async_engine import EngineQueueTimeoutError
+from tests.unit.fakes import QueueingCore
+
+
+def _request(rid, max_tokens=3):
+    return Request(rid, [1], SamplingParams(max_tokens=max_tokens))
+
+
+async def _collect(engine, rid, max_tokens):
+    return [t async for o in engine.generate(_request(rid, max_tokens)) for t in o.new_token_ids]
+
+
+async def test_a_request_without_a_place_in_time_ends_with_a_queue_timeout_and_leaves_the_engine():
+    core = QueueingCore(max_running=1)
+    engine = AsyncEngine(lambda: core, max_queue_time_s=0.2)
+    running = asyncio.ensure_future(_collect(engine, "long", max_tokens=100))  # ~0.5 s alone in the batch
+    await asyncio.sleep(0.05)
+    waiting = engine.generate(_request("late"))
+    with pytest.raises(EngineQueueTimeoutError, match="engine.max_queue_time_s"):
+        await waiting.__anext__()
+    for _ in range(100):
+        if "late" in core.aborted:
+            break
+        await asyncio.sleep(0.01)
+    assert "late" in core.aborted and "late" not in core.requests
+    assert await running == list(range(100))  # the running request is untouched and complete
+    engine.shutdown(1)
+
+
+async def test_a_request_past_its_first_token_is_never_timed_out():
+    engine = AsyncEngine(lambda: QueueingCore(max_running=1), max_queue_time_s=0.05)
+    assert await _collect(engine, "slow", max_tokens=60) == list(range(60))  # ~0.3 s, six deadlines long
+    engine.shutdown(1)
+
+
+async def test_a_replica_holds_its_batch_and_its_queue_and_refuses_one_more():
+    from app.server import _front_options
+
+    config = ServedModelConfig(engine=EngineConfig(max_num_seqs=2, max_queued_requests=2, max_batch_size=2))
+    options = _front_options(config)
+    assert options["max_queued_requests"] == 4  # 2 running + 2 waiting for a place
+    engine = AsyncEngine(lambda: QueueingCore(max_running=2), max_queued_requests=options["max_queued_requests"])
+    admitted = [asyncio.ensure_future(_collect(engine, f"r{i}", max_tokens=40)) for i in range(4)]  # a burst: all at once
+    await asyncio.sleep(0.05)
+    with pytest.raises(EngineOverloadedError, match="engine.max_queued_requests"):
+        await engine.generate(_request("one-too-many")).__anext__()
+    assert [len(tokens) for tokens in await asyncio.gather(*admitted)] == [40] * 4  # every admitted one completes
+    engine.shutdown(1)
+
+
+async def test_both_are_503_with_retry_after_telling_when_to_come_back():
+    from deployments.ingress import RETRY_AFTER_S, _guarded
+
+    async def timed_out():
+        raise EngineQueueTimeoutError("no place for this request on the replica within 2 s (engine.max_queue_time_s); retry later")
+
+    response = await _guarded(timed_out(), "req-9")
+    assert response.status_code == 503 and response.headers["retry-after"] == str(RETRY_AFTER_S)
+    error = json.loads(response.body)["error"]
+    assert error["code"] == "queue_timeout" and error["message"].startswith("no place for this request")
+    assert to_api_error(EngineOverloadedError("full")).code == "overloaded"
+
+
+def test_config_bounds_and_the_serve_limit_that_leaves_the_engine_room():
+    served = ServedModelConfig()
+    engine = served.engine
+    assert engine.max_queued_requests == 64 and engine.max_queue_time_s == 0
+    # Serve hands a replica its batch, its queue and one admission window: past that the engine answers
+    assert served.replica.max_ongoing_requests == engine.max_num_seqs + engine.max_queued_requests + engine.max_batch_size
+    assert ServedModelConfig(replica=ReplicaConfig(max_ongoing_requests=48)).replica.max_ongoing_requests == 48
+    with pytest.raises(ValueError, match="engine.max_queue_time_s"):
+        EngineConfig(max_queue_time_s=-1)
