@@ -83,6 +83,7 @@ class _Sequence:
     arrived: list[int] | None = None  # ... these
     waiting_since: float | None = None
     answered: int = 0  # calls answered so far
+    exhausted: bool = False  # the draft model answered nothing (its context is full): stop asking
 
 
 class ModelDrafter:
@@ -114,7 +115,7 @@ class ModelDrafter:
         seq = self._seqs.setdefault(request.request_id, _Sequence())
         drafts = self._usable(seq, request.output_token_ids)
         request.spec_token_ids, request.awaiting_draft = [], False
-        if k == 0 or now < self._paused_until:
+        if k == 0 or now < self._paused_until or seq.exhausted:
             seq.waiting_since = None
             return
         if drafts:
@@ -141,6 +142,7 @@ class ModelDrafter:
                 self.draft_s_per_token = per_token if self.draft_s_per_token is None else 0.8 * self.draft_s_per_token + 0.2 * per_token
         if seq is not None and result.error is None:
             seq.answered += 1
+            seq.exhausted = seq.exhausted or not result.token_ids
         if self.stats.num_drafts >= _PRIOR_AFTER_DRAFTS:  # new sequences start from what this drafter achieves
             self.policy.set_prior(self.stats.acceptance_rate)
         if seq is None or result.call_id != seq.asked_id:

@@ -133,3 +133,11 @@ def test_the_draft_model_drafts_its_greedy_choice_under_the_requests_penalties_a
     draft = draft_sampling(sampling, num_output_tokens=10, num_tokens=4)
     assert (draft.temperature, draft.seed, draft.stop, draft.logprobs) == (0.0, None, (), None)
     assert (draft.max_tokens, draft.min_tokens, draft.frequency_penalty) == (14, 14, 0.5)
+
+
+def test_a_sequence_the_draft_model_cannot_draft_for_stops_asking():
+    drafter, request = _drafter(), _request([7])
+    drafter.propose(request, 4, 1, STEP_S, 0.0)
+    drafter.add_result(_answer(drafter, [], 0.0), now=0.01)  # e.g. its context is longer than the draft model's
+    drafter.propose(request, 4, 1, STEP_S, 0.02)
+    assert request.spec_token_ids == [] and not request.awaiting_draft and drafter.take_calls() == []
