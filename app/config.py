@@ -173,6 +173,8 @@ class EngineConfig:
     # gets 503 with Retry-After instead of waiting behind an ever longer queue (docs/configuration.md: Backpressure).
     max_queued_requests: int = 64
     max_queue_time_s: float = 0  # > 0: a request without its first token after this long ends with 503 (0: no deadline)
+    # no step completed for this long while requests wait: the engine is wedged, the replica's health check fails
+    step_timeout_s: float = 60.0
     # drafts verified in the next step (none by default): one drafter, or a list of them, each under its served_name
     speculative: SpecConfig | list[SpecConfig] = field(default_factory=SpecConfig)
 
@@ -185,6 +187,8 @@ class EngineConfig:
             _require_int(f"engine.{name}", getattr(self, name), minimum=0)
         if not isinstance(self.max_stream_chunks_per_s, (int, float)) or self.max_stream_chunks_per_s < 0:
             raise ValueError(f"engine.max_stream_chunks_per_s must be a number >= 0, got {self.max_stream_chunks_per_s!r}")
+        if isinstance(self.step_timeout_s, bool) or not isinstance(self.step_timeout_s, (int, float)) or self.step_timeout_s <= 0:
+            raise ValueError(f"engine.step_timeout_s must be a number of seconds > 0, got {self.step_timeout_s!r}")
         if not isinstance(self.batch_wait_timeout_s, (int, float)) or self.batch_wait_timeout_s < 0:
             raise ValueError(f"engine.batch_wait_timeout_s must be a number >= 0, got {self.batch_wait_timeout_s!r}")
         if not isinstance(self.max_queue_time_s, (int, float)) or isinstance(self.max_queue_time_s, bool) or self.max_queue_time_s < 0:

@@ -115,9 +115,19 @@ class ModelServer:
         return DraftResult(call.call_id, call.drafter, call.sequence_id, tokens)
 
     def check_health(self) -> None:
-        """Raise if this replica can no longer serve (the engine loop died)."""
+        """Raise if this replica can no longer serve: the engine loop died, or it is wedged (no step
+        completed within ``engine.step_timeout_s`` while requests wait)."""
         if not self.engine.is_healthy():
             raise RuntimeError(f"engine of {self.name} is not healthy: {self.engine.dead_reason}")
+
+    @property
+    def ready(self) -> bool:
+        """Takes requests: warmed up (the constructor returned after a real generation), healthy, not draining."""
+        return self.engine.is_healthy() and not self.engine.draining
+
+    async def drain(self, timeout_s: float) -> int:
+        """Admit nothing more, let the requests in flight finish within ``timeout_s``, end the rest with an error."""
+        return await self.engine.drain(timeout_s)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         self.engine.shutdown(timeout_s)
@@ -130,6 +140,7 @@ def _front_options(config: ServedModelConfig) -> dict:
         "stream_interval_s": config.engine.stream_interval_ms / 1000,
         "max_stream_chunks_per_s": config.engine.max_stream_chunks_per_s,
         "max_queue_time_s": config.engine.max_queue_time_s,
+        "step_timeout_s": config.engine.step_timeout_s,
     }
 
 

@@ -66,7 +66,13 @@ class HostedModel:
         return [None] * len(requests)
 
     def stats(self) -> dict:
-        return self.server.engine.stats()
+        """The engine's counters, and ``ready``: warmed up (always, once constructed), healthy and not draining."""
+        return {**self.server.engine.stats(), "ready": bool(getattr(self.server, "ready", True))}
+
+    async def drain(self, timeout_s: float) -> int:
+        """Admit nothing more, let what is in flight finish within ``timeout_s``, end the rest with an error."""
+        drain = getattr(self.server, "drain", None)  # an injected server may have none: Serve's own drain then
+        return await drain(timeout_s) if drain is not None else 0
 
     def shutdown(self, timeout_s: float) -> None:
         self.server.shutdown(timeout_s=timeout_s)

@@ -18,6 +18,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable
 
@@ -29,20 +30,23 @@ from ray.serve.handle import DeploymentHandle
 from app.api.errors import APIError, to_api_error
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse_body
 from app.config import ServedModelConfig
+from app.engine.async_engine import EngineOverloadedError
 from app.metrics import render
 from app.server import ModelServer
 from app.spec.remote import DraftCall, DraftResult
 from deployments.admission import HostedModel, ServerFactory
 from deployments.autoscaling import engine_queue_depth
+from deployments.lifecycle import GracefulShutdown
 from deployments.ray_metrics import RAY_METRICS_INTERVAL_S, RayMetricsExporter
 from deployments.replica import MODEL_REPLICA_OPTIONS
-from deployments.routes import LocalModel, RemoteModel
+from deployments.routes import LocalModel, Relayed, RemoteModel
 
 logger = logging.getLogger(__name__)
 
 api = FastAPI(title="llm-serve", description="OpenAI-compatible LLM serving on Ray Serve")
 
 _PROBE_TIMEOUT_S = 10
+_READY_TIMEOUT_S = 5  # a readiness probe answers within this (Kubernetes: timeoutSeconds above it)
 RETRY_AFTER_S = 1  # the Retry-After of 429 and 503 answers
 
 
@@ -156,7 +160,8 @@ class OpenAIIngress:
         per name its model answers to); ``local``: the model
         this replica hosts itself (the app's first), loaded and warmed up before the replica takes traffic."""
         self._hosted = HostedModel(local, server_factory, draft_deployments) if local is not None else None
-        self._routes = {name: RemoteModel(server) for name, server in zip(model_names, servers)}
+        self._relayed = Relayed()  # calls in flight at the other models' deployments
+        self._routes = {name: RemoteModel(server, self._relayed) for name, server in zip(model_names, servers)}
         if self._hosted is not None:  # a model's speculative twin is the same model under a second name
             hosted = LocalModel(self._hosted)
             self._routes = {**{name: hosted for name in local.served_names}, **self._routes}
@@ -165,6 +170,10 @@ class OpenAIIngress:
                 RayMetricsExporter().run_periodically(hosted.metrics, interval_s=RAY_METRICS_INTERVAL_S))
         self._default_model = next(iter(self._routes))
         self._max_request_bytes = max_request_bytes
+        self._draining = False
+        # Serve's stop of this replica, seen as it begins (deployments/lifecycle.py): drain before the kill.
+        self._shutdown = GracefulShutdown(
+            self._drain, MODEL_REPLICA_OPTIONS["graceful_shutdown_timeout_s"], MODEL_REPLICA_OPTIONS["graceful_shutdown_wait_loop_s"])
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's hook (autoscaled deployments): the hosted model's queue depth, for deployments/autoscaling.py
@@ -172,15 +181,34 @@ class OpenAIIngress:
         return engine_queue_depth(self._hosted.stats()) if self._hosted is not None else {}
 
     def check_health(self) -> None:
-        """Serve replaces this replica when the model it hosts can no longer serve (its engine died)."""
+        """Serve replaces this replica when the model it hosts can no longer serve (its engine died or is wedged)."""
         if self._hosted is not None:
             self._hosted.server.check_health()
 
-    def __del__(self) -> None:
-        # Serve stops routing to a replica before deleting it; let what is in flight finish.
+    async def _drain(self, budget_s: float) -> None:
+        """Admit nothing more (503 + Retry-After), let requests in flight finish within ``budget_s``, then end
+        the rest with an explicit error: the hosted model's in its engine, relayed ones by cancelling them."""
+        self._draining = True
+        deadline = time.monotonic() + budget_s
+
+        async def relayed() -> int:
+            while len(self._relayed) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return self._relayed.cut_all()
+
+        ended = await asyncio.gather(relayed(), *([self._hosted.drain(budget_s)] if self._hosted is not None else []))
+        if sum(ended):
+            logger.warning("drain window over: ended %d request(s) still running", sum(ended))
+
+    async def __del__(self) -> None:
+        """Serve's only shutdown hook, called (and awaited) after its own drain: finish ours, then release the engine."""
+        shutdown = getattr(self, "_shutdown", None)
+        if shutdown is not None:
+            shutdown.cancel()
+            await shutdown.run()
         hosted = getattr(self, "_hosted", None)
         if hosted is not None:
-            hosted.shutdown(timeout_s=30)
+            await asyncio.to_thread(hosted.shutdown, 0)
 
     # ---- HTTP ---------------------------------------------------------------------------
     @api.post("/v1/completions")
@@ -216,6 +244,27 @@ class OpenAIIngress:
         if failing:
             return JSONResponse({"status": "unavailable", "failing": failing}, status_code=503)
         return {"status": "ok", "models": dict(zip(self._routes, results))}
+
+    @api.get("/health/ready")
+    async def http_ready(self):
+        """Readiness: 200 once every model answers and reports itself ready (warmed up by a real generation,
+        engine healthy, not draining); 503 naming the ones that are not, and while this replica drains."""
+        if self._draining:
+            return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        probes = [asyncio.wait_for(route.stats(), timeout=_READY_TIMEOUT_S) for route in self._routes.values()]
+        results = await asyncio.gather(*probes, return_exceptions=True)
+        waiting = {}
+        for name, result in zip(self._routes, results):
+            if isinstance(result, asyncio.TimeoutError):
+                waiting[name] = f"no answer within {_READY_TIMEOUT_S} s"
+            elif isinstance(result, BaseException):
+                waiting[name] = _probe_failure(name, result)
+            elif not result.get("ready"):
+                waiting[name] = "not ready (draining, or its engine stopped)"
+        if waiting:
+            return JSONResponse({"status": "not_ready", "waiting": waiting}, status_code=503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+        return {"status": "ready", "models": list(self._routes)}
 
     # ---- Python handle API ----------------------------------------------------------------
     @_raises_api_errors
@@ -273,6 +322,8 @@ class OpenAIIngress:
         return {"object": "list", "data": list(cards)}
 
     def _route_for(self, model: str | None):
+        if self._draining:  # Serve is stopping this replica: the client retries and reaches another one
+            raise EngineOverloadedError("this server is shutting down; retry")
         name = model or self._default_model
         route = self._routes.get(name)
         if route is None:

@@ -22,6 +22,7 @@ from app.server import ModelServer
 from app.spec.remote import DraftCall, DraftResult
 from deployments.admission import HostedModel, ServerFactory
 from deployments.autoscaling import engine_queue_depth
+from deployments.lifecycle import GracefulShutdown
 from deployments.ray_metrics import RAY_METRICS_INTERVAL_S, RayMetricsExporter
 
 # What a model-hosting replica tells Serve: health probes and a drain window for requests in flight.
@@ -45,6 +46,9 @@ class LLMServer:
         # this replica's model, through Ray's metrics agent too (docs/metrics.md)
         self._ray_metrics = asyncio.get_running_loop().create_task(
             RayMetricsExporter().run_periodically(self._server.metrics, interval_s=RAY_METRICS_INTERVAL_S))
+        # Serve's stop of this replica, seen as it begins (deployments/lifecycle.py): drain before the kill.
+        self._shutdown = GracefulShutdown(self._model.drain, MODEL_REPLICA_OPTIONS["graceful_shutdown_timeout_s"],
+                                          MODEL_REPLICA_OPTIONS["graceful_shutdown_wait_loop_s"])
 
     async def completion(self, request: CompletionRequest) -> dict:
         return await self._server.serving.completion(request)
@@ -80,8 +84,12 @@ class LLMServer:
     def check_health(self) -> None:
         self._server.check_health()
 
-    def __del__(self) -> None:
-        # Serve stops routing to a replica before deleting it; let what is in flight finish.
+    async def __del__(self) -> None:
+        """Serve's only shutdown hook, called (and awaited) after its own drain: finish ours, then release the engine."""
+        shutdown = getattr(self, "_shutdown", None)
+        if shutdown is not None:
+            shutdown.cancel()
+            await shutdown.run()
         model = getattr(self, "_model", None)
         if model is not None:
-            model.shutdown(timeout_s=30)
+            await asyncio.to_thread(model.shutdown, 0)

@@ -8,28 +8,66 @@ the ingress hosts itself streams to the HTTP response with no hop at all.
 
 from __future__ import annotations
 
+import contextlib
 from typing import AsyncIterator
 
 from ray.serve.handle import DeploymentHandle
 
+from app.engine.async_engine import EngineShutdownError
 from deployments.admission import HostedModel
+
+
+class Relayed:
+    """The calls this replica has in flight at other deployments, so that a draining replica can end those
+    still running at its deadline with an explicit error (deployments/lifecycle.py) instead of being killed
+    under them."""
+
+    def __init__(self) -> None:
+        self._responses: set = set()
+        self.cut = False
+
+    def __len__(self) -> int:
+        return len(self._responses)
+
+    @contextlib.contextmanager
+    def tracking(self, response):
+        self._responses.add(response)
+        try:
+            yield
+        except Exception:
+            if self.cut:  # cancelled by cut_all: the caller reads why
+                raise EngineShutdownError("the replica shut down before this request finished") from None
+            raise
+        finally:
+            self._responses.discard(response)
+
+    def cut_all(self) -> int:
+        self.cut = True
+        responses = list(self._responses)
+        for response in responses:
+            response.cancel()
+        return len(responses)
 
 
 class RemoteModel:
     """A model served by its own deployment (scaled on its own), reached through its handle."""
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, relayed: Relayed | None = None) -> None:
         self.handle = handle
+        self.relayed = relayed if relayed is not None else Relayed()
 
     async def call(self, kind: str, request) -> dict:
-        return await getattr(self.handle, kind).remote(request)
+        response = getattr(self.handle, kind).remote(request)
+        with self.relayed.tracking(response):
+            return await response
 
     async def stream(self, kind: str, request) -> AsyncIterator[dict]:
         responses = getattr(self.handle.options(stream=True), f"{kind}_stream").remote(request)
         finished = False
         try:
-            async for chunk in responses:
-                yield chunk
+            with self.relayed.tracking(responses):
+                async for chunk in responses:
+                    yield chunk
             finished = True
         finally:
             if not finished:  # the client went away: stop generating for it

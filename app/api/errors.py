@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineQueueTimeoutError, RequestFailedError
+from app.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineQueueTimeoutError, EngineShutdownError, RequestFailedError
 
 _TYPES = {
     400: "invalid_request_error",
@@ -45,6 +45,7 @@ _RAY_GONE = frozenset({"RayActorError", "WorkerCrashedError", "NodeDiedError", "
 _RETRY_BUSY = "the model server cannot take this request now; retry shortly"
 _RETRY_GONE = "the model replica stopped while serving this request; retry"
 _RETRY_ENGINE = "the model replica's engine stopped; it is being replaced, retry shortly"
+_RETRY_SHUTDOWN = "the model replica shut down before this request finished; retry"
 _GENERATION_FAILED = "generation failed for this request; the server log has the details"
 _INTERNAL = "internal error while serving this request; the server log has the details"
 
@@ -87,6 +88,8 @@ def _server_failure(chain: list[BaseException]) -> tuple[int, str, str]:
         return 503, _RETRY_GONE, "replica_unavailable"
     if isinstance(innermost, EngineDeadError):
         return 503, _RETRY_ENGINE, "replica_unavailable"
+    if isinstance(innermost, EngineShutdownError):
+        return 503, _RETRY_SHUTDOWN, "replica_unavailable"
     if isinstance(innermost, RequestFailedError):  # carries the engine's exception text: not for clients
         return 500, _GENERATION_FAILED, "generation_failed"
     return 500, _INTERNAL, "internal_error"

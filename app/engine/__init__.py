@@ -1,7 +1,7 @@
 """The inference engine: requests, sampling, batching modes and the async front."""
 
 from app.config import EngineConfig
-from app.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, RequestFailedError
+from app.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineShutdownError, RequestFailedError
 from app.engine.engine import LLMEngine
 from app.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from app.models import LoadedModel
@@ -16,6 +16,7 @@ __all__ = [
     "AsyncEngine",
     "EngineDeadError",
     "EngineOverloadedError",
+    "EngineShutdownError",
     "LLMEngine",
     "Request",
     "RequestFailedError",

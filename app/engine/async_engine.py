@@ -52,6 +52,10 @@ class RequestFailedError(RuntimeError):
     """This request failed inside the engine (the others went on)."""
 
 
+class EngineShutdownError(RuntimeError):
+    """The replica shut down before this request finished (its drain window ran out); the caller may retry."""
+
+
 Admit = Callable[[Request], Awaitable[None]]
 # Sends one draft call (app/spec/remote.py DraftCall) to the draft model and returns its DraftResult.
 DraftClient = Callable[[Any], Awaitable[Any]]
@@ -107,8 +111,15 @@ class AsyncEngine:
         max_stream_chunks_per_s: float = 0.0,
         max_queue_time_s: float = 0.0,
         draft_client: DraftClient | None = None,
+        step_timeout_s: float = 60.0,
     ) -> None:
+        """``step_timeout_s``: how long the engine may go without completing a step while requests wait
+        before ``is_healthy`` reports it wedged (a step that never returns, an engine process that stopped
+        answering)."""
         self._draft_client = draft_client
+        self._step_timeout_s = step_timeout_s
+        self._last_progress = time.monotonic()  # the engine thread's heartbeat (see _beat)
+        self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, where draft calls are awaited
         self._max_queued = max_queued_requests
         self._max_queue_time_s = max_queue_time_s  # > 0: the deadline of a request's first token
@@ -226,7 +237,32 @@ class AsyncEngine:
             return len(self._streams)
 
     def is_healthy(self) -> bool:
+        """The loop runs, and has completed a step within ``step_timeout_s`` or has nothing to do.
+
+        A wedged engine (a step that never returns while requests wait, or an engine process that
+        stopped answering) is declared dead here: its requests end with EngineDeadError at once,
+        and the replica's health check fails so Serve replaces it.
+        """
+        if self._dead_reason is None and self._thread.is_alive():
+            stalled_s = self.stalled_s
+            if stalled_s > self._step_timeout_s:
+                self._declare_dead(f"no engine step completed in {stalled_s:.1f} s (engine.step_timeout_s: "
+                                   f"{self._step_timeout_s:g}) with {self.num_unfinished} request(s) waiting")
         return self._dead_reason is None and self._thread.is_alive()
+
+    @property
+    def stalled_s(self) -> float:
+        """Seconds since the engine last made progress (completed a step) or was idle."""
+        return time.monotonic() - self._last_progress
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def _declare_dead(self, reason: str) -> None:
+        logger.error("engine declared dead: %s", reason)
+        self._dead_reason = reason
+        self._fail_all(EngineDeadError(f"engine stopped: {reason}"))
 
     @property
     def dead_reason(self) -> str | None:
@@ -236,22 +272,48 @@ class AsyncEngine:
         # Read from another thread without a lock: each figure is a plain int read, possibly one step old.
         return {"num_requests": self.num_unfinished, **self._core.stats()}
 
+    def begin_drain(self) -> None:
+        """Admit nothing more (new requests: EngineOverloadedError, a 503 telling to retry elsewhere)."""
+        self._draining = True
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop admitting, let the requests in flight finish within ``timeout_s``, then end the rest with
+        EngineShutdownError (an explicit error for their callers, never a silent cut); returns how many were ended."""
+        self.begin_drain()
+        deadline = time.monotonic() + timeout_s
+        while self.num_unfinished and time.monotonic() < deadline and self.is_healthy():
+            await asyncio.sleep(0.05)
+        return self._end_remaining()
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Let the requests in flight finish (up to ``timeout_s``), then stop the loop."""
+        """Let the requests in flight finish (up to ``timeout_s``), end the rest with an error, then stop the loop."""
+        self.begin_drain()
         deadline = time.monotonic() + timeout_s
         while self.num_unfinished and time.monotonic() < deadline and self.is_healthy():
             time.sleep(0.05)
+        self._end_remaining()
+        healthy = self.is_healthy()
         self._stopping.set()
         self._wake_core()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=5 if healthy else 0.5)
         close = getattr(self._core, "close", None)  # a core in another process stops it
         if close is not None:
-            close()
+            close(timeout_s=10.0 if healthy else 1.0)  # a wedged engine process will not stop by itself
+
+    def _end_remaining(self) -> int:
+        with self._lock:
+            streams = list(self._streams.values())
+        if streams:
+            logger.warning("ending %d request(s) still running at shutdown", len(streams))
+        error = EngineShutdownError("the replica shut down before this request finished")
+        for stream in streams:  # each stream raises it, and its generator aborts the request in the core
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        return len(streams)
 
     def _check_accepting(self) -> None:
         if self._dead_reason is not None:
             raise EngineDeadError(f"engine stopped: {self._dead_reason}")
-        if self._stopping.is_set():
+        if self._draining or self._stopping.is_set():
             raise EngineOverloadedError("the replica is shutting down; retry on another replica")
         if self.num_unfinished >= self._max_queued:
             raise EngineOverloadedError(
@@ -271,14 +333,24 @@ class AsyncEngine:
         try:
             while not self._stopping.is_set():
                 busy = self._core.has_unfinished_requests()
+                if not busy:
+                    self._last_progress = time.monotonic()  # idle: nothing waits on the core
                 self._drain_inbox(timeout=self._idle_wait_s() if busy else _IDLE_POLL_S)
                 if self._core.has_unfinished_requests():
-                    self._deliver(self._core.step())
+                    outputs = self._core.step()
+                    self._beat()
+                    self._deliver(outputs)
                 self._send_draft_calls()
         except BaseException as exc:  # noqa: BLE001 - anything here ends the loop, so tell every caller
             logger.exception("engine loop died")
             self._dead_reason = f"{type(exc).__name__}: {exc}"
             self._fail_all(EngineDeadError(f"engine stopped: {self._dead_reason}"))
+
+    def _beat(self) -> None:
+        """A step returned: progress, unless the core only waited for another process that sent nothing
+        (a core in another process says when it last heard from it)."""
+        heard = getattr(self._core, "last_progress", None)
+        self._last_progress = time.monotonic() if heard is None else max(self._last_progress, heard)
 
     def _idle_wait_s(self) -> float:
         """0 while the core has a step to run; longer while all its sequences wait for drafts (a command wakes it)."""

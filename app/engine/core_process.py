@@ -11,7 +11,9 @@ The child builds the core (load, warm-up), then loops: apply commands, step, sen
 outputs together with fresh statistics. The parent side (:class:`ProcessCore`) is driven by
 ``AsyncEngine``'s thread exactly like an in-process core. If the parent goes away, the child sees
 the pipe close and exits; if the child dies, the parent's next read fails and the engine is
-reported dead (the replica's health check then fails and Serve replaces it).
+reported dead (the replica's health check then fails and Serve replaces it). If the child stops
+answering (a step that never returns), the parent's steps keep returning nothing: the time of the
+child's last report is the heartbeat that ``AsyncEngine`` holds against ``engine.step_timeout_s``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable
@@ -71,6 +74,8 @@ class ProcessCore:
         self._live: set[str] = set()
         self._stats: dict[str, float] = {}
         self._draft_calls: list = []  # the child's draft calls, until the driver takes them
+        # When the child last reported (it does after every step): the engine's heartbeat while requests run.
+        self.last_progress = time.monotonic()
         self._wake_r, self._wake_w = os.pipe()  # a byte here ends the step's wait (see wakeup)
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -117,6 +122,7 @@ class ProcessCore:
         if self._conn not in ready:
             return []  # woken for a command (or the safety-net timeout): the driver sends it, then steps again
         _, outputs, self._stats, calls = self._conn.recv()  # EOFError if the child died: the engine loop reports it
+        self.last_progress = time.monotonic()
         self._draft_calls.extend(calls)
         for output in outputs:
             if output.finished:
@@ -184,10 +190,12 @@ def _serve(core, conn) -> None:
             elif kind == "drafts":
                 core.add_draft_results(payload)
             wait = 0
-        if core.has_unfinished_requests():
+        stepped = core.has_unfinished_requests()
+        if stepped:
             pending.extend(core.step())
         calls = core.take_draft_calls() if hasattr(core, "take_draft_calls") else []
-        if pending or changed or calls:
+        # After every step, even one without outputs (a prefill chunk): the parent reads it as the heartbeat.
+        if pending or changed or calls or stepped:
             conn.send(("outputs", pending, core.stats(), calls))
 
 

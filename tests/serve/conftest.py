@@ -83,3 +83,14 @@ def client(serve_app):
 def fake_client(fake_app):
     with httpx.Client(base_url=FAKE_BASE, timeout=30) as http:
         yield http
+
+
+def with_deployment_options(app, **options):
+    """``app`` as build_app made it, with Serve ``options`` (e.g. a shorter grace period or health-check period)
+    set on every deployment: the ingress and the model deployments it is bound to."""
+    from ray.serve import Application
+
+    ingress = app._bound_deployment
+    servers, *rest = ingress.init_args  # build_app binds the model deployments first
+    servers = [Application(server._bound_deployment.options(**options)) for server in servers]
+    return Application(ingress.options(_init_args=(servers, *rest), **options))

@@ -10,10 +10,16 @@ A prompt can ask for trouble, to test what failures look like to clients:
 - ``crash-tokenizer``: the tokenizer raises RuntimeError(SECRET) while the request is prepared;
 - ``fail-after-2``: after two tokens the engine fails the request with that exception's text, as
   LLMEngine does when a forward pass raises;
-- ``kill-replica-after-2``: after two tokens the replica's process exits (as an OOM kill ends it).
+- ``kill-replica-after-2``: after two tokens the replica's process exits (as an OOM kill ends it);
+- ``wedge-engine``: after two tokens the engine's step never returns (a hung kernel or device): every
+  request of that engine stops, and only the health check's step bound notices (``WEDGE_RELEASE``
+  lets a test's own process go on).
+
+A model whose name contains ``slow-warmup`` takes ``SLOW_WARMUP_S`` to load and warm up (readiness tests).
 """
 
 import os
+import threading
 import time
 
 from app.config import ServedModelConfig
@@ -27,6 +33,8 @@ MAX_MODEL_LEN = 1_000_000  # room for answers far longer than any test waits for
 EOS_TOKEN_ID = 0  # never in a test prompt, so the echo only stops at max_tokens
 SECRET = "secret internal detail"  # an exception's text, which must never reach a client
 TROUBLE_AFTER_TOKENS = 2
+WEDGE_RELEASE = threading.Event()  # set: a wedged step returns (only within this process)
+SLOW_WARMUP_S = 8.0
 
 
 def echo(prompt: str, max_tokens: int) -> str:
@@ -102,6 +110,9 @@ class EchoCore(CountingCore):
         prompt = bytes(request.prompt_token_ids)
         if b"kill-replica-after-2" in prompt:
             os._exit(1)
+        if b"wedge-engine" in prompt:
+            WEDGE_RELEASE.wait()  # forever, unless a test in this process releases it
+            return None
         if b"fail-after-2" not in prompt:
             return None
         del self.requests[request.request_id]
@@ -113,6 +124,8 @@ class EchoCore(CountingCore):
 
 
 def build_fake_core(config: ServedModelConfig) -> tuple[EchoCore, CoreInfo]:
+    if "slow-warmup" in config.model.name:
+        time.sleep(SLOW_WARMUP_S)  # as loading weights and the warm-up generation take time
     tokenizer = ByteTokenizer()
     return EchoCore(config.engine.max_num_seqs), CoreInfo(config.model.name, tokenizer, MAX_MODEL_LEN, frozenset({EOS_TOKEN_ID}), 256, 0.0)
 

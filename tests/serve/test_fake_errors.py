@@ -5,6 +5,7 @@ its engine fails a request with that exception's text after two tokens, or its r
 """
 
 import json
+import threading
 import time
 
 import httpx
@@ -85,11 +86,23 @@ def test_a_handle_caller_gets_a_plain_api_error(fake_app, method):
 
 def test_a_killed_replica_is_a_503_telling_to_retry(fake_client):
     long_chat = {"model": FRAGILE_MODEL, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 100_000}
+    arrivals = []  # (when, event) of the stream that runs while the replica is killed
+
+    def read(lines) -> None:
+        for line in lines:
+            if line.startswith("data: "):
+                arrivals.append((time.monotonic(), line[len("data: "):]))
+
     with fake_client.stream("POST", "/v1/chat/completions", json={**long_chat, "stream": True}) as streaming:
         lines = streaming.iter_lines()
         assert streaming.status_code == 200 and next(lines).startswith("data:")
+        reader = threading.Thread(target=read, args=(lines,))
+        reader.start()
+        killed_at = time.monotonic()  # the killer's replica exits two fake steps (~10 ms) after it arrives
         killer = fake_client.post("/v1/completions", json={"model": FRAGILE_MODEL, "prompt": "kill-replica-after-2", "max_tokens": 9})
-        rest = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        reader.join(timeout=30)
+    assert not reader.is_alive(), "the stream did not end after its replica died"
+    rest = [event for _, event in arrivals]
     assert killer.status_code == 503, killer.text
     assert killer.json()["error"]["message"].startswith("the model replica stopped while serving this request; retry")
     _assert_plain_with_request_id(killer.json()["error"], killer.headers["x-request-id"])
@@ -97,15 +110,19 @@ def test_a_killed_replica_is_a_503_telling_to_retry(fake_client):
     in_stream = json.loads(rest[-2])["error"]
     assert in_stream["code"] == "replica_unavailable"
     _assert_plain_with_request_id(in_stream, streaming.headers["x-request-id"])
-    _wait_until_served_again(fake_client, FRAGILE_MODEL)
+    error_after_s = arrivals[-2][0] - killed_at
+    assert error_after_s < 2, f"the error event came {error_after_s:.1f} s after the kill"
+    served_after_s = _wait_until_served_again(fake_client, FRAGILE_MODEL) - killed_at
+    assert served_after_s < 60, f"the replacement replica served {served_after_s:.1f} s after the kill"
+    print(f"killed replica: error event after {error_after_s:.2f} s, served again after {served_after_s:.1f} s")
 
 
-def _wait_until_served_again(client: httpx.Client, model: str, timeout_s: float = 90) -> None:
-    """Serve replaces the dead replica; later tests (and /health) need it back."""
+def _wait_until_served_again(client: httpx.Client, model: str, timeout_s: float = 90) -> float:
+    """Serve replaces the dead replica; later tests (and /health) need it back. Returns when it first answered."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if client.post("/v1/completions", json={"model": model, "prompt": "back?", "max_tokens": 2}).status_code == 200:
-            return
+            return time.monotonic()
         time.sleep(0.5)
     raise AssertionError(f"{model} was not served again within {timeout_s} s")
 

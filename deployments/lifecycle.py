@@ -1,0 +1,89 @@
+"""A replica's graceful shutdown: what Ray Serve 2.60 does, and what our replicas add to it.
+
+How Serve stops a replica (a redeploy, ``serve.delete``, a scale-down, a failed health check): the
+controller takes it out of the routing tables, calls the actor's ``perform_graceful_shutdown`` and
+force-kills the actor ``graceful_shutdown_timeout_s`` later, whatever it is doing. Inside, the replica
+waits until no request is ongoing (looking every ``graceful_shutdown_wait_loop_s``, with no deadline of
+its own), then rejects new handle requests (their routers retry elsewhere), stops its servers and only
+then calls the user's ``__del__`` (``async def`` allowed, run on the replica's event loop). No other
+hook exists: ``__del__`` comes after the drain, and a stream still running at the deadline is cut by
+the kill, its HTTP response ending without a word.
+
+So each model-hosting replica watches for the stop itself (``GracefulShutdown``): Serve marks its
+replica object ``_shutting_down`` when the stop arrives, read here every half second. From then on
+the replica admits nothing new (503 with Retry-After), lets what is in flight finish, and ends what is
+still running shortly before the kill with an explicit error (an SSE error event, a 503), so Serve's
+own drain completes in time. ``__del__`` then only releases the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often a replica looks whether Serve began stopping it
+# Kept back from the grace period: Serve notices the drain's end one wait loop late, then stops its servers.
+_MARGIN_S = 1.5
+
+
+def stop_requested() -> bool:
+    """Whether Serve began stopping this replica (False outside a replica, or where Serve keeps no such flag)."""
+    try:
+        from ray._private import worker
+
+        actor = worker.global_worker.actors.get(worker.global_worker.actor_id)
+        return bool(getattr(getattr(actor, "_replica_impl", None), "_shutting_down", False))
+    except Exception:  # noqa: BLE001 - not in a Serve replica, or another Ray: __del__ still drains
+        return False
+
+
+def drain_budget_s(default_timeout_s: float, default_wait_loop_s: float) -> float:
+    """How long requests in flight may run once the stop arrived, so that they end before the kill."""
+    timeout_s, wait_loop_s = default_timeout_s, default_wait_loop_s
+    try:
+        from ray import serve
+
+        config = serve.get_replica_context()._deployment_config
+        timeout_s, wait_loop_s = config.graceful_shutdown_timeout_s, config.graceful_shutdown_wait_loop_s
+    except Exception:  # noqa: BLE001 - outside a replica: the deployment's declared values
+        pass
+    return max(0.0, timeout_s - wait_loop_s - _MARGIN_S)
+
+
+class GracefulShutdown:
+    """Runs ``drain(budget_s)`` once: when Serve begins stopping this replica, or at the latest from ``__del__``.
+
+    ``drain`` stops admitting, lets requests in flight finish within ``budget_s`` and ends the rest with an
+    error. Created in a replica's constructor (it needs the running event loop).
+    """
+
+    def __init__(self, drain: Callable[[float], Awaitable[object]], timeout_s: float, wait_loop_s: float) -> None:
+        self._drain = drain
+        self._defaults = (timeout_s, wait_loop_s)
+        self._running: asyncio.Future | None = None
+        self.started_at: float | None = None
+        self._watch = asyncio.get_running_loop().create_task(self._watch_for_stop())
+
+    @property
+    def started(self) -> bool:
+        return self.started_at is not None
+
+    async def _watch_for_stop(self) -> None:
+        while not stop_requested():
+            await asyncio.sleep(POLL_S)
+        logger.info("Serve is stopping this replica: draining")
+        await self.run()
+
+    async def run(self) -> None:
+        """Drain (once; a second caller waits for the first)."""
+        if self._running is None:
+            self.started_at = time.monotonic()
+            self._running = asyncio.ensure_future(self._drain(drain_budget_s(*self._defaults)))
+        await asyncio.shield(self._running)
+
+    def cancel(self) -> None:
+        self._watch.cancel()

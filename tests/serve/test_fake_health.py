@@ -1,0 +1,113 @@
+"""Liveness and readiness on a real Serve cluster, with the fake model (tests/serve/fake_model.py).
+
+Readiness (``GET /health/ready``) says 503 until every model has warmed up; a wedged engine (a step that
+never returns) fails its replica's health check within ``engine.step_timeout_s``, its clients get an
+error event at once, and Serve replaces the replica.
+"""
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from ray import serve
+
+from tests.serve.conftest import BASE, FAKE_MODELS, FAKE_TWIN, FRAGILE_MODEL, with_deployment_options
+from tests.serve.fake_model import echo
+
+pytestmark = pytest.mark.serve
+
+
+def _args(names: list[str], **engine) -> dict:
+    def served(name: str) -> dict:
+        return {"model": {"source": name}, "engine": {"separate_process": False, **engine}, "replica": {"num_cpus": 0}}
+
+    return {"server_factory": "tests.serve.fake_model:fake_model_server", "models": [served(name) for name in names]}
+
+
+def _json(response: httpx.Response):
+    try:
+        return response.json()
+    except json.JSONDecodeError:
+        return response.text  # Serve's proxy answers in plain text before the app's ingress runs
+
+
+def _poll(http: httpx.Client, path: str, done, timeout_s: float) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    response = http.get(path)
+    while not done(response) and time.monotonic() < deadline:
+        time.sleep(0.3)
+        response = http.get(path)
+    return response
+
+
+def test_readiness_is_200_when_every_model_is_warm(fake_client):
+    ready = fake_client.get("/health/ready")
+    assert ready.status_code == 200, ready.text
+    assert ready.json() == {"status": "ready", "models": [FAKE_MODELS[0], FAKE_TWIN, FAKE_MODELS[1], FRAGILE_MODEL]}
+    assert fake_client.get("/health").status_code == 200  # liveness, as before
+
+
+def test_readiness_is_503_until_every_model_has_warmed_up(serve_cluster):
+    from deployments.builder import build_app
+
+    slow = "ready-slow-warmup"  # the fake model takes SLOW_WARMUP_S to warm up
+    app = build_app(_args(["ready-front", slow]))
+    deploying = threading.Thread(target=serve.run, args=(app,), kwargs={"name": "ready", "route_prefix": "/ready"})
+    deploying.start()
+    seen = []
+    try:
+        with httpx.Client(base_url=BASE + "/ready", timeout=60) as http:  # the proxy holds a request until the ingress runs
+            while deploying.is_alive():
+                response = http.get("/health/ready")
+                seen.append((response.status_code, _json(response)))
+                time.sleep(0.3)
+            deploying.join()
+            ready = _poll(http, "/health/ready", lambda r: r.status_code == 200, timeout_s=10)
+            assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
+            served = http.post("/v1/completions", json={"model": slow, "prompt": "warm", "max_tokens": 4})
+            assert served.status_code == 200 and served.json()["choices"][0]["text"] == echo("warm", 4)
+        print("readiness while deploying:", seen)
+        # while the slow model warmed up, the ingress answered readiness probes: 503, naming that model only;
+        # 200 only once it had warmed up, and from then on
+        statuses = [status for status, _ in seen]
+        waiting = [body for status, body in seen if status == 503]
+        assert waiting and all(body["status"] == "not_ready" and list(body["waiting"]) == [slow] for body in waiting), seen
+        first_ready = statuses.index(200) if 200 in statuses else len(statuses)
+        assert 503 not in statuses[first_ready:] and set(statuses[:first_ready]) <= {404, 503}, seen
+    finally:
+        deploying.join()
+        serve.delete("ready")
+
+
+def test_a_wedged_engine_fails_its_health_check_and_serve_replaces_the_replica(serve_cluster):
+    from deployments.builder import build_app
+
+    wedged, step_timeout_s, period_s = "wedge-back", 2.0, 1.0
+    app = build_app(_args(["wedge-front", wedged], step_timeout_s=step_timeout_s))
+    serve.run(with_deployment_options(app, health_check_period_s=period_s, graceful_shutdown_timeout_s=5),
+              name="wedge", route_prefix="/wedge")
+    try:
+        with httpx.Client(base_url=BASE + "/wedge", timeout=30) as http:
+            started = time.monotonic()
+            body = {"model": wedged, "prompt": "wedge-engine", "max_tokens": 50, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+            error_after_s = time.monotonic() - started
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "replica_unavailable", events
+            # the bound, one health-check period to notice, and some slack for a loaded 2-core machine
+            assert error_after_s < step_timeout_s + period_s + 2, error_after_s
+            while time.monotonic() - started < 60:  # Serve marks the replica unhealthy and starts another one
+                answer = http.post("/v1/completions", json={"model": wedged, "prompt": "back", "max_tokens": 3})
+                if answer.status_code == 200:
+                    break
+                assert answer.status_code == 503 and answer.headers["retry-after"], answer.text
+                time.sleep(0.5)
+            replaced_after_s = time.monotonic() - started
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == echo("back", 3)
+            assert replaced_after_s < 60, replaced_after_s
+            print(f"wedged engine: error event after {error_after_s:.1f} s, replacement serving after {replaced_after_s:.1f} s")
+    finally:
+        serve.delete("wedge")
