@@ -4,7 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-unit bench bench-quant clean cluster-up deploy cluster-down
+.PHONY: install model serve test test-unit bench bench-install bench-naive bench-vllm bench-sweep bench-report bench-quant clean \
+	cluster-up deploy cluster-down
 
 install: $(STAMP)
 
@@ -25,10 +26,54 @@ serve: model
 test: model
 	$(BIN)/python -m pytest -q
 
-# Every batching mode through `serve run` + HTTP on the standard workload, then transformers' own batching.
-bench: model
-	$(BIN)/python -m app.bench compare $(BENCH_ARGS)
-	$(BIN)/python -m app.bench hf
+# The benchmark report (docs/benchmarks.md): every batching mode through `serve run` + HTTP on the standard
+# workloads, transformers' own batching offline, then each peer in BENCH_PEERS (naive: the FastAPI +
+# transformers baseline, benchmarks/naive_server.py; vllm: vLLM's CPU backend, benchmarks/vllm_cpu.sh, which
+# creates vllm-venv/ once), all into one folder of JSON, BENCH_RUN, rendered by `python -m app.bench report`.
+BENCH_PEERS ?= naive
+ifndef BENCH_RUN
+BENCH_RUN := results/bench/run-$(shell date -u +%Y%m%d-%H%M%S)
+endif
+BENCH_LATEST = $(lastword $(sort $(wildcard results/bench/run-*)))
+BENCH_FILES ?= $(if $(BENCH_LATEST),$(BENCH_LATEST)/*.json,$(error no results/bench/run-* folder: run make bench, or give BENCH_FILES))
+BENCH_REPORT ?= docs/benchmarks.md
+PEER_ARGS ?=
+SWEEP_URL ?= http://127.0.0.1:8000
+SWEEP_MODEL ?= smollm2-135m-instruct
+SWEEP_ARGS ?=
+
+bench: model bench-install
+	mkdir -p $(BENCH_RUN)
+	$(BIN)/python -m app.bench compare --out $(BENCH_RUN)/compare.json $(BENCH_ARGS)
+	$(BIN)/python -m app.bench hf --out $(BENCH_RUN)/hf.json
+	for peer in $(BENCH_PEERS); do $(MAKE) --no-print-directory bench-$$peer BENCH_RUN=$(BENCH_RUN) || exit 1; done
+	$(BIN)/python -m app.bench report $(BENCH_RUN)/*.json --out $(BENCH_REPORT)
+
+# The optional `bench` extra: matplotlib for the report's plots, tqdm for progress bars.
+bench-install: $(VENV)/.bench-installed
+
+$(VENV)/.bench-installed: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	touch $@
+
+bench-naive: model
+	mkdir -p $(BENCH_RUN)
+	$(BIN)/python -m app.bench peer --launch naive --name naive --port 8001 --out $(BENCH_RUN)/peer-naive.json $(PEER_ARGS)
+
+bench-vllm: model
+	mkdir -p $(BENCH_RUN)
+	PYTHON=$(BIN)/python PEER_ARGS="--out $(BENCH_RUN)/peer-vllm.json $(PEER_ARGS)" benchmarks/vllm_cpu.sh bench
+
+# Throughput, latency percentiles and goodput at 1-64 concurrent requests against a running server
+# (`make serve` in another terminal, or SWEEP_URL=... SWEEP_MODEL=... for any OpenAI-compatible one).
+bench-sweep: install
+	mkdir -p $(BENCH_RUN)
+	$(BIN)/python -m app.bench sweep --url $(SWEEP_URL) --model $(SWEEP_MODEL) --name $(SWEEP_MODEL) \
+		--concurrencies 1 2 4 8 16 32 64 --out $(BENCH_RUN)/sweep.json $(SWEEP_ARGS)
+
+# Re-render the report from the latest results/bench/run-* folder (or BENCH_FILES=...).
+bench-report: bench-install
+	$(BIN)/python -m app.bench report $(BENCH_FILES) --out $(BENCH_REPORT)
 
 # Quantization: fidelity (memory, perplexity, greedy agreement) and naive/batched bf16/int8/nf4/GPTQ served.
 bench-quant: model

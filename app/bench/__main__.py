@@ -1,7 +1,15 @@
-"""Benchmarks: ``python -m app.bench {load,compare,engine,hf,quant,spec,profile,gemm,kernel-pairs}`` (``make bench`` runs ``compare``
-and ``hf``; ``make bench-quant`` runs ``quant``).
+"""Benchmarks: ``python -m app.bench {load,peer,sweep,report,compare,engine,hf,quant,spec,profile,gemm,kernel-pairs}``
+(``make bench`` runs ``compare``, ``hf``, ``peer`` for the configured peers and ``report``; ``make bench-quant`` runs ``quant``).
 
-- ``load``: drive an already running server (e.g. ``make serve``) with N concurrent streaming requests.
+- ``load``: drive an already running server (e.g. ``make serve``) with N concurrent streaming requests
+  (``--workload random|shared-prefix-chat|rewrite``).
+- ``peer``: the standard workloads (``--workloads``, default W1 W2) against any OpenAI-compatible server
+  (``--url``, ``--name``, ``--model``: its served name); ``--launch naive`` starts the naive transformers
+  server (benchmarks/naive_server.py) for the run and stops it after.
+- ``sweep``: one workload at each of ``--concurrencies`` against ``--url``: throughput, TTFT/TPOT/ITL
+  percentiles and goodput per concurrency.
+- ``report``: render result JSON files into markdown (``--out``, e.g. docs/benchmarks.md) and PNG plots
+  (with matplotlib: the ``bench`` extra).
 - ``compare``: start the app once per batching mode with ``serve run``, run the standard workloads
   (W1: 32 concurrent x 128 tokens; W2: 8 requests one at a time) and print a table, with the CPU
   seconds each part of the server (engine core, replica, ingress, proxy, Ray) spent on W1.
@@ -18,7 +26,8 @@ and ``hf``; ``make bench-quant`` runs ``quant``).
 - ``quant``: per quantization (none, bnb-int8, bnb-nf4, gptq) weight and resident memory, held-out
   perplexity and greedy agreement with bf16 (the fidelity report), then naive bf16 and batched
   bf16/int8/nf4/GPTQ served through HTTP on W1 (the comparison table). JSON plus a markdown file.
-Every command prints its numbers and saves them as JSON (``--out``).
+Every command prints its numbers and saves them as JSON (``--out``), with the command line, the start time
+and the machine (CPU class). Load results carry goodput under ``--slo-ttft-s`` / ``--slo-itl-ms``.
 """
 
 from __future__ import annotations
@@ -28,13 +37,14 @@ import asyncio
 import copy
 import json
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
 
 import yaml
 
-from app.bench.load import LoadSpec, run_load
+from app.bench.load import STANDARD_WORKLOADS, WORKLOADS, LoadSpec, run_load, run_sweep, run_workloads, warm_up, workload_spec
 from app.config import CPU_ATTENTION_KERNELS, CPU_DECODER_LAYERS, CPU_LINEAR_KERNELS, CPU_NORM_KERNELS, CPU_ROTARY_KERNELS
 
 RESULTS = Path("results/bench")
@@ -42,10 +52,20 @@ RESULTS = Path("results/bench")
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    command = "python -m app.bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if args.command == "report":
+        return report(args, command)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    progress = _progress(args)
     spec = LoadSpec(model=args.model, num_requests=args.requests, concurrency=args.concurrency,
-                    prompt_words=args.prompt_words, max_tokens=args.max_tokens)
+                    prompt_words=args.prompt_words, max_tokens=args.max_tokens, workload=args.workload,
+                    slo_ttft_s=args.slo_ttft_s, slo_itl_ms=args.slo_itl_ms)
     if args.command == "load":
-        result = asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "base_url": args.url})))
+        result = asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "base_url": args.url}), progress=progress))
+    elif args.command == "peer":
+        result = peer(args, spec, progress)
+    elif args.command == "sweep":
+        result = sweep(args, spec, progress)
     elif args.command == "hf":
         from app.bench.hf_baseline import run_hf_baselines
 
@@ -67,15 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "spec":
         from app.bench.spec_bench import run_spec_bench
 
-        result = run_spec_bench(args.max_tokens, tuple(args.concurrencies), args.num_speculative_tokens, args.dtype)
+        result = run_spec_bench(args.max_tokens, tuple(args.concurrencies or (1, 8)), args.num_speculative_tokens, args.dtype)
     elif args.command == "gemm":
         from app.bench.gemm import run_gemm_bench
 
         result = run_gemm_bench(args.batches, args.kernels)
     else:
-        result = compare(args, spec)
+        result = compare(args, spec, progress)
+    result["command"] = command
+    result["started_utc"] = started
+    result["finished_utc"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     result["machine"] = _machine()
-    out = Path(args.out or RESULTS / f"{args.command}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    name = f"{args.command}-{args.name}" if args.command == "peer" else args.command
+    out = Path(args.out or RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     if args.command in ("quant", "spec"):
@@ -85,15 +109,63 @@ def main(argv: list[str] | None = None) -> int:
         table = (quant_markdown if args.command == "quant" else spec_markdown)(result)
         out.with_suffix(".md").write_text(table + "\n")
         print(table)
-    elif args.command == "compare":
+    elif args.command in ("compare", "peer"):
         print(format_table(result))
+    elif args.command == "sweep":
+        from app.bench.report import sweep_table
+
+        print(sweep_table(result))
     elif args.command not in ("profile", "gemm", "kernel-pairs", "spec"):  # these printed their own tables as they went
-        print(json.dumps(result, indent=2))
+        print(json.dumps({k: v for k, v in result.items() if k != "requests"}, indent=2))  # per-request records: in the file
     print(f"saved {out}")
     return 0
 
 
-def compare(args, spec: LoadSpec) -> dict:
+def peer(args, spec: LoadSpec, progress: bool) -> dict:
+    """The standard workloads against a server that is already running (or that ``--launch`` starts)."""
+    import contextlib
+
+    from app.bench.server import running_naive_server
+
+    if args.launch == "naive":
+        log = RESULTS / f"peer-{args.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        server = running_naive_server(args.port, log, args.model, _concrete_dtype(args.dtype))
+    else:
+        server = contextlib.nullcontext(args.url)
+    with server as url:
+        runs = run_workloads(LoadSpec(**{**spec.__dict__, "base_url": url}), args.workloads, progress, label=args.name)
+    return {"peer": args.name, "url": url, "model": args.model, "launch": args.launch, "servers": {args.name: runs}}
+
+
+def sweep(args, spec: LoadSpec, progress: bool) -> dict:
+    base = LoadSpec(**{**spec.__dict__, "base_url": args.url})
+    warm_up(base)
+    levels = run_sweep(base, args.concurrencies or [1, 2, 4, 8, 16, 32, 64], rounds=args.rounds, progress=progress)
+    return {"sweep": args.name, "url": args.url, "model": args.model, "workload": args.workload, "levels": levels}
+
+
+def report(args, command: str) -> int:
+    from app.bench.report import render_report
+
+    if not args.files:
+        raise SystemExit("report: name the result files, e.g. results/bench/compare-*.json")
+    out = Path(args.out or "docs/benchmarks.md")
+    markdown, written = render_report([Path(f) for f in args.files], out, cpu_classes=args.cpu_class,
+                                      plots=not args.no_plots, command=command)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(markdown)
+    for path in [out, *written]:
+        print(f"wrote {path}")
+    return 0
+
+
+def _progress(args) -> bool:
+    """A progress bar on a terminal (or with --progress), none in logs (or with --no-progress)."""
+    return sys.stderr.isatty() if args.progress is None else args.progress
+
+
+def compare(args, spec: LoadSpec, progress: bool = False) -> dict:
     from app.bench.cpu_usage import cpu_seconds_by_part, process_cpu_snapshot
     from app.bench.server import running_server
 
@@ -113,14 +185,12 @@ def compare(args, spec: LoadSpec) -> dict:
         # A port per mode: the previous server's Ray processes may still hold theirs for a moment after exit.
         with running_server(app_config, args.port + index, log) as url:
             runs = {}
-            warm = LoadSpec(**{**spec.__dict__, "base_url": url, "num_requests": 2, "concurrency": 2, "max_tokens": 8})
-            asyncio.run(run_load(warm))  # first requests pay one-time costs (allocator, kernels)
-            workloads = {"W1": LoadSpec(**{**spec.__dict__, "base_url": url})}
-            if mode in args.single_stream_modes:
-                workloads["W2"] = LoadSpec(**{**spec.__dict__, "base_url": url, "num_requests": 8, "concurrency": 1})
-            for name, workload in workloads.items():
+            served = LoadSpec(**{**spec.__dict__, "base_url": url})  # each workload is warmed up first
+            names = ["W1"] + (["W2", *args.extra_workloads] if mode in args.single_stream_modes else [])
+            for name in names:
+                warm_up(workload_spec(name, served))  # outside the CPU seconds measured
                 before = process_cpu_snapshot()
-                runs[name] = asyncio.run(run_load(workload))
+                runs[name] = run_workloads(served, [name], progress, label=mode, warm=False)[name]
                 runs[name]["cpu_s_by_part"] = cpu_seconds_by_part(before, process_cpu_snapshot())
                 print(f"{mode} {name} CPU seconds by part of the server: {runs[name]['cpu_s_by_part']}", flush=True)
         results["modes"][mode] = runs
@@ -161,15 +231,19 @@ def _concrete_dtype(dtype: str, device: str = "cpu") -> str:
 
 
 def format_table(result: dict) -> str:
-    rows = ["| mode | workload | output tok/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | E2E p50 (s) |", "|---|---|---|---|---|---|---|"]
-    for mode, runs in result["modes"].items():
+    """compare (``modes``) and peer (``servers``) results: one row per mode or server and workload."""
+    rows = ["| mode | workload | output tok/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | E2E p50 (s) | goodput (req/s, share) |",
+            "|---|---|---|---|---|---|---|---|"]
+    for mode, runs in (result.get("modes") or result.get("servers") or {}).items():
         for name, r in runs.items():
             if not r.get("num_requests"):
-                rows.append(f"| {mode} | {name} | failed: {r.get('first_error', '?')[:80]} | | | | |")
+                rows.append(f"| {mode} | {name} | failed: {r.get('first_error', '?')[:80]} | | | | | |")
                 continue
             errors = f" ({r['num_errors']} errors)" if r.get("num_errors") else ""
+            good = r.get("goodput")
+            good = f"{good['req_per_s']}, {good['fraction']:.0%}" if good else ""
             rows.append(f"| {mode} | {name} | {r['output_tok_per_s']}{errors} | {r['ttft_s']['p50']} | {r['ttft_s']['p99']} | "
-                        f"{r['tpot_ms']['p50']} | {r['e2e_s']['p50']} |")
+                        f"{r['tpot_ms']['p50']} | {r['e2e_s']['p50']} | {good} |")
     return "\n".join(rows)
 
 
@@ -193,8 +267,25 @@ def _cpu_class() -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["load", "compare", "engine", "hf", "quant", "profile", "gemm", "kernel-pairs", "spec"])
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="load: the server to drive")
+    parser.add_argument("command", choices=["load", "peer", "sweep", "report", "compare", "engine", "hf", "quant", "profile", "gemm",
+                                            "kernel-pairs", "spec"])
+    parser.add_argument("files", nargs="*", help="report: result JSON files (results/bench/*.json)")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="load, peer, sweep: the server to drive")
+    parser.add_argument("--name", default="peer", help="peer, sweep: the server's name in results and the report (vllm, naive, ...)")
+    parser.add_argument("--launch", default=None, choices=["naive"],
+                        help="peer: start this server for the run on --port (naive: benchmarks/naive_server.py) and stop it after")
+    parser.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=STANDARD_WORKLOADS, help="peer: the standard workloads to run")
+    parser.add_argument("--extra-workloads", nargs="*", default=[], choices=[w for w in STANDARD_WORKLOADS if w not in ("W1", "W2")],
+                        help="compare: W3/W4 too, for the single-stream modes")
+    parser.add_argument("--workload", default="random", choices=WORKLOADS, help="load, sweep: the kind of requests")
+    parser.add_argument("--rounds", type=int, default=2, help="sweep: requests per level = rounds x concurrency (at least 8)")
+    parser.add_argument("--slo-ttft-s", type=float, default=2.0, help="goodput: the most time to first token")
+    parser.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput: the most for a request's p99 inter-token gap")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar per run (default: when stderr is a terminal)")
+    parser.add_argument("--cpu-class", action="append", default=[], metavar="[FILE=]FLAGS",
+                        help="report: the CPU class of result files that predate machine.cpu_class (FILE: a file name)")
+    parser.add_argument("--no-plots", action="store_true", help="report: tables only")
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare: the app config to serve")
     parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])
     parser.add_argument("--methods", nargs="+", default=None, help="quant: quantizations to measure (default: all four)")
@@ -222,9 +313,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--prompt-words", type=int, default=56)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--concurrencies", type=int, nargs="+", default=[1, 8], help="spec: concurrent streams per run")
+    parser.add_argument("--concurrencies", type=int, nargs="+", default=None,
+                        help="spec: concurrent streams per run (default 1 8); sweep: the levels (default 1 2 4 8 16 32 64)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="spec: the longest draft")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="the JSON file to write (report: the markdown file, default docs/benchmarks.md)")
     return parser
 
 

@@ -1,10 +1,21 @@
-"""A load generator for any OpenAI-compatible server: N streaming completions at a given concurrency.
+"""A load generator for any OpenAI-compatible server: N streaming requests at a given concurrency.
 
 Measures what a client sees (over HTTP, streaming): output tokens per second over the whole run,
 time to first token (TTFT), time per output token (TPOT = (E2E - TTFT) / (tokens - 1)), inter-token
-latency (ITL) and end-to-end latency (E2E), as percentiles. Prompts are random common words from a
-fixed seed, so runs are comparable; ``ignore_eos`` + ``min_tokens`` make every request produce
-exactly ``max_tokens`` tokens (the standard workload of ../shared/BENCHMARKS.md).
+latency (ITL: the time between streamed chunks, what a reader of the stream sees) and end-to-end
+latency (E2E), as percentiles; and goodput, the requests per second that met a latency objective (SLO:
+TTFT at most ``slo_ttft_s`` and the request's p99 inter-token gap at most ``slo_itl_ms``), with the
+fraction of requests that met it. Prompts come from a fixed seed, so runs are comparable;
+``ignore_eos`` + ``min_tokens`` make every request produce exactly ``max_tokens`` tokens.
+
+Workloads (``LoadSpec.workload``):
+
+- ``random`` (W1, W2): ~64-token prompts of random common words through ``/v1/completions``.
+- ``shared-prefix-chat`` (W3): chats through ``/v1/chat/completions`` that all begin with the same
+  ~400-token system prompt (``system_prompt_words``), each with its own short question: what prefix
+  caching saves.
+- ``rewrite`` (W4): "rewrite this passage" chats whose answer copies from the prompt (input-grounded
+  generation, where drafts looked up in the prompt are accepted).
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -25,6 +37,54 @@ WORDS = (
     "side kind head house service friend father power hour game line end member law car city community name"
 ).split()
 
+WORKLOADS = ("random", "shared-prefix-chat", "rewrite")
+
+SYSTEM_RULES = (
+    "You are the help desk assistant of the city library. Answer questions from visitors politely, briefly and "
+    "truthfully. Use only the facts below; when they do not answer a question, say that you do not know and "
+    "suggest asking a librarian at the front desk. Never invent opening hours, prices or rules. Keep each answer "
+    "under one hundred words and do not repeat the question."
+)
+SYSTEM_FACTS = [
+    "The library opens at nine in the morning and closes at six in the evening from Monday to Saturday.",
+    "On Sundays the library is closed, except for the reading room, which opens from noon to five.",
+    "Visitors may borrow up to five books at a time for two weeks, and renew each book twice online.",
+    "Late returns cost ten cents per book per day, up to a limit of five dollars per book.",
+    "The reading room on the second floor is quiet at all times, and phone calls are not allowed there.",
+    "Children under twelve must be accompanied by an adult in every part of the building except the children's floor.",
+    "Printing costs ten cents per black and white page and fifty cents per color page.",
+    "The library card is free for residents of the city and costs twenty dollars a year for everyone else.",
+    "Lost cards can be replaced at the front desk for two dollars with a photo identity document.",
+    "Group study rooms can be booked up to seven days in advance for at most three hours a day.",
+    "Wireless internet is free; the network name is the library's name and no password is needed.",
+    "Food is not allowed inside, but water in a closed bottle is welcome everywhere except the archive.",
+]
+QUESTIONS = [
+    "When does the library open on {day}?", "How many books can I borrow about {topic}?",
+    "What does it cost to print a page about {topic}?", "Can my child visit the {topic} shelves alone?",
+    "How do I book a room to study {topic}?", "I lost my card while reading about {topic}. What now?",
+    "Is there internet for my {topic} project?", "What happens if I return a {topic} book late?",
+]
+DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+PASSAGES = [
+    "The museum opens at ten every morning and closes at five in the afternoon. Tickets cost twelve dollars for adults "
+    "and six for children. Guided tours start every hour from the main hall. Photography without flash is allowed in "
+    "all galleries except the special exhibition on the top floor.",
+    "Our team meets every Monday at ten. Alice presents the weekly numbers, Bob reviews the open tickets, and Carol "
+    "plans the next release. Meetings end at eleven. The notes are shared in the team folder by the end of the day, "
+    "and anyone who missed the meeting reads them before Tuesday.",
+    "To reset your password, open the settings page, choose security, and click reset password. A link is sent to "
+    "your email address. The link expires after thirty minutes. If it expires, request a new one from the same page. "
+    "Never share the link with anyone, including our support staff.",
+    "The recipe needs two cups of flour, one cup of sugar, three eggs and a spoon of butter. Mix the flour and the "
+    "sugar, add the eggs one at a time, then the melted butter. Pour the batter into a round pan and bake it for "
+    "forty minutes at one hundred and eighty degrees, until the top is golden.",
+]
+REWRITE_INSTRUCTIONS = [
+    "Rewrite the following passage in plain words, keeping every fact:\n\n{passage}",
+    "Copy the following notice word for word, then stop:\n\n{passage}",
+]
+
 
 @dataclass
 class LoadSpec:
@@ -36,6 +96,10 @@ class LoadSpec:
     max_tokens: int = 128
     seed: int = 0
     timeout_s: float = 600.0
+    workload: str = "random"  # one of WORKLOADS
+    system_prompt_words: int = 350  # shared-prefix-chat: ~400 tokens
+    slo_ttft_s: float = 2.0
+    slo_itl_ms: float = 200.0
 
 
 @dataclass
@@ -50,40 +114,104 @@ class RequestTiming:
     def tpot_s(self) -> float:
         return (self.e2e_s - self.ttft_s) / max(self.output_tokens - 1, 1)
 
+    def record(self) -> dict:
+        """What the JSON keeps of one request: enough to recompute goodput under another SLO."""
+        gaps_ms = sorted(x * 1000 for x in self.itl_s)
+        return {"ttft_s": round(self.ttft_s, 4), "e2e_s": round(self.e2e_s, 4), "output_tokens": self.output_tokens,
+                "itl_p99_ms": round(_at(gaps_ms, 0.99), 2) if gaps_ms else 0.0,
+                "itl_max_ms": round(gaps_ms[-1], 2) if gaps_ms else 0.0}
+
 
 def make_prompts(spec: LoadSpec) -> list[str]:
+    """The ``random`` workload's prompts (also used offline by the engine and transformers baselines)."""
     rng = random.Random(spec.seed)
     return [" ".join(rng.choice(WORDS) for _ in range(spec.prompt_words)) for _ in range(spec.num_requests)]
 
 
-async def run_load(spec: LoadSpec) -> dict:
-    """Send every request (``concurrency`` at a time) and summarize what the client measured."""
+def system_prompt(words: int) -> str:
+    """The shared system prompt: rules, then facts repeated as a numbered list until ``words`` words."""
+    parts, count, n = [SYSTEM_RULES, "Facts:"], len(SYSTEM_RULES.split()) + 1, 0
+    while count < words:
+        fact = f"{n + 1}. {SYSTEM_FACTS[n % len(SYSTEM_FACTS)]}"
+        parts.append(fact)
+        count += len(fact.split())
+        n += 1
+    return "\n".join(parts)
+
+
+def make_requests(spec: LoadSpec) -> tuple[str, list[dict]]:
+    """The endpoint and the per-request body fields (prompt or messages) of ``spec.workload``."""
+    if spec.workload == "random":
+        return "/v1/completions", [{"prompt": p} for p in make_prompts(spec)]
+    rng = random.Random(spec.seed)
+    if spec.workload == "shared-prefix-chat":
+        system = system_prompt(spec.system_prompt_words)
+        bodies = []
+        for i in range(spec.num_requests):
+            question = QUESTIONS[i % len(QUESTIONS)].format(day=rng.choice(DAYS), topic=" ".join(rng.sample(WORDS, 2)))
+            bodies.append({"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
+        return "/v1/chat/completions", bodies
+    if spec.workload == "rewrite":
+        bodies = []
+        for i in range(spec.num_requests):
+            passage = PASSAGES[i % len(PASSAGES)]
+            instruction = REWRITE_INSTRUCTIONS[(i // len(PASSAGES)) % len(REWRITE_INSTRUCTIONS)]
+            bodies.append({"messages": [{"role": "user", "content": instruction.format(passage=passage)}]})
+        return "/v1/chat/completions", bodies
+    raise ValueError(f"unknown workload {spec.workload!r}: one of {', '.join(WORKLOADS)}")
+
+
+async def run_load(spec: LoadSpec, progress: bool | str = False) -> dict:
+    """Send every request (``concurrency`` at a time) and summarize what the client measured.
+
+    ``progress``: show a progress bar of finished requests (a string: its label)."""
+    path, bodies = make_requests(spec)
     limit = asyncio.Semaphore(spec.concurrency)
     limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency)
+    bar = _progress_bar(len(bodies), progress)
     async with httpx.AsyncClient(base_url=spec.base_url, timeout=spec.timeout_s, limits=limits) as http:
 
-        async def one(prompt: str) -> RequestTiming | str:
+        async def one(fields: dict) -> RequestTiming | str:
             async with limit:
                 try:
-                    return await _stream_one(http, spec, prompt)
+                    return await _stream_one(http, spec, path, fields)
                 except (httpx.HTTPError, RuntimeError) as exc:  # counted and reported, not fatal to the run
                     return f"{type(exc).__name__}: {exc}"
+                finally:
+                    if bar is not None:
+                        bar.update(1)
 
         started = time.perf_counter()
-        results = await asyncio.gather(*(one(p) for p in make_prompts(spec)))
+        try:
+            results = await asyncio.gather(*(one(b) for b in bodies))
+        finally:
+            if bar is not None:
+                bar.close()
         wall_s = time.perf_counter() - started
     errors = [r for r in results if isinstance(r, str)]
     summary = summarize(spec, [r for r in results if not isinstance(r, str)], wall_s)
     summary["num_errors"] = len(errors)
     if errors:
         summary["first_error"] = errors[0][:500]
+        summary["goodput"] = goodput(summary.get("requests", []), wall_s, spec.slo_ttft_s, spec.slo_itl_ms, len(errors))
     return summary
 
 
-async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> RequestTiming:
+def _progress_bar(total: int, progress: bool | str):
+    if not progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=progress if isinstance(progress, str) else "requests", unit="req", file=sys.stderr,
+                leave=False, dynamic_ncols=True)
+
+
+async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, path: str, fields: dict) -> RequestTiming:
     body = {
         "model": spec.model,
-        "prompt": prompt,
+        **fields,
         "max_tokens": spec.max_tokens,
         "min_tokens": spec.max_tokens,
         "ignore_eos": True,
@@ -94,7 +222,7 @@ async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> R
     sent = time.perf_counter()
     arrivals: list[float] = []
     usage: dict = {}
-    async with http.stream("POST", "/v1/completions", json=body) as response:
+    async with http.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
         async for line in response.aiter_lines():
@@ -103,7 +231,7 @@ async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> R
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+            if chunk.get("choices") and _chunk_text(chunk["choices"][0]):
                 arrivals.append(time.perf_counter())
             usage = chunk.get("usage") or usage
     if not arrivals:
@@ -118,10 +246,16 @@ async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, prompt: str) -> R
     )
 
 
+def _chunk_text(choice: dict) -> str:
+    """A streamed choice's new text: ``text`` for completions, ``delta.content`` for chat."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
 def summarize(spec: LoadSpec, timings: list[RequestTiming], wall_s: float) -> dict:
     if not timings:
         return {"spec": asdict(spec), "num_requests": 0, "wall_s": round(wall_s, 3), "output_tok_per_s": 0.0}
     output_tokens = sum(t.output_tokens for t in timings)
+    records = [t.record() for t in timings]
     return {
         "spec": asdict(spec),
         "num_requests": len(timings),
@@ -129,19 +263,90 @@ def summarize(spec: LoadSpec, timings: list[RequestTiming], wall_s: float) -> di
         "output_tokens": output_tokens,
         "mean_prompt_tokens": round(statistics.mean(t.prompt_tokens for t in timings), 1),
         "output_tok_per_s": round(output_tokens / wall_s, 1),
+        "request_per_s": round(len(timings) / wall_s, 3),
         "ttft_s": percentiles([t.ttft_s for t in timings]),
         "tpot_ms": percentiles([t.tpot_s * 1000 for t in timings]),
         "itl_ms": percentiles([x * 1000 for t in timings for x in t.itl_s]),
         "e2e_s": percentiles([t.e2e_s for t in timings]),
+        "goodput": goodput(records, wall_s, spec.slo_ttft_s, spec.slo_itl_ms),
+        "requests": records,
     }
+
+
+def goodput(records: list[dict], wall_s: float, slo_ttft_s: float, slo_itl_ms: float, num_errors: int = 0) -> dict:
+    """Requests that met the SLO (TTFT <= ``slo_ttft_s`` and their p99 inter-token gap <= ``slo_itl_ms``):
+    per second of the run and as a fraction of all requests (failed ones count as missing it)."""
+    good = sum(1 for r in records if r["ttft_s"] <= slo_ttft_s and r["itl_p99_ms"] <= slo_itl_ms)
+    total = len(records) + num_errors
+    return {"slo_ttft_s": slo_ttft_s, "slo_itl_ms": slo_itl_ms, "good_requests": good,
+            "req_per_s": round(good / wall_s, 3) if wall_s > 0 else 0.0,
+            "fraction": round(good / total, 3) if total else 0.0}
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     ordered = sorted(values)
+    return {"p50": round(_at(ordered, 0.5), 4), "p90": round(_at(ordered, 0.9), 4), "p99": round(_at(ordered, 0.99), 4),
+            "mean": round(statistics.mean(ordered), 4)}
 
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
-    return {"p50": round(at(0.5), 4), "p90": round(at(0.9), 4), "p99": round(at(0.99), 4), "mean": round(statistics.mean(ordered), 4)}
+def _at(ordered: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile of sorted values."""
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+# --- standard workloads, sweeps -----------------------------------------------------------------------------
+
+
+def workload_spec(name: str, spec: LoadSpec, **overrides) -> LoadSpec:
+    """W1-W4 on top of ``spec`` (its model, URL, token counts, seed and SLO): W1 = ``spec`` as given
+    (32 at once by default), W2 = 8 one at a time, W3 = the shared-prefix chats at W1's concurrency,
+    W4 = the rewrites at W1's concurrency."""
+    fields = dict(spec.__dict__)
+    if name == "W1":
+        fields["workload"] = "random"
+    elif name == "W2":
+        fields.update(workload="random", num_requests=8, concurrency=1)
+    elif name == "W3":
+        fields["workload"] = "shared-prefix-chat"
+    elif name == "W4":
+        fields["workload"] = "rewrite"
+    else:
+        raise ValueError(f"unknown workload {name!r}: W1, W2, W3 or W4")
+    fields.update(overrides)
+    return LoadSpec(**fields)
+
+
+STANDARD_WORKLOADS = ("W1", "W2", "W3", "W4")
+
+
+def warm_up(spec: LoadSpec) -> None:
+    """Two short requests: the first requests pay one-time costs (allocator, kernels, compilation)."""
+    asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "num_requests": 2, "concurrency": 2, "max_tokens": 8})))
+
+
+def run_workloads(spec: LoadSpec, names, progress: bool = False, label: str = "", warm: bool = True) -> dict:
+    """Run the named standard workloads one after another against ``spec.base_url``, each after a warm-up
+    of two short requests of its own kind (first requests of a shape pay one-time costs)."""
+    results = {}
+    for name in names:
+        if warm:
+            warm_up(workload_spec(name, spec))
+        results[name] = asyncio.run(run_load(workload_spec(name, spec), progress=f"{label} {name}".strip() if progress else False))
+        r = results[name]
+        print(f"{label} {name}: {r.get('output_tok_per_s')} tok/s, TTFT p50 {r.get('ttft_s', {}).get('p50')} s, "
+              f"goodput {r.get('goodput', {}).get('fraction')}", flush=True)
+    return results
+
+
+def run_sweep(spec: LoadSpec, concurrencies, rounds: int = 2, min_requests: int = 8, progress: bool = False) -> dict:
+    """The ``spec`` workload at each concurrency, ``max(rounds x concurrency, min_requests)`` requests each."""
+    levels = {}
+    for concurrency in concurrencies:
+        level = LoadSpec(**{**spec.__dict__, "concurrency": concurrency, "num_requests": max(rounds * concurrency, min_requests)})
+        levels[str(concurrency)] = asyncio.run(run_load(level, progress=f"concurrency {concurrency}" if progress else False))
+        r = levels[str(concurrency)]
+        print(f"concurrency {concurrency}: {r.get('output_tok_per_s')} tok/s, TTFT p50 {r.get('ttft_s', {}).get('p50')} s, "
+              f"ITL p50 {r.get('itl_ms', {}).get('p50')} ms, goodput {r.get('goodput', {}).get('req_per_s')} req/s", flush=True)
+    return levels

@@ -1,7 +1,8 @@
 """Start the real app with ``serve run`` for one configuration, wait until it answers, stop it after.
 
 Used by the mode comparison so every mode is measured through the same path users take (Ray Serve,
-HTTP, OpenAI API). Runs ``serve run`` as a subprocess, so this module never imports ray.
+HTTP, OpenAI API). Runs ``serve run`` as a subprocess, so this module never imports ray. The naive
+transformers server (benchmarks/naive_server.py) is started the same way for ``peer --launch naive``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,29 @@ def running_server(app_config: dict, port: int, log_path: Path, ready_timeout_s:
                 _stop(process)
 
 
+@contextlib.contextmanager
+def running_naive_server(port: int, log_path: Path, served_name: str, dtype: str, checkpoint: str | None = None,
+                         ready_timeout_s: float = 600) -> Iterator[str]:
+    """benchmarks/naive_server.py on ``port`` (the embedded model's checkpoint unless ``checkpoint``); yields the URL."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "naive_server.py"), "--port", str(port), "--served-name", served_name,
+               "--dtype", dtype]
+    if checkpoint is None:
+        from app.models.registry import BUILTIN_MODELS, prepare_builtin
+
+        if served_name in BUILTIN_MODELS:
+            checkpoint = str(prepare_builtin(served_name))
+    if checkpoint is not None:
+        command += ["--model", checkpoint]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_ready(url, process, ready_timeout_s, log_path, "naive server")
+            yield url
+        finally:
+            _stop(process)
+
+
 def _serve_config(config_file: Path, port: int) -> dict:
     return {
         "proxy_location": "EveryNode",
@@ -55,11 +79,11 @@ def _serve_config(config_file: Path, port: int) -> dict:
     }
 
 
-def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float, log_path: Path, what: str = "serve run") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"serve run exited with {process.returncode}; see {log_path}")
+            raise RuntimeError(f"{what} exited with {process.returncode}; see {log_path}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return
@@ -68,7 +92,7 @@ def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float, log_path:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    """Ctrl-C, as a user would: serve run then shuts Serve and its local Ray cluster down."""
+    """Ctrl-C, as a user would: serve run then shuts Serve and its local Ray cluster down (uvicorn: the server)."""
     if process.poll() is not None:
         return
     os.killpg(process.pid, signal.SIGINT)

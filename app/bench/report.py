@@ -1,0 +1,440 @@
+"""``python -m app.bench report FILE.json... --out docs/benchmarks.md``: benchmark results as a document.
+
+Reads the JSON that ``compare``, ``peer``, ``sweep``, ``load``, ``hf`` and ``quant`` save and renders:
+
+- the sources: each file, what produced it (its recorded command line), when, and on which CPU class;
+- W1 and W2 per server (this project, each peer, transformers offline) with ratios to vLLM and to the naive
+  baseline (the server named ``naive``: benchmarks/naive_server.py);
+- the seeds' table: served naive (one request at a time), dynamic, continuous and quantized, with ratios to
+  the naive row of the same sitting;
+- W3 (shared system prompt chats) and W4 (rewrites) where present, the concurrency sweeps, and goodput;
+- PNG plots next to the markdown (throughput and goodput against concurrency; TTFT, TPOT and ITL
+  percentiles) when matplotlib is installed (the ``bench`` extra); the tables need nothing beyond the
+  standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKLOAD_TEXT = {
+    "W1": "32 streaming `/v1/completions` requests sent at once, ~64-token prompts of random common words (fixed seed), "
+          "128 new tokens each (`ignore_eos`, `min_tokens`), greedy",
+    "W2": "the same, 8 requests one at a time",
+    "W3": "32 chats at once through `/v1/chat/completions`, all starting with the same ~400-token system prompt, each "
+          "with its own short question, 128 new tokens each: what prefix caching saves",
+    "W4": "32 \"rewrite this passage\" chats at once (the answer copies from the prompt), 128 new tokens each",
+}
+MODE_LABELS = {"none": "naive: one request at a time (`batching: none`)", "dynamic": "dynamic batching (`batching: dynamic`)",
+               "continuous": "continuous batching (`batching: continuous`, default)"}
+DEFAULT_COMMANDS = {"compare": "python -m app.bench compare", "hf": "python -m app.bench hf", "quant": "python -m app.bench quant"}
+
+
+@dataclass
+class Source:
+    index: int
+    path: Path
+    data: dict
+    kind: str
+    cpu_class: str
+
+    @property
+    def ref(self) -> str:
+        return f"[{self.index}]"
+
+    @property
+    def command(self) -> str:
+        if self.data.get("command"):
+            return self.data["command"]
+        default = DEFAULT_COMMANDS.get(self.kind)
+        return f"not recorded (made by `{default}`)" if default else "not recorded"
+
+
+def kind_of(data: dict) -> str:
+    if "servers" in data:
+        return "peer"
+    if "levels" in data:
+        return "sweep"
+    if "serving" in data or "fidelity" in data:
+        return "quant"
+    if "generate_batch" in data:
+        return "hf"
+    if "modes" in data and "config" in data:
+        return "compare"
+    if "modes" in data:
+        return "engine"
+    if "num_requests" in data and "spec" in data:
+        return "load"
+    return "other"
+
+
+def load_sources(paths: list[Path], cpu_classes: list[str] = ()) -> list[Source]:
+    """Each file with its kind and CPU class (``cpu_classes``: ``[FILE=]FLAGS`` for files that did not record it)."""
+    given: dict[str, str] = {}
+    for entry in cpu_classes:
+        name, _, flags = entry.rpartition("=")
+        given[name] = flags
+    sources = []
+    for index, path in enumerate(paths, 1):
+        data = json.loads(Path(path).read_text())
+        recorded = (data.get("machine") or {}).get("cpu_class")
+        if recorded is not None:
+            cpu = cpu_class_name(recorded)
+        elif Path(path).name in given or "" in given:
+            flags = given.get(Path(path).name, given.get(""))
+            cpu = f"{cpu_class_name(flags.replace(',', ' ').split())} (given to the report; the file predates machine.cpu_class)"
+        else:
+            cpu = "not recorded"
+        sources.append(Source(index, Path(path), data, kind_of(data), cpu))
+    return sources
+
+
+def cpu_class_name(flags: list[str]) -> str:
+    """The CPU class that picks our paths, from the flags ``machine.cpu_class`` records."""
+    flags = sorted(set(flags))
+    if "amx_bf16" in flags:
+        name = "AMX"
+    elif "avx512_bf16" in flags:
+        name = "AVX-512 with avx512_bf16"
+    elif "avx512f" in flags:
+        name = "AVX-512 without native bf16"
+    elif "avx2" in flags:
+        name = "AVX2-only (no native bf16)"
+    else:
+        return "without AVX2"
+    return f"{name} ({', '.join(flags)})"
+
+
+# --- formatting -----------------------------------------------------------------------------------------------
+
+
+def _num(value, digits: int = 1) -> str:
+    if value is None or value == "":
+        return "–"
+    if isinstance(value, (int, float)):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _ratio(value, reference) -> str:
+    if not value or not reference:
+        return "–"
+    return f"{value / reference:.2f}x"
+
+
+def _pct(run: dict | None, metric: str, q: str = "p50", scale: float = 1.0, digits: int = 1) -> str:
+    values = (run or {}).get(metric) or {}
+    return _num(values[q] * scale, digits) if q in values else "–"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _goodput_cell(run: dict | None) -> str:
+    good = (run or {}).get("goodput")
+    if not good:
+        return "–"
+    return f"{good['req_per_s']:.2f}/s ({good['fraction']:.0%})"
+
+
+# --- what each kind of file holds, as rows ------------------------------------------------------------------
+
+
+@dataclass
+class ServerRuns:
+    """One server's standard workloads in one source."""
+
+    name: str
+    runs: dict  # W1.. -> load result
+    source: Source
+
+
+def servers(sources: list[Source]) -> list[ServerRuns]:
+    """This project (each compare file's ``continuous`` mode) and every peer, in the order given."""
+    found = []
+    for source in sources:
+        if source.kind == "compare":
+            modes = source.data["modes"]
+            mode = "continuous" if "continuous" in modes else next(iter(modes), None)
+            if mode:
+                found.append(ServerRuns(f"this project (`{mode}`)", modes[mode], source))
+        elif source.kind == "peer":
+            for name, runs in source.data["servers"].items():
+                found.append(ServerRuns(name, runs, source))
+    return found
+
+
+def _reference(found: list[ServerRuns], prefix: str) -> ServerRuns | None:
+    return next((s for s in found if s.name.lower().startswith(prefix)), None)
+
+
+def _tok_s(server: ServerRuns | None, workload: str):
+    return ((server.runs.get(workload) or {}).get("output_tok_per_s")) if server else None
+
+
+def server_table(sources: list[Source]) -> list[str]:
+    found = servers(sources)
+    hf = [s for s in sources if s.kind == "hf"]
+    if not found and not hf:
+        return ["No `compare` or `peer` results among these files."]
+    vllm, naive = _reference(found, "vllm"), _reference(found, "naive")
+    header = ["server", "W1 tok/s", "W1 TTFT p50 (s)", "W1 TPOT p50 (ms)", "W1 ITL p50 (ms)", "W1 goodput", "W2 tok/s",
+              "W2 TPOT p50 (ms)", "W1 vs vLLM", "W1 vs naive", "W2 vs vLLM", "W2 vs naive", "source"]
+    rows = []
+    for s in found:
+        w1, w2 = s.runs.get("W1"), s.runs.get("W2")
+        rows.append([s.name, _num((w1 or {}).get("output_tok_per_s")), _pct(w1, "ttft_s", digits=2), _pct(w1, "tpot_ms"),
+                     _pct(w1, "itl_ms"), _goodput_cell(w1), _num((w2 or {}).get("output_tok_per_s")), _pct(w2, "tpot_ms"),
+                     _ratio(_tok_s(s, "W1"), _tok_s(vllm, "W1")), _ratio(_tok_s(s, "W1"), _tok_s(naive, "W1")),
+                     _ratio(_tok_s(s, "W2"), _tok_s(vllm, "W2")), _ratio(_tok_s(s, "W2"), _tok_s(naive, "W2")), s.source.ref])
+    for source in hf:
+        batch = (source.data.get("generate_batch") or {}).get("output_tok_per_s")
+        single = (source.data.get("generate_batch1") or {}).get("output_tok_per_s")
+        dtype = (source.data.get("spec") or {}).get("dtype", "")
+        rows.append([f"transformers offline, {dtype}: `generate_batch` (W1) / `generate` batch 1 (W2)", _num(batch), "–", "–", "–", "–",
+                     _num(single), "–", _ratio(batch, _tok_s(vllm, "W1")), _ratio(batch, _tok_s(naive, "W1")),
+                     _ratio(single, _tok_s(vllm, "W2")), _ratio(single, _tok_s(naive, "W2")), source.ref])
+    lines = _table(header, rows)
+    missing = [what for what, ref in (("vLLM (`make bench-vllm`)", vllm), ("the naive baseline (`make bench-naive`)", naive)) if ref is None]
+    if missing:
+        lines += ["", f"No result for {' or '.join(missing)} among these files: those ratios are left out."]
+    return lines
+
+
+def seeds_table(sources: list[Source]) -> list[str]:
+    """Served naive, dynamic, continuous (compare) and quantized (quant) on W1, ratios to the same file's naive row."""
+    header = ["setup", "W1 tok/s", "TTFT p50 (s)", "TPOT p50 (ms)", "ITL p50 (ms)", "E2E p50 (s)", "vs naive", "source"]
+    rows = []
+    for source in sources:
+        if source.kind == "compare":
+            modes = source.data["modes"]
+            base = (modes.get("none", {}).get("W1") or {}).get("output_tok_per_s")
+            dtype = source.data.get("dtype", "auto")
+            for mode, runs in modes.items():
+                w1 = runs.get("W1") or {}
+                rows.append([f"{MODE_LABELS.get(mode, mode)}, dtype {dtype}", _num(w1.get("output_tok_per_s")), _pct(w1, "ttft_s", digits=2),
+                             _pct(w1, "tpot_ms"), _pct(w1, "itl_ms"), _pct(w1, "e2e_s"), _ratio(w1.get("output_tok_per_s"), base), source.ref])
+        elif source.kind == "quant" and source.data.get("serving"):
+            serving = source.data["serving"]
+            base = next((r.get("output_tok_per_s") for r in serving.values() if r.get("batching") == "none"), None)
+            for label, w1 in serving.items():
+                rows.append([f"{label} (quantization {w1.get('quantization', '?')}, `{w1.get('batching', '?')}`)", _num(w1.get("output_tok_per_s")),
+                             _pct(w1, "ttft_s", digits=2), _pct(w1, "tpot_ms"), _pct(w1, "itl_ms"), _pct(w1, "e2e_s"),
+                             _ratio(w1.get("output_tok_per_s"), base), source.ref])
+    if not rows:
+        return ["No `compare` or `quant` results among these files."]
+    return _table(header, rows) + ["", "Ratios are to the naive row of the same file (the same sitting)."]
+
+
+def other_workloads_table(sources: list[Source]) -> list[str]:
+    rows = []
+    for s in servers(sources):
+        for name in ("W3", "W4"):
+            run = s.runs.get(name)
+            if run:
+                rows.append([s.name, name, _num(run.get("output_tok_per_s")), _num(run.get("mean_prompt_tokens"), 0), _pct(run, "ttft_s", digits=2),
+                             _pct(run, "ttft_s", "p99", digits=2), _pct(run, "tpot_ms"), _pct(run, "itl_ms"), _goodput_cell(run), s.source.ref])
+    if not rows:
+        return []
+    header = ["server", "workload", "tok/s", "prompt tokens", "TTFT p50 (s)", "TTFT p99 (s)", "TPOT p50 (ms)", "ITL p50 (ms)", "goodput", "source"]
+    return _table(header, rows)
+
+
+def sweep_table(result: dict) -> str:
+    header = ["concurrency", "requests", "tok/s", "TTFT p50/p90/p99 (s)", "TPOT p50/p90/p99 (ms)", "ITL p50/p90/p99 (ms)", "goodput"]
+    rows = []
+    for concurrency, run in sorted(result.get("levels", {}).items(), key=lambda kv: int(kv[0])):
+        if not run.get("num_requests"):
+            rows.append([concurrency, "0", f"failed: {run.get('first_error', '?')[:60]}", "", "", "", ""])
+            continue
+
+        def three(metric: str, digits: int) -> str:
+            return " / ".join(_pct(run, metric, q, digits=digits) for q in ("p50", "p90", "p99"))
+
+        errors = f" ({run['num_errors']} failed)" if run.get("num_errors") else ""
+        rows.append([concurrency, f"{run['num_requests']}{errors}", _num(run.get("output_tok_per_s")), three("ttft_s", 2), three("tpot_ms", 0),
+                     three("itl_ms", 0), _goodput_cell(run)])
+    return "\n".join(_table(header, rows))
+
+
+def load_runs(sources: list[Source]) -> list[tuple[str, str, dict, Source]]:
+    """Every load result among the sources: (server, workload or level, result, source)."""
+    runs = []
+    for s in servers(sources):
+        runs += [(s.name, name, run, s.source) for name, run in s.runs.items()]
+    for source in sources:
+        if source.kind == "compare":
+            for mode, mode_runs in source.data["modes"].items():
+                if mode != "continuous":
+                    runs += [(f"this project (`{mode}`)", name, run, source) for name, run in mode_runs.items()]
+        elif source.kind == "sweep":
+            for concurrency, run in source.data["levels"].items():
+                runs.append((source.data.get("sweep", "sweep"), f"{source.data.get('workload', 'random')} at concurrency {concurrency}", run, source))
+        elif source.kind == "load":
+            runs.append((source.data["spec"].get("base_url", "load"), source.data["spec"].get("workload", "random"), source.data, source))
+    return runs
+
+
+def goodput_table(sources: list[Source]) -> list[str]:
+    rows = []
+    for server, workload, run, source in load_runs(sources):
+        good = run.get("goodput")
+        if good:
+            total = run.get("num_requests", 0) + run.get("num_errors", 0)
+            rows.append([server, workload, f"TTFT <= {good['slo_ttft_s']:g} s, p99 ITL <= {good['slo_itl_ms']:g} ms",
+                         f"{good['good_requests']}/{total}", f"{good['req_per_s']:.3f}", f"{good['fraction']:.0%}", source.ref])
+        else:
+            rows.append([server, workload, "not recorded (the file predates goodput)", "–", "–", "–", source.ref])
+    if not rows:
+        return ["No load results among these files."]
+    return _table(["server", "workload", "SLO", "met", "goodput (req/s)", "share", "source"], rows)
+
+
+def sources_table(sources: list[Source]) -> list[str]:
+    rows = []
+    for s in sources:
+        machine = s.data.get("machine") or {}
+        when = s.data.get("started_utc")
+        when = f"{when} to {s.data['finished_utc'][11:]}" if when and s.data.get("finished_utc") else (when or "not recorded")
+        rows.append([s.ref, f"`{s.path.name}`", s.kind, f"`{s.command}`" if s.data.get("command") else s.command, when, s.cpu_class,
+                     str(machine.get("cpus", "?")), str(machine.get("torch", "?")), machine.get("cuda") or "none"])
+    return _table(["#", "file", "kind", "command", "when (UTC)", "CPU class", "CPUs", "torch", "GPU"], rows)
+
+
+# --- plots ----------------------------------------------------------------------------------------------------
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def write_plots(sources: list[Source], directory: Path) -> list[Path]:
+    """PNG plots of the sweeps and of W1's latency percentiles; [] without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    sweeps = [s for s in sources if s.kind == "sweep" and s.data.get("levels")]
+    ticks = sorted({int(c) for s in sweeps for c in s.data["levels"]})
+
+    def concurrency_axis(ax) -> None:
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xlabel("concurrent requests")
+        ax.grid(alpha=0.3)
+
+    if sweeps:
+        fig, (tput, good) = plt.subplots(1, 2, figsize=(11, 4))
+        for s in sweeps:
+            levels = sorted((int(c), r) for c, r in s.data["levels"].items() if r.get("num_requests"))
+            xs = [c for c, _ in levels]
+            label = f"{s.data.get('sweep', 'sweep')} {s.ref}"
+            tput.plot(xs, [r["output_tok_per_s"] for _, r in levels], marker="o", label=label)
+            good.plot(xs, [(r.get("goodput") or {}).get("req_per_s", 0) for _, r in levels], marker="o", label=label)
+        for ax, title, unit in ((tput, "Throughput", "output tokens/s"), (good, "Goodput", "requests/s meeting the SLO")):
+            concurrency_axis(ax)
+            ax.set_ylabel(unit)
+            ax.set_title(title)
+            ax.legend()
+        written.append(_save(fig, plt, directory / "sweep-throughput.png"))
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        for ax, (metric, title, scale) in zip(axes, (("ttft_s", "TTFT (s)", 1), ("tpot_ms", "TPOT (ms)", 1), ("itl_ms", "ITL (ms)", 1))):
+            for s in sweeps:
+                levels = sorted((int(c), r) for c, r in s.data["levels"].items() if r.get(metric))
+                for q, style in (("p50", "-"), ("p90", "--"), ("p99", ":")):
+                    ax.plot([c for c, _ in levels], [r[metric][q] * scale for _, r in levels], style, marker="o",
+                            label=f"{s.data.get('sweep', 'sweep')} {q}")
+            concurrency_axis(ax)
+            ax.set_yscale("log")
+            ax.set_title(title)
+            ax.legend(fontsize=7)
+        written.append(_save(fig, plt, directory / "sweep-latency.png"))
+    found = [s for s in servers(sources) if (s.runs.get("W1") or {}).get("ttft_s")]
+    if found:
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        width = 0.8 / len(found)
+        for ax, (metric, title) in zip(axes, (("ttft_s", "W1 TTFT (s)"), ("tpot_ms", "W1 TPOT (ms)"), ("itl_ms", "W1 ITL (ms)"))):
+            for i, s in enumerate(found):
+                values = s.runs["W1"].get(metric) or {}
+                ax.bar([q + i * width for q in range(3)], [values.get(q, 0) for q in ("p50", "p90", "p99")], width,
+                       label=f"{s.name.replace('`', '')} {s.source.ref}")
+            ax.set_xticks([q + width * (len(found) - 1) / 2 for q in range(3)], ["p50", "p90", "p99"])
+            ax.set_title(title)
+            ax.grid(alpha=0.3, axis="y")
+            ax.legend(fontsize=7)
+        written.append(_save(fig, plt, directory / "w1-latency.png"))
+    return written
+
+
+def _save(fig, plt, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --- the document ---------------------------------------------------------------------------------------------
+
+
+def render_report(paths: list[Path], out: Path, cpu_classes: list[str] = (), plots: bool = True, command: str | None = None) -> tuple[str, list[Path]]:
+    """The markdown for ``out`` and the plot files written beside it (in ``<out's stem>/``)."""
+    sources = load_sources(paths, cpu_classes)
+    command = command or "python -m app.bench report " + " ".join(str(p) for p in paths) + f" --out {out}"
+    classes = sorted({s.cpu_class for s in sources})
+    lines = ["# Benchmarks", "",
+             f"Generated by `{command}` from the result files listed under [Sources](#sources): every figure names its source, "
+             "and each source its command line, time and CPU class. Shared 2-core machines drift 15-40% within an hour: "
+             "compare figures from one sitting, as ratios.", "",
+             f"CPU class{'es' if len(classes) > 1 else ''} of these results: " + "; ".join(f"**{c}**" for c in classes) + ".", "",
+             "## Workloads", ""]
+    lines += [f"- **{name}**: {text}." for name, text in WORKLOAD_TEXT.items()]
+    lines += ["", "TTFT: time to first streamed token; TPOT: (E2E - TTFT) / (tokens - 1) per request; ITL: time between "
+              "streamed chunks, what a reader of the stream sees; goodput: requests per second that met the SLO (TTFT and the "
+              "request's p99 inter-token gap within bounds), and their share of all requests.", "",
+              "## W1 and W2 by server", "", *server_table(sources), "",
+              "## Batching and quantization (naive, dynamic, continuous, quantized) on W1", "", *seeds_table(sources), ""]
+    other = other_workloads_table(sources)
+    if other:
+        lines += ["## Shared system prompt (W3) and rewrites (W4)", "", *other, ""]
+    sweeps = [s for s in sources if s.kind == "sweep"]
+    if sweeps:
+        lines += ["## Concurrency sweep", ""]
+        for s in sweeps:
+            lines += [f"**{s.data.get('sweep', 'sweep')}** ({s.data.get('workload', 'random')} requests, {s.data.get('model', '')}) {s.ref}:", "",
+                      sweep_table(s.data), ""]
+    lines += ["## Goodput", "", *goodput_table(sources), ""]
+    written: list[Path] = []
+    if plots:
+        directory = out.parent / out.stem
+        written = write_plots(sources, directory)
+        if written:
+            lines += ["## Plots", ""]
+            lines += [f"![{p.stem}]({os.path.relpath(p, out.parent)})" for p in written]
+            lines.append("")
+        elif _pyplot() is None:
+            lines += ["Plots need matplotlib: `pip install -e '.[bench]'`.", ""]
+    lines += ["## Sources", "", *sources_table(sources), "",
+              "## Re-running", "",
+              "- `make bench`: `compare` (this project in each batching mode through `serve run`), `hf` (transformers offline), "
+              "`peer` for each of `BENCH_PEERS` (`naive`: benchmarks/naive_server.py; `vllm`: vLLM's CPU backend through "
+              "benchmarks/vllm_cpu.sh), then this report.",
+              "- `make bench-vllm`: vLLM alone (creates `vllm-venv/` once).",
+              "- `python -m app.bench peer --url http://HOST:PORT --name NAME --model SERVED_NAME [--workloads W1 W2 W3 W4]`: "
+              "any OpenAI-compatible server.",
+              "- `python -m app.bench sweep --url http://HOST:PORT --name NAME --model SERVED_NAME --concurrencies 1 2 4 8 16 32 64 "
+              "--slo-ttft-s 2 --slo-itl-ms 200`.",
+              f"- `{command}`."]
+    return "\n".join(lines) + "\n", written

@@ -1,0 +1,196 @@
+"""The benchmark report and the load generator's goodput and workloads, on synthetic data: no server, no model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from app.bench import load, report
+from app.bench.__main__ import main as bench_main
+
+
+def run(tok_s: float, ttft: float = 1.0, tpot: float = 50.0, itl: float = 45.0, good: tuple[int, int] | None = (30, 32)) -> dict:
+    result = {"num_requests": 32, "num_errors": 0, "output_tok_per_s": tok_s, "mean_prompt_tokens": 64.0,
+              "ttft_s": {"p50": ttft, "p90": ttft * 2, "p99": ttft * 3, "mean": ttft},
+              "tpot_ms": {"p50": tpot, "p90": tpot * 1.2, "p99": tpot * 1.5, "mean": tpot},
+              "itl_ms": {"p50": itl, "p90": itl * 1.5, "p99": itl * 4, "mean": itl},
+              "e2e_s": {"p50": 10.0, "p90": 12.0, "p99": 13.0, "mean": 10.0}}
+    if good:
+        result["goodput"] = {"slo_ttft_s": 2.0, "slo_itl_ms": 200.0, "good_requests": good[0], "req_per_s": 1.5,
+                             "fraction": good[0] / good[1]}
+    return result
+
+
+MACHINE = {"platform": "Linux", "cpus": 2, "torch": "2.13.0+cpu", "cuda": None, "cpu_class": ["avx2", "avx512_bf16", "avx512f"]}
+
+
+@pytest.fixture
+def files(tmp_path):
+    data = {
+        "compare.json": {"config": "configs/smollm2-cpu.yaml", "dtype": "auto", "command": "python -m app.bench compare",
+                         "started_utc": "2026-11-24 07:43:00 UTC", "finished_utc": "2026-11-24 07:50:00 UTC", "machine": MACHINE,
+                         "modes": {"none": {"W1": run(40.0)}, "dynamic": {"W1": run(200.0)},
+                                   "continuous": {"W1": run(250.0), "W2": run(50.0), "W3": run(300.0), "W4": run(260.0)}}},
+        "peer-vllm.json": {"peer": "vllm", "url": "http://127.0.0.1:8002", "model": "smollm2-135m", "machine": MACHINE,
+                           "command": "python -m app.bench peer --name vllm", "servers": {"vllm": {"W1": run(500.0), "W2": run(25.0)}}},
+        "peer-naive.json": {"peer": "naive", "machine": MACHINE, "servers": {"naive": {"W1": run(20.0), "W2": run(20.0)}}},
+        "hf.json": {"spec": {"dtype": "float32"}, "generate_batch": {"output_tok_per_s": 75.0},
+                    "generate_batch1": {"output_tok_per_s": 15.0}, "machine": {"cpus": 2, "torch": "2.13.0+cpu"}},
+        "quant.json": {"config": "c", "dtype": "float32", "fidelity": {}, "machine": MACHINE,
+                       "serving": {"naive fp32": {"quantization": "none", "batching": "none", **run(10.0)},
+                                   "batched GPTQ 4-bit": {"quantization": "gptq", "batching": "continuous", **run(80.0)}}},
+        "sweep.json": {"sweep": "ours", "workload": "random", "model": "m", "machine": MACHINE,
+                       "levels": {"1": run(40.0), "8": run(180.0), "2": run(70.0, good=None),
+                                  "64": {"num_requests": 0, "num_errors": 128, "first_error": "HTTP 503", "output_tok_per_s": 0.0}}},
+    }
+    paths = {}
+    for name, content in data.items():
+        paths[name] = tmp_path / name
+        paths[name].write_text(json.dumps(content))
+    return paths
+
+
+def _row(markdown: str, starts: str) -> list[str]:
+    line = next(line for line in markdown.splitlines() if line.startswith(f"| {starts}"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_report_tables_ratios_and_sources(files, tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "_pyplot", lambda: None)  # the tables need no matplotlib
+    out = tmp_path / "docs" / "benchmarks.md"
+    markdown, written = report.render_report(list(files.values()), out, cpu_classes=["hf.json=avx2"])
+    assert written == []
+    assert "Plots need matplotlib" in markdown
+    # W1/W2 by server, ratios to vLLM and to the naive baseline
+    ours = _row(markdown, "this project (`continuous`)")
+    assert ours[1] == "250.0" and ours[6] == "50.0"
+    assert ours[8:12] == ["0.50x", "12.50x", "2.00x", "2.50x"]
+    assert ours[5] == "1.50/s (94%)"
+    hf = _row(markdown, "transformers offline")
+    assert hf[1] == "75.0" and hf[8] == "0.15x" and hf[9] == "3.75x" and hf[11] == "0.75x"
+    # the seeds' table: ratios to the naive row of the same file
+    assert _row(markdown, "dynamic batching")[6] == "5.00x"
+    assert _row(markdown, "continuous batching")[6] == "6.25x"
+    assert _row(markdown, "batched GPTQ 4-bit")[6] == "8.00x"
+    # W3/W4, the sweep (levels in numeric order, a failed level), goodput
+    assert "## Shared system prompt (W3) and rewrites (W4)" in markdown
+    sweep = markdown[markdown.index("## Concurrency sweep"):markdown.index("## Goodput")]
+    assert [r.split("|")[1].strip() for r in sweep.splitlines() if r.startswith("| ") and not r.startswith("| concurrency")] == ["1", "2", "8", "64"]
+    assert "failed: HTTP 503" in sweep
+    assert "not recorded (the file predates goodput)" in markdown
+    # sources: command, times, CPU class recorded, given, or not recorded
+    assert "AVX-512 with avx512_bf16 (avx2, avx512_bf16, avx512f)" in markdown
+    assert "AVX2-only (no native bf16) (avx2) (given to the report; the file predates machine.cpu_class)" in markdown
+    assert "`python -m app.bench peer --name vllm`" in markdown
+    assert "2026-11-24 07:43:00 UTC to 07:50:00 UTC" in markdown
+    assert "not recorded (made by `python -m app.bench hf`)" in markdown  # older files: what made them, said as such
+
+
+def test_report_without_peers_says_which_ratios_are_missing(files, tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    markdown, _ = report.render_report([files["compare.json"]], tmp_path / "b.md")
+    assert "No result for vLLM (`make bench-vllm`) or the naive baseline (`make bench-naive`)" in markdown
+    assert _row(markdown, "this project (`continuous`)")[8] == "–"
+
+
+def test_report_command_writes_markdown_and_plots(files, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "docs" / "benchmarks.md"
+    assert bench_main(["report", *map(str, files.values()), "--out", str(out)]) == 0
+    markdown = out.read_text()
+    for name in ("sweep-throughput.png", "sweep-latency.png", "w1-latency.png"):
+        assert (out.parent / "benchmarks" / name).read_bytes()[:4] == b"\x89PNG"
+        assert f"](benchmarks/{name})" in markdown
+    assert markdown.startswith("# Benchmarks")
+    assert "Generated by `python -m app.bench report " in markdown
+
+
+def test_goodput_counts_requests_meeting_both_objectives():
+    records = [{"ttft_s": 1.0, "itl_p99_ms": 150.0}, {"ttft_s": 2.5, "itl_p99_ms": 100.0},
+               {"ttft_s": 0.5, "itl_p99_ms": 250.0}, {"ttft_s": 2.0, "itl_p99_ms": 200.0}]
+    good = load.goodput(records, wall_s=4.0, slo_ttft_s=2.0, slo_itl_ms=200.0)
+    assert good == {"slo_ttft_s": 2.0, "slo_itl_ms": 200.0, "good_requests": 2, "req_per_s": 0.5, "fraction": 0.5}
+    assert load.goodput(records, 4.0, 2.0, 200.0, num_errors=4)["fraction"] == 0.25  # failures miss the SLO
+    assert load.goodput([], 0.0, 2.0, 200.0) == {"slo_ttft_s": 2.0, "slo_itl_ms": 200.0, "good_requests": 0, "req_per_s": 0.0, "fraction": 0.0}
+
+
+def test_summary_records_goodput_per_request():
+    timings = [load.RequestTiming(ttft_s=0.5, e2e_s=2.0, prompt_tokens=10, output_tokens=4, itl_s=[0.1, 0.1, 0.3]),
+               load.RequestTiming(ttft_s=3.0, e2e_s=4.0, prompt_tokens=10, output_tokens=4, itl_s=[0.1, 0.1, 0.1])]
+    summary = load.summarize(load.LoadSpec(slo_ttft_s=2.0, slo_itl_ms=350.0), timings, wall_s=4.0)
+    assert summary["requests"][0] == {"ttft_s": 0.5, "e2e_s": 2.0, "output_tokens": 4, "itl_p99_ms": 300.0, "itl_max_ms": 300.0}
+    assert summary["goodput"]["good_requests"] == 1 and summary["goodput"]["fraction"] == 0.5
+    assert load.summarize(load.LoadSpec(slo_itl_ms=200.0), timings[:1], 4.0)["goodput"]["good_requests"] == 0
+
+
+def test_workloads():
+    spec = load.LoadSpec(num_requests=32)
+    path, bodies = load.make_requests(load.workload_spec("W3", spec))
+    assert path == "/v1/chat/completions" and len(bodies) == 32
+    systems = {b["messages"][0]["content"] for b in bodies}
+    assert len(systems) == 1 and 330 <= len(next(iter(systems)).split()) <= 380  # one shared ~400-token prefix
+    assert len({b["messages"][1]["content"] for b in bodies}) > 16  # questions differ
+    path, bodies = load.make_requests(load.workload_spec("W4", spec))
+    assert path == "/v1/chat/completions"
+    assert all(any(p in b["messages"][0]["content"] for p in load.PASSAGES) for b in bodies)
+    path, bodies = load.make_requests(load.workload_spec("W1", spec))
+    assert path == "/v1/completions" and bodies[0]["prompt"] == load.make_prompts(spec)[0]
+    w2 = load.workload_spec("W2", spec)
+    assert (w2.num_requests, w2.concurrency, w2.workload) == (8, 1, "random")
+    with pytest.raises(ValueError):
+        load.workload_spec("W9", spec)
+
+
+@pytest.fixture
+def mock_server(monkeypatch):
+    """Every request of the load generator answered by an in-process OpenAI-like stream; yields what was sent."""
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.path, body))
+        if request.url.path == "/v1/chat/completions":
+            chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant"}}]}]
+            chunks += [{"choices": [{"index": 0, "delta": {"content": f" t{i}"}}]} for i in range(body["max_tokens"])]
+        else:
+            chunks = [{"choices": [{"index": 0, "text": f" t{i}"}]} for i in range(body["max_tokens"])]
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}})
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(load.httpx, "AsyncClient", lambda **kw: real_client(transport=httpx.MockTransport(handler), **kw))
+    return seen
+
+
+def test_run_load_reads_chat_and_completion_streams(mock_server):
+    """The whole client path: chat deltas and completion text both count as tokens."""
+    seen = mock_server
+    for name in ("W1", "W3", "W4"):
+        spec = load.workload_spec(name, load.LoadSpec(num_requests=4, concurrency=2, max_tokens=5))
+        result = asyncio.run(load.run_load(spec, progress="test"))
+        assert result["num_requests"] == 4 and result["num_errors"] == 0, result
+        assert result["output_tokens"] == 20 and result["mean_prompt_tokens"] == 7
+        assert result["goodput"]["fraction"] == 1.0 and len(result["requests"]) == 4
+    assert {path for path, _ in seen} == {"/v1/completions", "/v1/chat/completions"}
+    assert all(b["ignore_eos"] and b["min_tokens"] == 5 and b["stream"] for _, b in seen)
+
+
+def test_peer_and_sweep_commands_save_what_the_report_reads(mock_server, tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    peer, sweep = tmp_path / "peer-vllm.json", tmp_path / "sweep.json"
+    common = ["--url", "http://127.0.0.1:1", "--model", "m", "--max-tokens", "3", "--no-progress"]
+    assert bench_main(["peer", "--name", "vllm", "--workloads", "W1", "W2", "--requests", "4", "--concurrency", "4", *common,
+                       "--out", str(peer)]) == 0
+    assert bench_main(["sweep", "--name", "ours", "--concurrencies", "1", "4", *common, "--out", str(sweep)]) == 0
+    saved = json.loads(peer.read_text())
+    assert saved["command"].startswith("python -m app.bench peer --name vllm") and saved["machine"]["cpu_class"] is not None
+    assert saved["servers"]["vllm"]["W2"]["spec"]["concurrency"] == 1 and saved["servers"]["vllm"]["W1"]["num_requests"] == 4
+    levels = json.loads(sweep.read_text())["levels"]
+    assert {c: r["num_requests"] for c, r in levels.items()} == {"1": 8, "4": 8}
+    assert all(r["goodput"]["fraction"] == 1.0 for r in levels.values())
+    markdown, _ = report.render_report([peer, sweep], tmp_path / "b.md")
+    assert _row(markdown, "vllm")[1] != "–" and "**ours** (random requests, m) [2]" in markdown
