@@ -224,6 +224,9 @@ class ReplicaConfig:
     # num_replicas auto: the engine's waiting + running sequences per replica the autoscaler aims at
     # (deployments/autoscaling.py); Serve's ongoing requests against target_ongoing_requests where unreported.
     target_queue_depth: float = 16
+    # Serve's max_replicas_per_node: at most this many replicas of the deployment on one Ray node (1: one per
+    # node, so the replicas spread over the cluster). None: no limit.
+    max_replicas_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_replicas != "auto" and (not isinstance(self.num_replicas, int) or self.num_replicas < 1):
@@ -239,6 +242,8 @@ class ReplicaConfig:
         if (not isinstance(self.target_queue_depth, (int, float)) or isinstance(self.target_queue_depth, bool)
                 or self.target_queue_depth <= 0):
             raise ValueError(f"replica.target_queue_depth must be a number > 0, got {self.target_queue_depth!r}")
+        if self.max_replicas_per_node is not None:
+            _require_int("replica.max_replicas_per_node (or null)", self.max_replicas_per_node, minimum=1)
 
 
 SAMPLING_DEFAULT_KEYS = (

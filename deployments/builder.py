@@ -90,6 +90,8 @@ def replica_options(served: ServedModelConfig) -> dict[str, Any]:
         options["autoscaling_config"] = autoscaling_config(served)
     else:
         options["num_replicas"] = replica.num_replicas
+    if replica.max_replicas_per_node is not None:  # Serve's own spreading: at most this many per Ray node
+        options["max_replicas_per_node"] = replica.max_replicas_per_node
     return options
 
 

@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m app.bench {load,peer,sweep,report,compare,engine,hf,quant,spec,profile,gemm,kernel-pairs}``
+"""Benchmarks: ``python -m app.bench {load,peer,sweep,report,compare,engine,hf,quant,spec,profile,gemm,kernel-pairs,soak}``
 (``make bench`` runs ``compare``, ``hf``, ``peer`` for the configured peers and ``report``; ``make bench-quant`` runs ``quant``).
 
 - ``load``: drive an already running server (e.g. ``make serve``) with N concurrent streaming requests
@@ -26,6 +26,9 @@
 - ``quant``: per quantization (none, bnb-int8, bnb-nf4, gptq) weight and resident memory, held-out
   perplexity and greedy agreement with bf16 (the fidelity report), then naive bf16 and batched
   bf16/int8/nf4/GPTQ served through HTTP on W1 (the comparison table). JSON plus a markdown file.
+- ``soak``: the whole config under ``serve run`` at a steady ``--rate`` of short streamed completions for
+  ``--duration-s``: failed requests, the RSS of every part of the app every 10 s (start, end, MB/min),
+  latency percentiles (app/bench/soak.py).
 Every command prints its numbers and saves them as JSON (``--out``), with the command line, the start time
 and the machine (CPU class). Load results carry goodput under ``--slo-ttft-s`` / ``--slo-itl-ms``.
 """
@@ -92,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         from app.bench.gemm import run_gemm_bench
 
         result = run_gemm_bench(args.batches, args.kernels)
+    elif args.command == "soak":
+        result = soak(args)
     else:
         result = compare(args, spec, progress)
     result["command"] = command
@@ -115,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         from app.bench.report import sweep_table
 
         print(sweep_table(result))
+    elif args.command == "soak":
+        from app.bench.soak import format_table as soak_table
+
+        print(soak_table(result))
     elif args.command not in ("profile", "gemm", "kernel-pairs", "spec"):  # these printed their own tables as they went
         print(json.dumps({k: v for k, v in result.items() if k != "requests"}, indent=2))  # per-request records: in the file
     print(f"saved {out}")
@@ -198,6 +207,15 @@ def compare(args, spec: LoadSpec, progress: bool = False) -> dict:
     return results
 
 
+def soak(args) -> dict:
+    from app.bench.soak import run_soak
+
+    app_config = yaml.safe_load(Path(args.config).read_text())  # the whole app, as deployed
+    report = run_soak(app_config, args.port, RESULTS / "serve-soak.log", args.duration_s, args.rate, args.model,
+                      args.server_factory)
+    return {"config": args.config, **report}
+
+
 def quant(args, spec: LoadSpec) -> dict:
     from app.bench import quant as q
     from app.models.loader import cpu_has_native_bf16
@@ -268,7 +286,7 @@ def _cpu_class() -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["load", "peer", "sweep", "report", "compare", "engine", "hf", "quant", "profile", "gemm",
-                                            "kernel-pairs", "spec"])
+                                            "kernel-pairs", "spec", "soak"])
     parser.add_argument("files", nargs="*", help="report: result JSON files (results/bench/*.json)")
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="load, peer, sweep: the server to drive")
     parser.add_argument("--name", default="peer", help="peer, sweep: the server's name in results and the report (vllm, naive, ...)")
@@ -316,6 +334,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--concurrencies", type=int, nargs="+", default=None,
                         help="spec: concurrent streams per run (default 1 8); sweep: the levels (default 1 2 4 8 16 32 64)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="spec: the longest draft")
+    parser.add_argument("--duration-s", type=float, default=300, help="soak: how long to send requests")
+    parser.add_argument("--rate", type=float, default=4.0, help="soak: requests per second (16-word prompts, 32 streamed tokens)")
+    parser.add_argument("--server-factory", default=None, help="soak: what each replica serves, module:attribute "
+                        "(e.g. tests.serve.fake_model:fake_model_server; default: the real model)")
     parser.add_argument("--out", default=None, help="the JSON file to write (report: the markdown file, default docs/benchmarks.md)")
     return parser
 

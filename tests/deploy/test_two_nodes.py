@@ -1,0 +1,181 @@
+"""One model's replicas on two Ray nodes: ``replica.max_replicas_per_node: 1`` spreads them, the proxy serves both.
+
+Two nodes on this machine, each from its own ``ray start --block`` in a process session of its own: a head
+(one CPU, custom resource ``node_a``, dashboard and GCS on free ports) and a node that joins it with
+``ray start --address=<head GCS>`` (one CPU, ``node_b``, its own free ports). ``serve deploy`` puts the fake
+model, hosted by the ingress, on 2 replicas at most 1 per node; Serve's own view of the application (the
+dashboard's ``/api/serve/applications/``, the same data as ``serve status``) must place one replica on each
+node, and completions sent to the proxy on the head must all come back right, those served across the nodes
+included. Only these two nodes are stopped at the end (by process id, never ``ray stop``); the helpers are
+tests/deploy/test_serve_deploy.py's.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+import yaml
+
+from tests.deploy.test_serve_deploy import (
+    BIN, ROOT, cluster_env, free_port, serve_cli, stop_cluster, wait_for_dashboard,
+)  # fmt: skip
+
+pytestmark = pytest.mark.serve
+
+APP = "two-nodes"
+MODEL = "fake-a"
+NODE_RESOURCES = ("node_a", "node_b")  # one custom resource per node: which node is which
+DEPLOY_TIMEOUT_S = 60
+NUM_REQUESTS = 16
+
+# Run in a subprocess with the cluster's environment (its auth settings), not in pytest's process, which may
+# hold a Ray of its own: every replica of the app with its node, and every alive node's custom resources.
+PLACEMENT_PROBE = """
+import json, sys
+from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+from ray.util.state import list_nodes
+address, app = sys.argv[1], sys.argv[2]
+details = ServeSubmissionClient(address).get_serve_details()
+application = details.get("applications", {}).get(app, {})
+replicas = [
+    {"deployment": name, "state": r["state"], "node_id": r.get("node_id"), "log": r.get("log_file_path")}
+    for name, deployment in application.get("deployments", {}).items() for r in deployment.get("replicas", [])
+]
+nodes = {n.node_id: sorted(n.resources_total) for n in list_nodes(address=address) if n.state == "ALIVE"}
+print(json.dumps({"status": application.get("status"), "replicas": replicas, "nodes": nodes}))
+"""
+
+
+def start_node(command: list[str], env: dict[str, str], log_path: pathlib.Path) -> subprocess.Popen:
+    with open(log_path, "w") as log:
+        return subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.fixture
+def two_nodes():
+    """A head and a second node joined to it; yields (dashboard address, env for the CLI, the Ray temp dir)."""
+    if shutil.which("ray", path=str(BIN)) is None or sys.platform != "linux":
+        pytest.skip("needs Ray's CLI next to this Python, on Linux")
+    temp_dir = tempfile.mkdtemp(prefix="r2-", dir="/tmp")  # short: Ray's socket paths live under it
+    env = cluster_env()
+    # Serve's proxy would send every request to the replica on its own node while that one has room: here the
+    # head's proxy picks between both replicas, so requests also cross to the other node.
+    env["RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"] = "0"
+    dashboard, gcs = free_port(), free_port()
+    common = ["--block", "--num-cpus=1", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
+              f"--temp-dir={temp_dir}"]  # fmt: skip
+
+    def own_ports() -> list[str]:  # every port a node listens on, free ones: two nodes share this machine
+        return [f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+                f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]  # fmt: skip
+
+    head_log = pathlib.Path(temp_dir) / "head.log"
+    head = start_node(
+        [str(BIN / "ray"), "start", "--head", *common, *own_ports(), f"--port={gcs}", "--resources",
+         json.dumps({"node_a": 1}), "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dashboard}", f"--ray-client-server-port={free_port()}"],
+        env, head_log,
+    )  # fmt: skip
+    worker = None
+    try:
+        address = f"http://127.0.0.1:{dashboard}"
+        wait_for_dashboard(address, head_log)  # the head is up: its GCS takes the second node
+        worker = start_node(
+            [str(BIN / "ray"), "start", f"--address=127.0.0.1:{gcs}", *common, *own_ports(), "--resources",
+             json.dumps({"node_b": 1})],
+            env, pathlib.Path(temp_dir) / "worker.log",
+        )  # fmt: skip
+        yield address, env, pathlib.Path(temp_dir)
+    finally:
+        if worker is not None:
+            stop_cluster(worker)  # the joined node first, then the head (its own session each)
+        stop_cluster(head)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def app_config(http_port: int) -> dict:
+    """build_app on the fake model: the ingress hosts it, 2 replicas, at most one per node."""
+    replica = {"num_cpus": 0, "num_replicas": 2, "max_replicas_per_node": 1}
+    served = {"model": {"source": MODEL}, "engine": {"separate_process": False}, "replica": replica}
+    return {
+        "proxy_location": "HeadOnly",  # one proxy: both nodes share this machine's ports
+        "http_options": {"host": "127.0.0.1", "port": http_port},
+        "applications": [
+            {
+                "name": APP,
+                "route_prefix": "/",
+                "import_path": "deployments.builder:build_app",
+                "args": {"server_factory": "tests.serve.fake_model:fake_model_server", "models": [served]},
+            }
+        ],
+    }
+
+
+def placement(address: str, env: dict[str, str]) -> dict:
+    result = subprocess.run([sys.executable, "-c", PLACEMENT_PROBE, address, APP], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    if result.returncode != 0:
+        return {"status": "PROBE_ERROR", "replicas": [], "nodes": {}, "error": result.stderr[-2000:]}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def served(log: pathlib.Path) -> bool:
+    """Whether a replica's log has an access line for a completion it answered with 200."""
+    return log.is_file() and "/v1/completions 200 " in log.read_text(errors="replace")
+
+
+def complete(http_port: int, index: int) -> tuple[int, str, str]:
+    prompt = f"request {index} "
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 40}
+    reply = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=30)
+    text = reply.json()["choices"][0]["text"] if reply.status_code == 200 else reply.text
+    return reply.status_code, text, (prompt * 40)[:40]  # the fake model echoes the prompt
+
+
+def test_replicas_spread_over_two_nodes_and_serve(two_nodes, tmp_path):
+    address, env, temp_dir = two_nodes
+    head_log = temp_dir / "head.log"
+    http_port = free_port()
+    config = tmp_path / "serve_config.yaml"
+    config.write_text(yaml.safe_dump(app_config(http_port), sort_keys=False))
+    deployed = serve_cli(address, env, "deploy", str(config))
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    try:
+        # RUNNING: both replicas started, which max_replicas_per_node 1 only allows with the second node joined
+        deadline = time.monotonic() + DEPLOY_TIMEOUT_S
+        state = placement(address, env)
+        while state["status"] not in ("RUNNING", "DEPLOY_FAILED") and time.monotonic() < deadline:
+            time.sleep(1)
+            state = placement(address, env)
+        assert state["status"] == "RUNNING", f"{state}\n{head_log.read_text()[-3000:]}"
+
+        running = [r for r in state["replicas"] if r["state"] == "RUNNING"]
+        assert len(running) == 2 and {r["deployment"] for r in running} == {"OpenAIIngress"}, state
+        assert len(state["nodes"]) == 2, state
+        labels = {node: [name for name in NODE_RESOURCES if name in resources] for node, resources in state["nodes"].items()}
+        assert sorted(label for r in running for label in labels[r["node_id"]]) == list(NODE_RESOURCES), (labels, running)
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            replies = list(pool.map(lambda i: complete(http_port, i), range(NUM_REQUESTS)))
+        assert [status for status, _, _ in replies] == [200] * NUM_REQUESTS, replies
+        assert all(text == expected for _, text, expected in replies), replies
+        # both replicas served some: each one's access log (Serve writes it on the replica's node; both nodes
+        # here keep their logs in the one session directory) has completions answered 200
+        logs = {r["node_id"]: temp_dir / "session_latest" / "logs" / r["log"].lstrip("/") for r in running}
+        deadline = time.monotonic() + 10
+        while not all(served(log) for log in logs.values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert {labels[node][0]: served(log) for node, log in logs.items()} == {"node_a": True, "node_b": True}, logs
+    finally:
+        shutdown = serve_cli(address, env, "shutdown", "-y")
+    assert shutdown.returncode == 0, shutdown.stdout + shutdown.stderr
