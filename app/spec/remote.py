@@ -40,7 +40,8 @@ from app.spec.stats import SpecDecodingStats
 
 _BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # pause after 1, 2, 3, 4+ consecutive failed calls
 _FIRST_PRIOR = 0.8  # a draft model of the target's family agrees on most tokens (until measured otherwise)
-_PRIOR_AFTER_DRAFTS = 8  # verified drafts before the drafter's own acceptance rate is every new sequence's prior
+_PRIOR_AFTER_DRAFTS = 8
+_PROBE_HOPELESS_EVERY = 512  # sequence-steps between probes while drafting cannot pay at the measured cost  # verified drafts before the drafter's own acceptance rate is every new sequence's prior
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ class _Sequence:
     waiting_since: float | None = None
     answered: int = 0  # calls answered so far
     exhausted: bool = False  # the draft model answered nothing (its context is full): stop asking
+    want: int = 0  # how many of the newest call's proposals to verify when they arrive
+    probing: bool = False
 
 
 class ModelDrafter:
@@ -104,6 +107,7 @@ class ModelDrafter:
         self._ids = itertools.count()
         self._failures = 0
         self._paused_until = 0.0
+        self._hopeless_steps = 0
         self.draft_s_per_token: float | None = None  # measured round trip per drafted token (EMA)
 
     # ---- the engine's side ---------------------------------------------------------------------
@@ -111,23 +115,40 @@ class ModelDrafter:
         """Give ``request`` its drafts for the next step (maybe none), and ask for those it will want after."""
         if self.draft_s_per_token is not None and target_step_s > 0:  # c, from the two measured averages
             self.policy.cost_ratio = self.draft_s_per_token / target_step_s
-        k = min(limit, self.policy.draft_length(request.request_id, batch_size)) if limit > 0 else 0
         seq = self._seqs.setdefault(request.request_id, _Sequence())
         drafts = self._usable(seq, request.output_token_ids)
         request.spec_token_ids, request.awaiting_draft = [], False
-        if k == 0 or now < self._paused_until or seq.exhausted:
+        if limit <= 0 or now < self._paused_until or seq.exhausted:
             seq.waiting_since = None
             return
-        if drafts:
-            request.spec_token_ids = drafts[:k]
+        if drafts and seq.want:  # what was asked for (a probe's too) is verified; the policy sizes the next window
+            request.spec_token_ids = drafts[: min(seq.want, limit)]
             seq.waiting_since = None
-            if self.config.draft_ahead:  # the overlap: draft the window after these while the target verifies them
-                self._ask(request, request.output_token_ids + request.spec_token_ids, k + 1)
+            k = min(limit, self._length(request, batch_size))
+            if seq.probing:  # a probe verifies two windows: the second answer measures the drafting cost
+                k, seq.probing = max(k, self.config.num_speculative_tokens), False
+            if self.config.draft_ahead and k > 0:  # the overlap: draft the next window while the target verifies this one
+                self._ask(request, request.output_token_ids + request.spec_token_ids, k + 1, want=k)
+            return
+        k = min(limit, self._length(request, batch_size))
+        if k == 0:
+            seq.waiting_since = None
             return
         if not _extends(request.output_token_ids, seq.asked_base):
-            self._ask(request, list(request.output_token_ids), k)
+            self._ask(request, list(request.output_token_ids), k, want=k)
         seq.waiting_since = seq.waiting_since if seq.waiting_since is not None else now
         request.awaiting_draft = now - seq.waiting_since < self.config.max_draft_wait_ms / 1000
+
+    def _length(self, request: Request, batch_size: int) -> int:
+        """The policy's draft length; where not even drafts that always pass would pay at the measured cost, 0
+        but for a rare probe (drafter-wide) that measures the cost again."""
+        if self.policy.best_length(1.0, batch_size) > 0:
+            return self.policy.draft_length(request.request_id, batch_size)
+        self._hopeless_steps += 1
+        if self._hopeless_steps % _PROBE_HOPELESS_EVERY:
+            return 0
+        self._seqs[request.request_id].probing = True
+        return self.config.num_speculative_tokens
 
     def add_result(self, result: DraftResult, now: float) -> bool:
         """Take an answer in; True when it is the one its sequence is waiting for."""
@@ -178,12 +199,12 @@ class ModelDrafter:
         self._seqs.pop(request_id, None)
 
     # ---- internals ------------------------------------------------------------------------------
-    def _ask(self, request: Request, output: list[int], num_tokens: int) -> None:
+    def _ask(self, request: Request, output: list[int], num_tokens: int, want: int) -> None:
         num_tokens = min(num_tokens, self.max_model_len - request.num_prompt_tokens - len(output))
         if num_tokens <= 0:
             return
         seq = self._seqs[request.request_id]
-        seq.asked_id, seq.asked_base = next(self._ids), output
+        seq.asked_id, seq.asked_base, seq.want = next(self._ids), output, want
         self._calls.append(DraftCall(seq.asked_id, self.index, request.request_id, request.prompt_token_ids, output,
                                      num_tokens, request.sampling))
 
