@@ -110,9 +110,14 @@ class ModelServer:
                           sampling, self.info.eos_token_ids, output_token_ids=list(call.output_token_ids),
                           drafter=None, detokenize=False)
         tokens: list[int] = []
+        first_s = last_s = 0.0
         async for output in self.engine.generate(request, self.serving.admit):
+            last_s = time.monotonic()
+            first_s = first_s or last_s
             tokens.extend(output.new_token_ids)
-        return DraftResult(call.call_id, call.drafter, call.sequence_id, tokens)
+        # the drafting cost per token, past the first (which also paid the context's prefill and any queue)
+        s_per_token = (last_s - first_s) / (len(tokens) - 1) if len(tokens) > 1 else None
+        return DraftResult(call.call_id, call.drafter, call.sequence_id, tokens, s_per_token=s_per_token)
 
     def check_health(self) -> None:
         """Raise if this replica can no longer serve: the engine loop died, or it is wedged (no step

@@ -40,8 +40,10 @@ from app.spec.stats import SpecDecodingStats
 
 _BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # pause after 1, 2, 3, 4+ consecutive failed calls
 _FIRST_PRIOR = 0.8  # a draft model of the target's family agrees on most tokens (until measured otherwise)
-_PRIOR_AFTER_DRAFTS = 8
-_PROBE_HOPELESS_EVERY = 512  # sequence-steps between probes while drafting cannot pay at the measured cost  # verified drafts before the drafter's own acceptance rate is every new sequence's prior
+_PRIOR_AFTER_DRAFTS = 8  # verified drafts before the drafter's own acceptance rate is every new sequence's prior
+# Sequence-steps between probes while drafting cannot pay at the measured cost. A probe's prefill on the draft
+# replica competes with the target for a small machine's cores (one cost ~0.4 s of a 2-core EPYC's target time).
+_PROBE_HOPELESS_EVERY = 4096
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class DraftResult:
     token_ids: list[int]  # the proposals (empty on failure, or when the draft model could not draft)
     elapsed_s: float = 0.0  # the call's round trip, as the target side measured it
     error: str | None = None
+    s_per_token: float | None = None  # the draft model's own time per proposal after the first (no prefill, no queue)
 
 
 def draft_sampling(sampling: SamplingParams, num_output_tokens: int, num_tokens: int) -> SamplingParams:
@@ -86,7 +89,6 @@ class _Sequence:
     answered: int = 0  # calls answered so far
     exhausted: bool = False  # the draft model answered nothing (its context is full): stop asking
     want: int = 0  # how many of the newest call's proposals to verify when they arrive
-    probing: bool = False
 
 
 class ModelDrafter:
@@ -125,14 +127,14 @@ class ModelDrafter:
             request.spec_token_ids = drafts[: min(seq.want, limit)]
             seq.waiting_since = None
             k = min(limit, self._length(request, batch_size))
-            if seq.probing:  # a probe verifies two windows: the second answer measures the drafting cost
-                k, seq.probing = max(k, self.config.num_speculative_tokens), False
             if self.config.draft_ahead and k > 0:  # the overlap: draft the next window while the target verifies this one
                 self._ask(request, request.output_token_ids + request.spec_token_ids, k + 1, want=k)
             return
         k = min(limit, self._length(request, batch_size))
         if k == 0:
             seq.waiting_since = None
+            if self._probe_due():  # nobody waits for it: its answer measures the draft's cost (and is used if it fits)
+                self._ask(request, list(request.output_token_ids), self.config.num_speculative_tokens, want=limit)
             return
         if not _extends(request.output_token_ids, seq.asked_base):
             self._ask(request, list(request.output_token_ids), k, want=k)
@@ -140,15 +142,15 @@ class ModelDrafter:
         request.awaiting_draft = now - seq.waiting_since < self.config.max_draft_wait_ms / 1000
 
     def _length(self, request: Request, batch_size: int) -> int:
-        """The policy's draft length; where not even drafts that always pass would pay at the measured cost, 0
-        but for a rare probe (drafter-wide) that measures the cost again."""
+        """The policy's draft length; 0 where not even drafts that always pass would pay at the measured cost."""
         if self.policy.best_length(1.0, batch_size) > 0:
             return self.policy.draft_length(request.request_id, batch_size)
         self._hopeless_steps += 1
-        if self._hopeless_steps % _PROBE_HOPELESS_EVERY:
-            return 0
-        self._seqs[request.request_id].probing = True
-        return self.config.num_speculative_tokens
+        return 0
+
+    def _probe_due(self) -> bool:
+        """While drafting cannot pay, now and then one call that nobody waits for measures the cost again."""
+        return self._hopeless_steps > 0 and self._hopeless_steps % _PROBE_HOPELESS_EVERY == 0
 
     def add_result(self, result: DraftResult, now: float) -> bool:
         """Take an answer in; True when it is the one its sequence is waiting for."""
@@ -158,8 +160,10 @@ class ModelDrafter:
             self._paused_until = now + _BACKOFF_S[min(self._failures, len(_BACKOFF_S)) - 1]
         elif result.token_ids:
             self._failures = 0
-            if seq is not None and seq.answered > 0:  # a first call also prefills the prompt: not the drafting cost
+            per_token = result.s_per_token
+            if per_token is None and seq is not None and seq.answered > 0:  # a first call also prefills the prompt
                 per_token = result.elapsed_s / len(result.token_ids)
+            if per_token is not None:
                 self.draft_s_per_token = per_token if self.draft_s_per_token is None else 0.8 * self.draft_s_per_token + 0.2 * per_token
         if seq is not None and result.error is None:
             seq.answered += 1
