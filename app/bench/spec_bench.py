@@ -3,7 +3,8 @@
 One target (the GPTQ build of the embedded model, as the default app serves it) in one engine, served under
 three names: alone, with n-gram drafts, and with the embedded model drafting on a model server of its own
 (``drafter: model``; the calls go to that server's engine as they would to its replica). Per drafter,
-workload and concurrency (1 and 8 streams), greedy, every request the same length:
+workload and concurrency (1 and 8 streams), greedy (so every drafter emits exactly the target's tokens: the
+runs do the same work, each answer ending at EOS or ``max_tokens``):
 
 - output tok/s and the speed-up over the target alone in the same sitting;
 - acceptance rate a (accepted / drafted tokens), mean accepted length (1 + accepted / drafts), target
@@ -111,8 +112,9 @@ async def _run(server: ModelServer, model: str, prompts: list[str], max_tokens: 
         nonlocal tokens
         while queue:
             prompt = queue.pop(0)
+            # greedy: every drafter emits the target's own tokens, so runs do the same work and may stop at EOS
             request = ChatCompletionRequest(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                                            min_tokens=max_tokens, temperature=0, ignore_eos=True)
+                                            temperature=0)
             answer = await server.serving.chat(request)
             tokens += answer["usage"]["completion_tokens"]
 
