@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.serve.conftest import GPTQ_MODEL, GPTQ_NGRAM_MODEL, MODEL
+from tests.serve.conftest import GPTQ_MODEL, GPTQ_NGRAM_MODEL, GPTQ_SPEC_MODEL, MODEL
 
 pytestmark = pytest.mark.serve
 
@@ -48,7 +48,7 @@ def test_generate_alias(client):
 
 def test_models_and_health(client):
     models = client.get("/v1/models").json()
-    assert [m["id"] for m in models["data"]] == [MODEL, GPTQ_MODEL, GPTQ_NGRAM_MODEL]
+    assert [m["id"] for m in models["data"]] == [MODEL, GPTQ_MODEL, GPTQ_NGRAM_MODEL, GPTQ_SPEC_MODEL]
     health = client.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
 

@@ -118,6 +118,4 @@ def test_killing_the_draft_replica_mid_generation_costs_no_token(spec_app):
 def test_killing_the_target_replica_mid_generation_ends_its_stream_with_an_error_event(spec_app):
     text, errors, seconds = asyncio.run(_stream(TWIN, kill=f"LLMServer:{TARGET}"))
     assert len(errors) == 1 and errors[0]["code"] == "replica_unavailable", errors
-    assert seconds < 10, seconds  # an error event, not a hang
-    _wait_until_served(TARGET)
-    assert _complete(TWIN) == _complete(TARGET)
+    assert seconds < 10, seconds  # an error event, not a hang (Serve then replaces the replica: tests/serve/test_fake_errors.py)
