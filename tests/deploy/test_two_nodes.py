@@ -7,7 +7,7 @@ model, hosted by the ingress, on 2 replicas at most 1 per node; Serve's own view
 dashboard's ``/api/serve/applications/``, the same data as ``serve status``) must place one replica on each
 node, and completions sent to the proxy on the head must all come back right, those served across the nodes
 included. Only these two nodes are stopped at the end (by process id, never ``ray stop``); the helpers are
-tests/deploy/test_serve_deploy.py's.
+tests/deploy/cluster.py's. It is also the test of ``serve deploy`` / ``serve status`` on a ``ray start`` cluster.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.deploy.test_serve_deploy import (
-    BIN, ROOT, cluster_env, free_port, serve_cli, stop_cluster, wait_for_dashboard,
+from tests.deploy.cluster import (
+    BIN, ROOT, app_status, cluster_env, free_port, serve_cli, stop_cluster, wait_for_dashboard,
 )  # fmt: skip
 
 pytestmark = pytest.mark.serve
@@ -148,6 +148,11 @@ def test_replicas_spread_over_two_nodes_and_serve(two_nodes, tmp_path):
     http_port = free_port()
     config = tmp_path / "serve_config.yaml"
     config.write_text(yaml.safe_dump(app_config(http_port), sort_keys=False))
+    if env.get("RAY_AUTH_MODE") == "token" and not env.get("RAY_AUTH_TOKEN"):
+        # What docs/deployment.md warns about: with a token on disk, a CLI without RAY_AUTH_MODE=token is refused.
+        bare = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
+        refused = serve_cli(address, bare, "status")
+        assert refused.returncode != 0 and "Authentication required" in refused.stdout + refused.stderr
     deployed = serve_cli(address, env, "deploy", str(config))
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     try:
@@ -158,6 +163,7 @@ def test_replicas_spread_over_two_nodes_and_serve(two_nodes, tmp_path):
             time.sleep(1)
             state = placement(address, env)
         assert state["status"] == "RUNNING", f"{state}\n{head_log.read_text()[-3000:]}"
+        assert app_status(address, env, APP)[0] == "RUNNING"  # what `serve status` tells a user
 
         running = [r for r in state["replicas"] if r["state"] == "RUNNING"]
         assert len(running) == 2 and {r["deployment"] for r in running} == {"OpenAIIngress"}, state

@@ -1,15 +1,15 @@
-"""`serve deploy` on a Ray cluster of its own, as docs/deployment.md tells a user to run one.
+"""Running a Ray cluster of our own for the deploy tests, as docs/deployment.md tells a user to run one.
 
-The test starts a one-CPU head with ``ray start --head --block`` on free ports and its own temp dir, with
-Serve's proxy on a free port too (so it neither meets nor changes a Ray that the same pytest session runs:
-tests/serve's cluster, Serve on 8765), deploys build_app on the fake model with ``serve deploy``, waits for
-``serve status`` to say RUNNING, sends one completion over HTTP, then ``serve shutdown -y``. It stops only the cluster it started: SIGTERM
-to its ``ray start --block`` (which drains and stops that node's processes), then whatever is left of the
-processes in that session. ``ray stop`` is not used: it stops every Ray on the machine.
+Heads start with ``ray start --head --block`` on free ports and their own temp dir, with Serve's proxy on a
+free port too (so they neither meet nor change a Ray that the same pytest session runs: tests/serve's
+cluster, Serve on 8765); apps go on with ``serve deploy`` and are watched with ``serve status``. Only the
+cluster a test started is stopped: SIGTERM to its ``ray start --block`` (which drains and stops that node's
+processes), then whatever is left of the processes in that session. ``ray stop`` is not used: it stops
+every Ray on the machine.
 
 Authentication (Ray 2.60): a head started by ``ray start`` turns token authentication on when a token is
 available (``~/.ray/auth_token``, written by any earlier local ``ray.init()``), and the serve CLI then
-only sends the token when ``RAY_AUTH_MODE=token`` is set; the test sets it exactly then, as the Makefile does.
+only sends the token when ``RAY_AUTH_MODE=token`` is set; the tests set it exactly then, as the Makefile does.
 """
 
 from __future__ import annotations
@@ -108,32 +108,6 @@ def stop_cluster(head: subprocess.Popen, grace_s: float = 30) -> None:
         head.wait(10)
 
 
-@pytest.fixture
-def ray_head():
-    """A head node of this test's own; yields (dashboard address, env for the CLI, log path)."""
-    if shutil.which("ray", path=str(BIN)) is None or sys.platform != "linux":
-        pytest.skip("needs Ray's CLI next to this Python, on Linux")
-    temp_dir = tempfile.mkdtemp(prefix="rd-", dir="/tmp")  # short: Ray's socket paths live under it
-    env = cluster_env()
-    dashboard = free_port()
-    command = [
-        str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=1", "--disable-usage-stats",
-        f"--port={free_port()}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={free_port()}",
-        f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}",
-    ]  # fmt: skip
-    log_path = pathlib.Path(temp_dir) / "ray-start.log"
-    with open(log_path, "w") as log:
-        head = subprocess.Popen(
-            command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        yield f"http://127.0.0.1:{dashboard}", env, log_path
-    finally:
-        stop_cluster(head)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
 def serve_cli(address: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(BIN / "serve"), *args, "--address", address],
@@ -151,42 +125,10 @@ def wait_for_dashboard(address: str, log_path: pathlib.Path, timeout_s: float = 
     pytest.fail(f"the dashboard at {address} did not come up in {timeout_s} s:\n{log_path.read_text()[-3000:]}")
 
 
-def app_status(address: str, env: dict[str, str]) -> tuple[str, str]:
-    """(this app's status, the whole `serve status` output)."""
+def app_status(address: str, env: dict[str, str], app: str = APP) -> tuple[str, str]:
+    """(the app's status, the whole `serve status` output)."""
     result = serve_cli(address, env, "status")
     if result.returncode != 0:
         return "CLI_ERROR", result.stdout + result.stderr
     status = yaml.safe_load(result.stdout) or {}
-    return (status.get("applications") or {}).get(APP, {}).get("status", "MISSING"), result.stdout
-
-
-def test_serve_deploy_on_a_ray_start_cluster(ray_head, tmp_path):
-    address, env, log_path = ray_head
-    wait_for_dashboard(address, log_path)
-    config = tmp_path / "serve_config.yaml"
-    http_port = free_port()  # not tests/serve's 8765, nor anything else listening here
-    config.write_text(yaml.safe_dump(app_config(http_port), sort_keys=False))
-
-    if env.get("RAY_AUTH_MODE") == "token" and not env.get("RAY_AUTH_TOKEN"):
-        # What docs/deployment.md warns about: with a token on disk, a CLI without RAY_AUTH_MODE=token is refused.
-        bare = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
-        refused = serve_cli(address, bare, "status")
-        assert refused.returncode != 0 and "Authentication required" in refused.stdout + refused.stderr
-
-    deployed = serve_cli(address, env, "deploy", str(config))
-    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-    try:
-        deadline = time.monotonic() + DEPLOY_TIMEOUT_S
-        status, output = app_status(address, env)
-        while status not in ("RUNNING", "DEPLOY_FAILED") and time.monotonic() < deadline:
-            time.sleep(1)
-            status, output = app_status(address, env)
-        assert status == "RUNNING", output
-
-        body = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
-        reply = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=30)
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["text"] == "hellohel"  # the fake model echoes the prompt
-    finally:
-        shutdown = serve_cli(address, env, "shutdown", "-y")
-    assert shutdown.returncode == 0, shutdown.stdout + shutdown.stderr
+    return (status.get("applications") or {}).get(app, {}).get("status", "MISSING"), result.stdout
