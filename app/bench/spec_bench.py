@@ -11,8 +11,9 @@ runs do the same work, each answer ending at EOS or ``max_tokens``):
   forward passes per emitted token (the target's steps over its tokens: 1.0 without speculation);
 - the draft/target cost ratio c: the draft's measured seconds per drafted token (a draft model: its own
   single-stream decode, measured alone; n-gram: ~0) over the target's per-token step at that concurrency;
-- the Leviathan et al. prediction from a and c, E(a, k) / (1 + k c) with k the mean draft length, and the
-  measured speed-up over it (only meaningful where speculation ran: ``draft share`` = steps that drafted).
+- the Leviathan et al. prediction from a and c for the steps that drafted (E(a, k) tokens for 1 + k c of a
+  target step, k the mean draft length), the other steps as plain decodes (``steps drafting`` = their share),
+  and the measured speed-up over it (where speculation ran).
 
 Workloads: ``chat`` (short questions in the chat template) and ``rewrite`` (rewrite or extract a passage
 given in the prompt: the answer copies from the input, where prompt lookup shines).
@@ -137,7 +138,10 @@ def _row(workload: str, concurrency: int, drafter: str, run: dict, base: dict, k
     drafted, accepted, drafts = spec["num_draft_tokens"], spec["num_accepted_tokens"], spec["num_drafts"]
     a = accepted / drafted if drafted else 0.0
     mean_k = drafted / drafts if drafts else 0.0
-    predicted = expected_tokens_per_step(a, round(mean_k)) / (1 + mean_k * cost_ratio) if drafts else 1.0
+    share = drafts / (run["steps"] * concurrency) if run["steps"] else 0.0  # of the sequence-steps, those that drafted
+    # Leviathan et al. for the steps that drafted (E(a, k) tokens for 1 + k c of a target step), plain steps as they are
+    gain = (1 - share) + share * expected_tokens_per_step(a, round(mean_k))
+    predicted = gain / ((1 - share) + share * (1 + mean_k * cost_ratio)) if drafts else 1.0
     speedup = run["output_tok_per_s"] / base["output_tok_per_s"]
     return {
         "workload": workload, "concurrency": concurrency, "drafter": drafter,
@@ -146,7 +150,7 @@ def _row(workload: str, concurrency: int, drafter: str, run: dict, base: dict, k
         "mean_draft_length": round(mean_k, 2),
         # each step is one forward pass for every running stream (all of them, but for the run's tail)
         "target_passes_per_token": round(run["steps"] * concurrency / tokens, 3),
-        "draft_share": round(drafts / (run["steps"] * concurrency), 3) if run["steps"] else 0.0,
+        "draft_share": round(share, 3),
         "cost_ratio": round(cost_ratio, 3),
         "leviathan_speedup": round(predicted, 3),
         "measured_over_predicted": round(speedup / predicted, 3) if drafts else None,
