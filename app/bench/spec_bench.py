@@ -51,10 +51,16 @@ PASSAGES = [
     "your email address. The link expires after thirty minutes. If it expires, request a new one from the same page.",
     "The recipe needs two cups of flour, one cup of sugar, three eggs, and a spoon of butter. Mix the flour and sugar, "
     "add the eggs one at a time, then the butter. Bake for forty minutes at one hundred and eighty degrees.",
+    "The train to the coast leaves from platform four at eight fifteen. It stops at three stations on the way and "
+    "arrives just before eleven. Tickets can be bought on board, but they cost more than at the station.",
+    "Our garden has two apple trees, a small pond, and a row of tomato plants along the fence. In summer we water "
+    "the plants every evening. The apples are ready to pick at the end of September.",
+    "The museum is closed on Mondays. On other days it opens at ten and closes at five. Entry is free for children "
+    "under twelve. Guided tours start every hour from the main hall and last about forty minutes.",
+    "Please bring a pencil, an eraser, and a calculator to the exam. Phones must be switched off and left in your "
+    "bag. The exam lasts two hours, and no one may leave during the first thirty minutes.",
 ]
-REWRITE = [f"Rewrite the following text exactly, fixing nothing:\n\n{p}" for p in PASSAGES] + [
-    f"Copy the following notice word for word:\n\n{p}" for p in PASSAGES
-]
+REWRITE = [f"Rewrite the following text exactly, fixing nothing:\n\n{p}" for p in PASSAGES]
 WORKLOADS = {"chat": CHAT, "rewrite": REWRITE}
 
 
