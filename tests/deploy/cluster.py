@@ -64,15 +64,15 @@ def cluster_env() -> dict[str, str]:
     return env
 
 
-def app_config(http_port: int) -> dict:
+def app_config(http_port: int, app: str = APP, replica: dict | None = None) -> dict:
     """A serve_config.yaml-shaped file: build_app on one fake model, Serve's proxy on ``http_port``."""
-    served = {"model": {"source": MODEL}, "engine": {"separate_process": False}, "replica": {"num_cpus": 0}}
+    served = {"model": {"source": MODEL}, "engine": {"separate_process": False}, "replica": replica or {"num_cpus": 0}}
     return {
-        "proxy_location": "HeadOnly",
+        "proxy_location": "HeadOnly",  # one proxy: a cluster's nodes here share this machine's ports
         "http_options": {"host": "127.0.0.1", "port": http_port},
         "applications": [
             {
-                "name": APP,
+                "name": app,
                 "route_prefix": "/",
                 "import_path": "deployments.builder:build_app",
                 "args": {"server_factory": "tests.serve.fake_model:fake_model_server", "models": [served]},

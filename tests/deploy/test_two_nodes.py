@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from tests.deploy.cluster import (
-    BIN, ROOT, app_status, cluster_env, free_port, serve_cli, stop_cluster, wait_for_dashboard,
+    BIN, ROOT, app_config, app_status, cluster_env, free_port, serve_cli, stop_cluster, wait_for_dashboard,
 )  # fmt: skip
 
 pytestmark = pytest.mark.serve
@@ -103,24 +103,6 @@ def two_nodes():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def app_config(http_port: int) -> dict:
-    """build_app on the fake model: the ingress hosts it, 2 replicas, at most one per node."""
-    replica = {"num_cpus": 0, "num_replicas": 2, "max_replicas_per_node": 1}
-    served = {"model": {"source": MODEL}, "engine": {"separate_process": False}, "replica": replica}
-    return {
-        "proxy_location": "HeadOnly",  # one proxy: both nodes share this machine's ports
-        "http_options": {"host": "127.0.0.1", "port": http_port},
-        "applications": [
-            {
-                "name": APP,
-                "route_prefix": "/",
-                "import_path": "deployments.builder:build_app",
-                "args": {"server_factory": "tests.serve.fake_model:fake_model_server", "models": [served]},
-            }
-        ],
-    }
-
-
 def placement(address: str, env: dict[str, str]) -> dict:
     result = subprocess.run([sys.executable, "-c", PLACEMENT_PROBE, address, APP], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -147,7 +129,9 @@ def test_replicas_spread_over_two_nodes_and_serve(two_nodes, tmp_path):
     head_log = temp_dir / "head.log"
     http_port = free_port()
     config = tmp_path / "serve_config.yaml"
-    config.write_text(yaml.safe_dump(app_config(http_port), sort_keys=False))
+    # the ingress hosts the fake model: 2 replicas, at most one per node
+    replica = {"num_cpus": 0, "num_replicas": 2, "max_replicas_per_node": 1}
+    config.write_text(yaml.safe_dump(app_config(http_port, APP, replica), sort_keys=False))
     if env.get("RAY_AUTH_MODE") == "token" and not env.get("RAY_AUTH_TOKEN"):
         # What docs/deployment.md warns about: with a token on disk, a CLI without RAY_AUTH_MODE=token is refused.
         bare = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
