@@ -18,7 +18,8 @@ import torch
 from app.api.serving import OpenAIServing
 from app.config import ServedModelConfig
 from app.engine import AsyncEngine, LLMEngine, Request, SamplingParams, build_engine_core
-from app.engine.async_engine import Admit, DraftClient
+from app.engine.async_engine import Admit
+from app.engine.draft_calls import DraftClient
 from app.engine.core_process import CoreInfo, ProcessCore
 from app.models import LoadedModel, load_model
 from app.spec.remote import DraftCall, DraftResult, draft_sampling

@@ -8,14 +8,14 @@ per-request asyncio.Queue fed with ``call_soon_threadsafe``; the event loop neve
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
+from app.engine.draft_calls import DraftCallSender, DraftClient
 from app.engine.request import Request, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -57,15 +57,6 @@ class EngineShutdownError(RuntimeError):
 
 
 Admit = Callable[[Request], Awaitable[None]]
-# Sends one draft call (app/spec/remote.py DraftCall) to the draft model and returns its DraftResult.
-DraftClient = Callable[[Any], Awaitable[Any]]
-_DRAFT_CALL_TIMEOUT_S = 30.0
-
-
-def _failed(call, error: str):
-    from app.spec.remote import DraftResult  # the engine front imports nothing of app.spec unless drafts go out
-
-    return DraftResult(call.call_id, call.drafter, call.sequence_id, [], error=error)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
@@ -116,11 +107,10 @@ class AsyncEngine:
         """``step_timeout_s``: how long the engine may go without completing a step while requests wait
         before ``is_healthy`` reports it wedged (a step that never returns, an engine process that stopped
         answering)."""
-        self._draft_client = draft_client
+        self._drafts = DraftCallSender(draft_client, lambda results: self._post(("drafts", results)))
         self._step_timeout_s = step_timeout_s
         self._last_progress = time.monotonic()  # the engine thread's heartbeat (see _beat)
         self._draining = False
-        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, where draft calls are awaited
         self._max_queued = max_queued_requests
         self._max_queue_time_s = max_queue_time_s  # > 0: the deadline of a request's first token
         self._stream_interval_s = stream_interval_s
@@ -155,7 +145,7 @@ class AsyncEngine:
         """
         arrived = time.monotonic()
         self._check_accepting()
-        self._loop = self._loop or asyncio.get_running_loop()
+        self._drafts.bind_loop(asyncio.get_running_loop())
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request.request_id in self._streams:
@@ -378,28 +368,9 @@ class AsyncEngine:
         elif kind == "drafts":
             self._core.add_draft_results(payload)
 
-    # ---- draft calls (engine.speculative drafter: model) ----------------------------------
     def _send_draft_calls(self) -> None:
-        take = getattr(self._core, "take_draft_calls", None)
-        calls = take() if take is not None else []
-        if not calls:
-            return
-        if self._draft_client is None or self._loop is None:
-            self._post(("drafts", [_failed(call, "no draft model is reachable from this replica") for call in calls]))
-            return
-        for call in calls:
-            asyncio.run_coroutine_threadsafe(self._draft(call), self._loop)
-
-    async def _draft(self, call) -> None:
-        """Await one draft call on the serving loop; its answer (or failure) goes back to the core as a command."""
-        started = time.monotonic()
-        try:
-            result = await asyncio.wait_for(self._draft_client(call), _DRAFT_CALL_TIMEOUT_S)
-            result = dataclasses.replace(result, elapsed_s=time.monotonic() - started)
-        except Exception as exc:  # noqa: BLE001 - a lost draft costs speed, never output: report and go on
-            logger.warning("draft call for %s failed: %s: %s", call.sequence_id, type(exc).__name__, exc)
-            result = _failed(call, f"{type(exc).__name__}: {exc}")
-        self._post(("drafts", [result]))
+        take = getattr(self._core, "take_draft_calls", None)  # engine.speculative drafter: model
+        self._drafts.send(take() if take is not None else [])
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         # One wake-up per event loop per step, not one per request: at batch 32 the difference is

@@ -1,0 +1,57 @@
+"""Draft calls of an engine whose drafter is a draft model elsewhere (app/spec/remote.py), sent from its front.
+
+The engine core runs on its own thread (or process) and only queues ``DraftCall`` s; this sends each one on
+the serving event loop through the ``DraftClient`` the replica gave (a Serve handle to the draft model's
+deployment) and posts the ``DraftResult`` back to the core as a command. A failed or lost call comes back as
+a result with an error: it costs speed (the drafter stands down for a while), never output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+logger = logging.getLogger(__name__)
+
+# Sends one draft call (app/spec/remote.py DraftCall) to the draft model and returns its DraftResult.
+DraftClient = Callable[[Any], Awaitable[Any]]
+DRAFT_CALL_TIMEOUT_S = 30.0
+
+
+class DraftCallSender:
+    def __init__(self, client: DraftClient | None, post_results: Callable[[list], None]) -> None:
+        self._client = client
+        self._post_results = post_results  # thread-safe: hands results to the engine core
+        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, where calls are awaited
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = self._loop or loop
+
+    def send(self, calls: list) -> None:
+        """Send calls from any thread; each result is posted back when it arrives."""
+        if not calls:
+            return
+        if self._client is None or self._loop is None:
+            self._post_results([_failed(call, "no draft model is reachable from this replica") for call in calls])
+            return
+        for call in calls:
+            asyncio.run_coroutine_threadsafe(self._send_one(call), self._loop)
+
+    async def _send_one(self, call) -> None:
+        started = time.monotonic()
+        try:
+            result = await asyncio.wait_for(self._client(call), DRAFT_CALL_TIMEOUT_S)
+            result = dataclasses.replace(result, elapsed_s=time.monotonic() - started)
+        except Exception as exc:  # noqa: BLE001 - a lost draft costs speed, never output: report and go on
+            logger.warning("draft call for %s failed: %s: %s", call.sequence_id, type(exc).__name__, exc)
+            result = _failed(call, f"{type(exc).__name__}: {exc}")
+        self._post_results([result])
+
+
+def _failed(call, error: str):
+    from app.spec.remote import DraftResult  # the engine front imports nothing of app.spec unless drafts go out
+
+    return DraftResult(call.call_id, call.drafter, call.sequence_id, [], error=error)
