@@ -97,7 +97,6 @@ def test_report_without_peers_says_which_ratios_are_missing(files, tmp_path, mon
 
 
 def test_report_command_writes_markdown_and_plots(files, tmp_path):
-    pytest.importorskip("matplotlib")
     out = tmp_path / "docs" / "benchmarks.md"
     assert bench_main(["report", *map(str, files.values()), "--out", str(out)]) == 0
     markdown = out.read_text()
