@@ -99,7 +99,7 @@ class ModelDrafter:
         self.config = config
         self.max_model_len = max_model_len
         # A draft model costs a good part of a target step per token: a sequence starts speculating only where its
-        # prior (this drafter's acceptance so far) says it pays, and waits for each window (no free parallelism).
+        # prior (this drafter's acceptance so far) says it pays, and waits for a window it does not have yet.
         policy = DraftPolicyConfig(num_speculative_tokens=config.num_speculative_tokens, saturation_tokens=config.saturation_tokens,
                                    start_from_prior=True, prior_acceptance=_FIRST_PRIOR)
         self.policy = DraftLengthPolicy(policy)
@@ -110,7 +110,8 @@ class ModelDrafter:
         self._failures = 0
         self._paused_until = 0.0
         self._hopeless_steps = 0
-        self.draft_s_per_token: float | None = None  # measured round trip per drafted token (EMA)
+        # the draft model's time per proposal (EMA): as its server measures it, else the round trip per proposal
+        self.draft_s_per_token: float | None = None
 
     # ---- the engine's side ---------------------------------------------------------------------
     def propose(self, request: Request, limit: int, batch_size: int, target_step_s: float, now: float) -> None:
