@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
-from app.engine.draft_calls import DraftCallSender, DraftClient
+from app.engine.draft_calls import DraftCallSender, DraftClient, core_idle_wait_s
 from app.engine.request import Request, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -344,8 +344,7 @@ class AsyncEngine:
 
     def _idle_wait_s(self) -> float:
         """0 while the core has a step to run; longer while all its sequences wait for drafts (a command wakes it)."""
-        idle_wait = getattr(self._core, "idle_wait_s", None)
-        return min(idle_wait(), _IDLE_POLL_S) if idle_wait is not None else 0.0
+        return min(core_idle_wait_s(self._core), _IDLE_POLL_S)
 
     def _drain_inbox(self, timeout: float) -> None:
         try:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
+from app.engine.draft_calls import core_idle_wait_s
 from app.engine.request import Request, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ def _serve(core, conn) -> None:
     while True:
         pending: list[RequestOutput] = []
         changed = False  # commands change the statistics even when they produce no output
-        wait = min(_idle_wait_s(core), _IDLE_POLL_S) if core.has_unfinished_requests() else _IDLE_POLL_S
+        wait = min(core_idle_wait_s(core), _IDLE_POLL_S) if core.has_unfinished_requests() else _IDLE_POLL_S
         while conn.poll(wait):
             changed = True
             kind, payload = conn.recv()
@@ -197,9 +198,3 @@ def _serve(core, conn) -> None:
         # After every step, even one without outputs (a prefill chunk): the parent reads it as the heartbeat.
         if pending or changed or calls or stepped:
             conn.send(("outputs", pending, core.stats(), calls))
-
-
-def _idle_wait_s(core) -> float:
-    """0 while the core has a step to run; while all its sequences wait for drafts, until the first stops waiting."""
-    idle_wait = getattr(core, "idle_wait_s", None)
-    return idle_wait() if idle_wait is not None else 0.0

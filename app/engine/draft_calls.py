@@ -51,6 +51,13 @@ class DraftCallSender:
         self._post_results([result])
 
 
+def core_idle_wait_s(core) -> float:
+    """How long a core's driver may wait for a command: 0 while the core has a step to run; while all its
+    sequences wait for drafts, until the first stops waiting (a core without drafts: always 0)."""
+    idle_wait = getattr(core, "idle_wait_s", None)
+    return idle_wait() if idle_wait is not None else 0.0
+
+
 def _failed(call, error: str):
     from app.spec.remote import DraftResult  # the engine front imports nothing of app.spec unless drafts go out
 
