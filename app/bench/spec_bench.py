@@ -13,7 +13,10 @@ runs do the same work, each answer ending at EOS or ``max_tokens``):
   single-stream decode, measured alone; n-gram: ~0) over the target's per-token step at that concurrency;
 - the Leviathan et al. prediction from a and c for the steps that drafted (E(a, k) tokens for 1 + k c of a
   target step, k the mean draft length), the other steps as plain decodes (``steps drafting`` = their share),
-  and the measured speed-up over it (where speculation ran).
+  and the measured speed-up over it (where speculation ran);
+- the cost v of the run's steps against the target's plain steps (its mean step time over the target alone's:
+  verification, drafting and waiting for drafts; Leviathan et al. take a verifying step to cost 1 + k c, true
+  of a memory-bound accelerator) and the prediction with it (the tokens per step the model expects, over v).
 
 Workloads: ``chat`` (short questions in the chat template) and ``rewrite`` (rewrite or extract a passage
 given in the prompt: the answer copies from the input, where prompt lookup shines).
@@ -130,7 +133,7 @@ async def _run(server: ModelServer, model: str, prompts: list[str], max_tokens: 
     wall = time.perf_counter() - started
     after = server.engine.stats()
     spec = _delta((after.get("spec_by_name") or {}).get(model, {}), (before.get("spec_by_name") or {}).get(model, {}))
-    return {"output_tok_per_s": round(tokens / wall, 2), "tokens": tokens, "wall_s": round(wall, 2),
+    return {"output_tok_per_s": round(tokens / wall, 2), "tokens": tokens, "wall_s": round(wall, 3),
             "steps": after.get("num_steps", 0) - before.get("num_steps", 0), "spec": spec}
 
 
@@ -148,6 +151,10 @@ def _row(workload: str, concurrency: int, drafter: str, run: dict, base: dict, k
     # Leviathan et al. for the steps that drafted (E(a, k) tokens for 1 + k c of a target step), plain steps as they are
     gain = (1 - share) + share * expected_tokens_per_step(a, round(mean_k))
     predicted = gain / ((1 - share) + share * (1 + mean_k * cost_ratio)) if drafts else 1.0
+    # the same with the cost this run's steps measured against the target's plain steps (drafting and waiting
+    # included): what is left between it and the measured speed-up is the acceptance model's tokens per step
+    v = _step_cost(run, base) if drafts else None
+    with_v = gain / v if v else None
     speedup = run["output_tok_per_s"] / base["output_tok_per_s"]
     return {
         "workload": workload, "concurrency": concurrency, "drafter": drafter,
@@ -160,22 +167,36 @@ def _row(workload: str, concurrency: int, drafter: str, run: dict, base: dict, k
         "cost_ratio": round(cost_ratio, 3),
         "leviathan_speedup": round(predicted, 3),
         "measured_over_predicted": round(speedup / predicted, 3) if drafts else None,
+        "verify_cost": round(v, 3) if v else None,
+        "prediction_with_verify_cost": round(with_v, 3) if with_v else None,
+        "measured_over_prediction_with_verify_cost": round(speedup / with_v, 3) if with_v else None,
     }
+
+
+def _step_cost(run: dict, base: dict) -> float | None:
+    """The run's mean step time over the target alone's (same prompts, same concurrency)."""
+    if not (run["steps"] and base["steps"] and base["wall_s"]):
+        return None
+    return (run["wall_s"] / run["steps"]) / (base["wall_s"] / base["steps"])
 
 
 def _format_row(row: dict) -> str:
     return (f"{row['workload']:8s} c={row['concurrency']:<2d} {row['drafter']:6s} {row['output_tok_per_s']:7.1f} tok/s "
             f"x{row['speedup']:.2f}  a={row['acceptance_rate']:.2f} len={row['mean_accepted_length']:.2f} "
             f"passes/token={row['target_passes_per_token']:.2f} drafted {row['draft_share']:.0%} of steps "
-            f"c={row['cost_ratio']:.2f} leviathan x{row['leviathan_speedup']:.2f}")
+            f"c={row['cost_ratio']:.2f} leviathan x{row['leviathan_speedup']:.2f} "
+            f"v={row['verify_cost'] or 1:.2f} with v x{row['prediction_with_verify_cost'] or row['leviathan_speedup']:.2f}")
 
 
 def markdown(result: dict) -> str:
     rows = ["| workload | streams | drafter | tok/s | speed-up | acceptance | mean accepted length | target passes / token | "
-            "steps drafting | c | Leviathan | measured / Leviathan |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "steps drafting | c | Leviathan | measured / Leviathan | v | prediction with v | measured / it |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
         ratio = "" if r["measured_over_predicted"] is None else r["measured_over_predicted"]
+        v, with_v, over_v = (r.get(key) or "" for key in ("verify_cost", "prediction_with_verify_cost",
+                                                        "measured_over_prediction_with_verify_cost"))
         rows.append(f"| {r['workload']} | {r['concurrency']} | {r['drafter']} | {r['output_tok_per_s']} | {r['speedup']} | "
                     f"{r['acceptance_rate']} | {r['mean_accepted_length']} | {r['target_passes_per_token']} | "
-                    f"{r['draft_share']} | {r['cost_ratio']} | {r['leviathan_speedup']} | {ratio} |")
+                    f"{r['draft_share']} | {r['cost_ratio']} | {r['leviathan_speedup']} | {ratio} | {v} | {with_v} | {over_v} |")
     return "\n".join(rows)

@@ -99,11 +99,14 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
+        executed = time.perf_counter()
         try:
             result = self.runner.execute(scheduled, self.blocks)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
             logger.exception("forward pass failed")
             return self._fail(scheduled, f"{type(exc).__name__}: {exc}")
+        if self.speculation is not None and _only_decodes(scheduled):
+            self.speculation.observe_step(scheduled.num_batched_tokens, time.perf_counter() - executed)
         self.scheduler.update(scheduled, {r.request_id: n for r, n in zip(result.requests, result.num_accepted)})
         outputs = []
         for request, token_ids, logprobs, drafted, accepted in zip(
@@ -162,6 +165,7 @@ class LLMEngine:
             "step_tokens": c.step_tokens.to_dict(),
             **({f"spec_{k}": v for k, v in self.speculation.stats.to_dict().items()} if self.speculation else {}),
             **({"spec_by_name": self.speculation.stats_by_name()} if self.speculation else {}),
+            **({"spec_step_ms_by_tokens": self.speculation.step_costs.to_dict()} if self.speculation else {}),
         }
 
     # ---- internals ---------------------------------------------------------------------------
@@ -207,3 +211,7 @@ class LLMEngine:
         c.step_tokens.observe(c.last_step_tokens)
         c.num_generated_tokens += num_sampled
 
+
+def _only_decodes(scheduled: SchedulerOutput) -> bool:
+    """Every sequence computes just its last token (and drafts after it): a step the draft policies can price."""
+    return all(item.num_new_tokens - item.num_spec_tokens == 1 and item.samples for item in scheduled.scheduled)

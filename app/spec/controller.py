@@ -23,18 +23,18 @@ from typing import Sequence
 from app.config import SpecConfig
 from app.engine.request import Request
 from app.spec.ngram import NgramProposer
-from app.spec.policy import DraftLengthPolicy, DraftPolicyConfig
+from app.spec.policy import DraftLengthPolicy, DraftPolicyConfig, StepCosts
 from app.spec.remote import DraftCall, DraftResult, ModelDrafter
 from app.spec.stats import SpecDecodingStats
 
 
 class NgramDrafter:
-    def __init__(self, config: SpecConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpecConfig, max_model_len: int, step_costs: StepCosts | None = None) -> None:
         self.config = config
         self.proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max, max_model_len)
         # n-gram drafts cost next to nothing next to a target step; verifying them does not, once the batch is large
         policy = DraftPolicyConfig(num_speculative_tokens=config.num_speculative_tokens, saturation_tokens=config.saturation_tokens)
-        self.policy = DraftLengthPolicy(policy)
+        self.policy = DraftLengthPolicy(policy, step_costs)
         self.stats = SpecDecodingStats.new(config.num_speculative_tokens)
 
     def propose(self, request: Request, limit: int, batch_size: int, target_step_s: float, now: float) -> None:
@@ -53,8 +53,10 @@ class SpeculationController:
     def __init__(self, configs: Sequence[SpecConfig], max_model_len: int) -> None:
         self.configs = list(configs)
         self.max_model_len = max_model_len
+        self.step_costs = StepCosts()  # what verifying more tokens costs this target, as its steps measure it
         self.drafters = [
-            ModelDrafter(i, c, max_model_len) if c.drafter == "model" else NgramDrafter(c, max_model_len)
+            ModelDrafter(i, c, max_model_len, self.step_costs) if c.drafter == "model"
+            else NgramDrafter(c, max_model_len, self.step_costs)
             for i, c in enumerate(self.configs)
         ]
 
@@ -83,6 +85,10 @@ class SpeculationController:
         drafter = self._drafter(request)
         if drafter is not None:
             drafter.record(request, num_drafted, num_accepted)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step that only decoded (last tokens and their drafts): its time, for the draft-length policies."""
+        self.step_costs.observe(num_tokens, seconds)
 
     def forget(self, request_id: str) -> None:
         for drafter in self.drafters:

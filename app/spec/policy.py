@@ -16,7 +16,10 @@ of the target at the same batch, is
   as a fixed part (streaming the weights) plus a part per batched token, ``t(T) ~ 1 + T / S``, where
   ``S`` (``saturation_tokens``) is the token count at which the two parts are equal: ``S = inf`` is a
   purely memory-bound target (verification is free, v = 1); a large batch ``B`` makes v approach k + 1,
-  which is why speculation stops paying under load.
+  which is why speculation stops paying under load. Where the engine has timed its own decode steps of
+  ``B`` and ``B (k + 1)`` tokens (:class:`StepCosts`), ``v`` is their measured ratio instead: real kernels
+  are not smooth in the token count (GPTQ's CPU int4 kernel takes rows four at a time, so a step of 5
+  tokens costs ~1.4x one of 4 while 4 cost ~1.2x one of 1), and the draft length that pays follows them.
 
 The expected speed-up is ``E(a, k) / C(k, B)`` (1 at k = 0). The policy drafts the k in
 ``{0} | [min_draft_tokens, num_speculative_tokens]`` with the largest speed-up, and 0 when the best is
@@ -48,19 +51,61 @@ def expected_tokens_per_step(a: float, k: int) -> float:
     return float(k + 1) if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def verify_cost(k: int, batch_size: int, saturation_tokens: float = math.inf) -> float:
+class StepCosts:
+    """The target's measured decode-step time by the tokens the step carried (an EMA per token count).
+
+    The engine reports every step that only decoded (each sequence its last token, plus its drafts); a count
+    is trusted once it has ``min_samples`` steps. One instance per engine, shared by its drafters.
+    """
+
+    def __init__(self, decay: float = 0.8, min_samples: int = 3) -> None:
+        if not 0 < decay < 1 or min_samples < 1:
+            raise ValueError("need 0 < decay < 1 and min_samples >= 1")
+        self.decay, self.min_samples = decay, min_samples
+        self._seconds: dict[int, float] = {}
+        self._samples: dict[int, int] = {}
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or seconds < 0:
+            raise ValueError("need tokens >= 1 and seconds >= 0")
+        old = self._seconds.get(tokens)
+        self._seconds[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self._samples[tokens] = self._samples.get(tokens, 0) + 1
+
+    def seconds(self, tokens: int) -> float | None:
+        """The step time for this many tokens, or None before ``min_samples`` such steps."""
+        return self._seconds[tokens] if self._samples.get(tokens, 0) >= self.min_samples else None
+
+    def to_dict(self) -> dict[int, float]:
+        """Trusted step times in ms by token count (for stats and benchmarks)."""
+        return {t: round(1000 * s, 3) for t, s in sorted(self._seconds.items()) if self.seconds(t) is not None}
+
+    def ratio(self, tokens: int, base_tokens: int) -> float | None:
+        """t(tokens) / t(base_tokens) when both are measured, never below 1 for more tokens (noise aside)."""
+        t, base = self.seconds(tokens), self.seconds(base_tokens)
+        if t is None or not base:
+            return None
+        return max(t / base, 1.0) if tokens >= base_tokens else t / base
+
+
+def verify_cost(k: int, batch_size: int, saturation_tokens: float = math.inf, step_costs: StepCosts | None = None) -> float:
     """v(k, B): a target step over B sequences of k + 1 tokens, in units of one with 1 token each."""
+    B = max(batch_size, 1)
+    measured = step_costs.ratio(B * (k + 1), B) if step_costs is not None and k > 0 else None
+    if measured is not None:
+        return measured
     if math.isinf(saturation_tokens):
         return 1.0
-    B = max(batch_size, 1)
     return (1.0 + B * (k + 1) / saturation_tokens) / (1.0 + B / saturation_tokens)
 
 
 def expected_speedup(
-    a: float, k: int, cost_ratio: float, batch_size: int = 1, saturation_tokens: float = math.inf
+    a: float, k: int, cost_ratio: float, batch_size: int = 1, saturation_tokens: float = math.inf,
+    step_costs: StepCosts | None = None,
 ) -> float:
     """E(a, k) / (v(k, B) + k c): tokens per unit of time against plain decoding (1.0 at k = 0)."""
-    return expected_tokens_per_step(a, k) / (verify_cost(k, batch_size, saturation_tokens) + k * cost_ratio)
+    v = verify_cost(k, batch_size, saturation_tokens, step_costs)
+    return expected_tokens_per_step(a, k) / (v + k * cost_ratio)
 
 
 @dataclass
@@ -103,9 +148,10 @@ class _Sequence:
 class DraftLengthPolicy:
     """Per-sequence draft lengths; one instance per engine, sequences keyed by request id."""
 
-    def __init__(self, config: DraftPolicyConfig) -> None:
+    def __init__(self, config: DraftPolicyConfig, step_costs: StepCosts | None = None) -> None:
         self.config = config
         self.cost_ratio = config.cost_ratio
+        self.step_costs = step_costs  # the target's measured step times, where the engine reports them
         self._seqs: dict[Hashable, _Sequence] = {}
 
     def update_cost_ratio(self, measured: float, weight: float = 0.2) -> None:
@@ -128,7 +174,7 @@ class DraftLengthPolicy:
         cfg = self.config
         best_k, best = 0, 1.0
         for k in range(cfg.min_draft_tokens, cfg.num_speculative_tokens + 1):
-            speedup = expected_speedup(a, k, self.cost_ratio, batch_size, cfg.saturation_tokens)
+            speedup = expected_speedup(a, k, self.cost_ratio, batch_size, cfg.saturation_tokens, self.step_costs)
             if speedup > best:
                 best_k, best = k, speedup
         return best_k if best >= cfg.min_speedup else 0

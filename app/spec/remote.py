@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from app.config import SpecConfig
 from app.engine.request import Request, SamplingParams
-from app.spec.policy import DraftLengthPolicy, DraftPolicyConfig
+from app.spec.policy import DraftLengthPolicy, DraftPolicyConfig, StepCosts
 from app.spec.stats import SpecDecodingStats
 
 _BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # pause after 1, 2, 3, 4+ consecutive failed calls
@@ -94,7 +94,7 @@ class _Sequence:
 class ModelDrafter:
     """One target engine's drafts from one draft model: policy, counters, calls out, results in."""
 
-    def __init__(self, index: int, config: SpecConfig, max_model_len: int) -> None:
+    def __init__(self, index: int, config: SpecConfig, max_model_len: int, step_costs: StepCosts | None = None) -> None:
         self.index = index
         self.config = config
         self.max_model_len = max_model_len
@@ -102,7 +102,7 @@ class ModelDrafter:
         # prior (this drafter's acceptance so far) says it pays, and waits for a window it does not have yet.
         policy = DraftPolicyConfig(num_speculative_tokens=config.num_speculative_tokens, saturation_tokens=config.saturation_tokens,
                                    start_from_prior=True, prior_acceptance=_FIRST_PRIOR)
-        self.policy = DraftLengthPolicy(policy)
+        self.policy = DraftLengthPolicy(policy, step_costs)
         self.stats = SpecDecodingStats.new(config.num_speculative_tokens)
         self._seqs: dict[str, _Sequence] = {}
         self._calls: list[DraftCall] = []

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from app.spec.policy import (DraftLengthPolicy, DraftPolicyConfig, expected_speedup, expected_tokens_per_step,
+from app.spec.policy import (DraftLengthPolicy, DraftPolicyConfig, StepCosts, expected_speedup, expected_tokens_per_step,
                              verify_cost)
 
 
@@ -142,3 +142,52 @@ def test_cost_ratio_updates_and_invalid_settings():
         DraftPolicyConfig(num_speculative_tokens=3, min_draft_tokens=4)
     with pytest.raises(ValueError):
         expected_tokens_per_step(1.5, 2)
+
+
+def test_step_costs_are_trusted_after_min_samples_and_follow_recent_steps():
+    costs = StepCosts(decay=0.5, min_samples=2)
+    costs.observe(4, 0.020)
+    assert costs.seconds(4) is None and costs.ratio(4, 1) is None
+    costs.observe(4, 0.030)
+    assert costs.seconds(4) == pytest.approx(0.025)
+    for _ in range(2):
+        costs.observe(1, 0.010)
+    assert costs.ratio(4, 1) == pytest.approx(2.5)
+    costs.observe(8, 0.005)
+    costs.observe(8, 0.005)  # noise: more tokens measured cheaper than fewer
+    costs.observe(4, 0.025)
+    assert costs.ratio(8, 4) == 1.0
+    with pytest.raises(ValueError):
+        costs.observe(0, 0.01)
+
+
+def test_measured_step_costs_replace_the_smooth_model():
+    # A kernel that takes rows four at a time (GPTQ's CPU int4 kernel): 1-4 tokens cost about the same, 5-8 more.
+    costs = StepCosts(min_samples=1)
+    for tokens, seconds in ((1, 0.0123), (2, 0.0128), (3, 0.0140), (4, 0.0149), (5, 0.0204), (6, 0.0217)):
+        costs.observe(tokens, seconds)
+    assert verify_cost(3, 1, 8.0, costs) == pytest.approx(0.0149 / 0.0123)
+    assert verify_cost(4, 1, 8.0, costs) == pytest.approx(0.0204 / 0.0123)
+    assert verify_cost(7, 1, 8.0, costs) == verify_cost(7, 1, 8.0)  # not measured: the model
+    cfg = DraftPolicyConfig(num_speculative_tokens=5, saturation_tokens=8.0)
+    smooth, measured = DraftLengthPolicy(cfg), DraftLengthPolicy(cfg, costs)
+    assert smooth.best_length(0.76, 1) == 5
+    assert measured.best_length(0.76, 1) == 3  # the last draft that fits the kernel's block of four rows
+
+
+def test_policy_steers_away_from_an_expensive_length_once_the_engine_has_timed_it():
+    # The policy first drafts what the smooth model says; after the engine reports what those steps cost it
+    # settles where the measured costs say, and the expected speed-up there is what it would be told by hand.
+    costs = StepCosts(min_samples=1)
+    policy = DraftLengthPolicy(DraftPolicyConfig(num_speculative_tokens=4, saturation_tokens=8.0, start_from_prior=True,
+                                                 prior_acceptance=0.76, prior_weight=50), costs)
+    step = {1: 0.0123, 2: 0.0128, 3: 0.014, 4: 0.0149, 5: 0.0204}
+    seen = []
+    costs.observe(1, step[1])
+    for i in range(6):
+        k = policy.draft_length("seq", 1)
+        seen.append(k)
+        costs.observe(k + 1, step[k + 1])
+    assert seen[0] == 4 and seen[-1] == 3
+    best = max(range(1, 5), key=lambda k: expected_tokens_per_step(0.76, k) * step[1] / step[k + 1])
+    assert best == 3
