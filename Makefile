@@ -27,7 +27,7 @@ test: model
 	$(BIN)/python -m pytest -q
 
 # The benchmark report (docs/benchmarks.md): every batching mode through `serve run` + HTTP on the standard
-# workloads, transformers' own batching offline, then each peer in BENCH_PEERS (naive: the FastAPI +
+# workloads, a concurrency sweep, the GPTQ build batched, transformers' own batching offline, then each peer in BENCH_PEERS (naive: the FastAPI +
 # transformers baseline, benchmarks/naive_server.py; vllm: vLLM's CPU backend, benchmarks/vllm_cpu.sh, which
 # creates vllm-venv/ once), all into one folder of JSON, BENCH_RUN, rendered by `python -m app.bench report`.
 BENCH_PEERS ?= naive
@@ -44,7 +44,9 @@ SWEEP_ARGS ?=
 
 bench: model bench-install
 	mkdir -p $(BENCH_RUN)
-	$(BIN)/python -m app.bench compare --out $(BENCH_RUN)/compare.json $(BENCH_ARGS)
+	$(BIN)/python -m app.bench compare --extra-workloads W3 W4 --out $(BENCH_RUN)/compare.json $(BENCH_ARGS)
+	$(BIN)/python -m app.bench sweep --launch ours --name ours --out $(BENCH_RUN)/sweep-ours.json
+	$(BIN)/python -m app.bench quant --methods gptq --out $(BENCH_RUN)/quant-gptq.json
 	$(BIN)/python -m app.bench hf --out $(BENCH_RUN)/hf.json
 	for peer in $(BENCH_PEERS); do $(MAKE) --no-print-directory bench-$$peer BENCH_RUN=$(BENCH_RUN) || exit 1; done
 	$(BIN)/python -m app.bench report $(BENCH_RUN)/*.json --out $(BENCH_REPORT)
@@ -62,7 +64,8 @@ bench-naive: model
 
 bench-vllm: model
 	mkdir -p $(BENCH_RUN)
-	PYTHON=$(BIN)/python PEER_ARGS="--out $(BENCH_RUN)/peer-vllm.json $(PEER_ARGS)" benchmarks/vllm_cpu.sh bench
+	PYTHON=$(BIN)/python PEER_ARGS="--workloads W1 W2 W3 W4 --out $(BENCH_RUN)/peer-vllm.json $(PEER_ARGS)" \
+		SWEEP_OUT=$(BENCH_RUN)/sweep-vllm.json benchmarks/vllm_cpu.sh bench
 
 # Throughput, latency percentiles and goodput at 1-64 concurrent requests against a running server
 # (`make serve` in another terminal, or SWEEP_URL=... SWEEP_MODEL=... for any OpenAI-compatible one).

@@ -4,12 +4,13 @@
 #   benchmarks/vllm_cpu.sh install   # create $VLLM_VENV (vllm-venv/, gitignored) once
 #   benchmarks/vllm_cpu.sh serve     # run vLLM's OpenAI server in the foreground (Ctrl-C stops it)
 #   benchmarks/vllm_cpu.sh smoke     # install, start, one short request, stop
-#   benchmarks/vllm_cpu.sh bench     # install, start, `python -m app.bench peer` (W1, W2), stop  (= make bench-vllm)
+#   benchmarks/vllm_cpu.sh bench     # install, start, `python -m app.bench peer` (and a sweep with SWEEP_OUT), stop (= make bench-vllm)
 #
 # Settings (environment): VLLM_VENV (vllm-venv), VLLM_PORT (8002), VLLM_SERVED_NAME (smollm2-135m),
 # VLLM_CHECKPOINT (default: the embedded model's HF checkpoint, as `python -m app prepare` makes it in
 # ~/.cache/llm-serve/), VLLM_THREADS (CPU cores for vLLM's OpenMP threads, default 0-<nproc-1>),
-# VLLM_READY_TIMEOUT_S (600), PEER_ARGS (extra arguments for `python -m app.bench peer`), PYTHON (.venv/bin/python).
+# VLLM_READY_TIMEOUT_S (600), PEER_ARGS (extra arguments for `python -m app.bench peer`), SWEEP_OUT (bench: also
+# run the concurrency sweep and save it there), PYTHON (.venv/bin/python).
 #
 # What has worked on x86-64 Linux with Python 3.11 (vllm-cpu 0.32.0, torch 2.13.0 CPU build):
 # - `vllm serve` fails because the distribution is named vllm-cpu; the api_server module takes the same flags.
@@ -116,6 +117,9 @@ case "${1:-bench}" in
         start_background
         # shellcheck disable=SC2086
         "$PYTHON" -m app.bench peer --url "$URL" --name vllm --model "$VLLM_SERVED_NAME" ${PEER_ARGS:-}
+        if [ -n "${SWEEP_OUT:-}" ]; then  # throughput and latency at 1-64 concurrent requests, same server
+            "$PYTHON" -m app.bench sweep --url "$URL" --name vllm --model "$VLLM_SERVED_NAME" --out "$SWEEP_OUT"
+        fi
         ;;
     *) echo "usage: $0 [install|serve|smoke|bench]" >&2; exit 2 ;;
 esac

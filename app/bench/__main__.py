@@ -132,26 +132,34 @@ def main(argv: list[str] | None = None) -> int:
 
 def peer(args, spec: LoadSpec, progress: bool) -> dict:
     """The standard workloads against a server that is already running (or that ``--launch`` starts)."""
-    import contextlib
-
-    from app.bench.server import running_naive_server
-
-    if args.launch == "naive":
-        log = RESULTS / f"peer-{args.name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        server = running_naive_server(args.port, log, args.model, _concrete_dtype(args.dtype))
-    else:
-        server = contextlib.nullcontext(args.url)
-    with server as url:
+    with _launched(args) as url:
         runs = run_workloads(LoadSpec(**{**spec.__dict__, "base_url": url}), args.workloads, progress, label=args.name)
     return {"peer": args.name, "url": url, "model": args.model, "launch": args.launch, "servers": {args.name: runs}}
 
 
 def sweep(args, spec: LoadSpec, progress: bool) -> dict:
-    base = LoadSpec(**{**spec.__dict__, "base_url": args.url})
-    warm_up(base)
-    levels = run_sweep(base, args.concurrencies or [1, 2, 4, 8, 16, 32, 64], rounds=args.rounds, progress=progress)
-    return {"sweep": args.name, "url": args.url, "model": args.model, "workload": args.workload, "levels": levels}
+    with _launched(args) as url:
+        base = LoadSpec(**{**spec.__dict__, "base_url": url})
+        warm_up(base)
+        levels = run_sweep(base, args.concurrencies or [1, 2, 4, 8, 16, 32, 64], rounds=args.rounds, progress=progress)
+    return {"sweep": args.name, "url": url, "model": args.model, "workload": args.workload, "levels": levels}
+
+
+def _launched(args):
+    """The server ``--launch`` names, started on ``--port`` for the run (a context giving its URL), else ``--url``."""
+    import contextlib
+
+    from app.bench.server import running_naive_server, running_server
+
+    if args.launch is None:
+        return contextlib.nullcontext(args.url)
+    log = RESULTS / f"{args.command}-{args.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if args.launch == "naive":
+        return running_naive_server(args.port, log, args.model, _concrete_dtype(args.dtype))
+    app_config = yaml.safe_load(Path(args.config).read_text())
+    app_config["models"] = app_config["models"][:1]  # the first model alone on the machine, as compare serves it
+    return running_server(app_config, args.port, log)
 
 
 def report(args, command: str) -> int:
@@ -290,8 +298,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("files", nargs="*", help="report: result JSON files (results/bench/*.json)")
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="load, peer, sweep: the server to drive")
     parser.add_argument("--name", default="peer", help="peer, sweep: the server's name in results and the report (vllm, naive, ...)")
-    parser.add_argument("--launch", default=None, choices=["naive"],
-                        help="peer: start this server for the run on --port (naive: benchmarks/naive_server.py) and stop it after")
+    parser.add_argument("--launch", default=None, choices=["naive", "ours"],
+                        help="peer, sweep: start this server for the run on --port and stop it after (naive: "
+                             "benchmarks/naive_server.py; ours: the first model of --config through serve run)")
     parser.add_argument("--workloads", nargs="+", default=["W1", "W2"], choices=STANDARD_WORKLOADS, help="peer: the standard workloads to run")
     parser.add_argument("--extra-workloads", nargs="*", default=[], choices=[w for w in STANDARD_WORKLOADS if w not in ("W1", "W2")],
                         help="compare: W3/W4 too, for the single-stream modes")

@@ -209,6 +209,8 @@ def seeds_table(sources: list[Source]) -> list[str]:
     """Served naive, dynamic, continuous (compare) and quantized (quant) on W1, ratios to the same file's naive row."""
     header = ["setup", "W1 tok/s", "TTFT p50 (s)", "TPOT p50 (ms)", "ITL p50 (ms)", "E2E p50 (s)", "vs naive", "source"]
     rows = []
+    compare_naive = next((w1.get("output_tok_per_s") for s in sources if s.kind == "compare"
+                          for w1 in [(s.data["modes"].get("none") or {}).get("W1") or {}] if w1), None)
     for source in sources:
         if source.kind == "compare":
             modes = source.data["modes"]
@@ -220,14 +222,16 @@ def seeds_table(sources: list[Source]) -> list[str]:
                              _pct(w1, "tpot_ms"), _pct(w1, "itl_ms"), _pct(w1, "e2e_s"), _ratio(w1.get("output_tok_per_s"), base), source.ref])
         elif source.kind == "quant" and source.data.get("serving"):
             serving = source.data["serving"]
-            base = next((r.get("output_tok_per_s") for r in serving.values() if r.get("batching") == "none"), None)
+            # its own naive row, else the compare run's (a quant run of GPTQ alone, in the same `make bench` run)
+            base = next((r.get("output_tok_per_s") for r in serving.values() if r.get("batching") == "none"), compare_naive)
             for label, w1 in serving.items():
                 rows.append([f"{label} (quantization {w1.get('quantization', '?')}, `{w1.get('batching', '?')}`)", _num(w1.get("output_tok_per_s")),
                              _pct(w1, "ttft_s", digits=2), _pct(w1, "tpot_ms"), _pct(w1, "itl_ms"), _pct(w1, "e2e_s"),
                              _ratio(w1.get("output_tok_per_s"), base), source.ref])
     if not rows:
         return ["No `compare` or `quant` results among these files."]
-    return _table(header, rows) + ["", "Ratios are to the naive row of the same file (the same sitting)."]
+    return _table(header, rows) + ["", "Ratios are to the naive row of the same file (the same sitting), or of the compare "
+                                   "run beside it where a quant run has none."]
 
 
 def other_workloads_table(sources: list[Source]) -> list[str]:

@@ -89,6 +89,17 @@ def test_report_tables_ratios_and_sources(files, tmp_path, monkeypatch):
     assert "not recorded (made by `python -m app.bench hf`)" in markdown  # older files: what made them, said as such
 
 
+def test_a_quant_run_without_its_own_naive_row_takes_the_compare_runs(files, tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    gptq_only = json.loads(files["quant.json"].read_text())
+    gptq_only["serving"].pop("naive fp32")
+    files["quant.json"].write_text(json.dumps(gptq_only))
+    markdown, _ = report.render_report([files["compare.json"], files["quant.json"]], tmp_path / "b.md")
+    assert _row(markdown, "batched GPTQ 4-bit")[6] == "2.00x"  # 80 against compare's naive 40
+    alone, _ = report.render_report([files["quant.json"]], tmp_path / "c.md")
+    assert _row(alone, "batched GPTQ 4-bit")[6] == "–"
+
+
 def test_report_without_peers_says_which_ratios_are_missing(files, tmp_path, monkeypatch):
     monkeypatch.setattr(report, "_pyplot", lambda: None)
     markdown, _ = report.render_report([files["compare.json"]], tmp_path / "b.md")
