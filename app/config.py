@@ -21,7 +21,7 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32
 DEVICES = ("auto", "cpu", "cuda")
 BATCHING_MODES = ("none", "dynamic", "continuous")
 # The CPU fast path (app/cpu/): each part can be turned back to torch's ops.
-CPU_LINEAR_KERNELS = ("auto", "avx2", "onednn", "torch")  # app/cpu/linear.py
+CPU_LINEAR_KERNELS = ("auto", "avx2", "onednn", "onednn-bf16", "torch")  # app/cpu/linear.py
 CPU_ATTENTION_KERNELS = ("auto", "torch")  # app/cpu/attention.py
 CPU_NORM_KERNELS = ("auto", "torch")  # app/cpu/norm.py
 CPU_ROTARY_KERNELS = ("auto", "torch")  # app/cpu/rotary.py
@@ -164,7 +164,7 @@ class EngineConfig:
     max_stream_chunks_per_s: float = 0  # under load, all streams together send at most this many chunks/s (0: no cap)
     separate_process: bool = True  # run the core in its own process (no GIL shared with the server's threads)
     torch_threads: int = 0  # 0: one thread per core the process may use
-    cpu_linear_kernel: str = "auto"  # fp32 on CPU: auto | avx2 (ours) | onednn | torch (docs/engine.md)
+    cpu_linear_kernel: str = "auto"  # fp32 on CPU: auto | avx2 (ours) | onednn | onednn-bf16 | torch (docs/engine.md)
     cpu_attention_kernel: str = "auto"  # fp32 on CPU, every step: auto (ours where it builds) | torch (gather + SDPA)
     cpu_norm_kernel: str = "auto"  # fp32 RMSNorm on CPU: auto (ours where it builds and matches the model's) | torch
     cpu_rotary_kernel: str = "auto"  # fp32 RoPE in one-frame decoder layers: auto (ours where it gives the model's bits) | torch

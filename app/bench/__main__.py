@@ -17,7 +17,7 @@
   (W1's CPU seconds too, to set against the served engine core's).
 - ``hf``: transformers' own ``generate_batch`` and ``generate`` on the same workload, offline.
 - ``profile``: decode steps of the engine at fixed batch sizes, timed and under torch's profiler.
-- ``gemm``: the CPU fp32 Linear kernels (our AVX2 GEMM, oneDNN, torch) on the model's matrix shapes.
+- ``gemm``: the CPU Linear kernels (our AVX2 GEMM, oneDNN, torch; oneDNN's and torch's bf16 routes) on the model's matrix shapes.
 - ``kernel-pairs``: decode steps with one of our small kernels (``--kernel norm``: RMSNorm; ``rotary``:
   RoPE) and with torch's ops, alternated inside one engine.
 - ``spec``: speculative decoding (n-gram drafts; the embedded model drafting for its GPTQ build) against the
@@ -323,7 +323,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-serving", action="store_true", help="quant: fidelity only, no serve run")
     parser.add_argument("--single-stream-modes", nargs="*", default=["continuous"], help="modes that also run W2")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="profile, gemm: sequences per decode step (gemm: rows)")
-    parser.add_argument("--kernels", nargs="+", default=["avx2", "onednn", "torch"], help="gemm: the Linear kernels to compare (auto, avx2, avx2-bf16, onednn, torch)")
+    parser.add_argument("--kernels", nargs="+", default=["avx2", "onednn", "torch"], help="gemm: the Linear kernels to compare (auto, avx2, avx2-bf16, onednn, torch; "
+                             "the bf16 routes onednn-bf16, torch-bf16)")
     parser.add_argument("--steps", type=int, default=20, help="profile: timed decode steps per batch size; kernel-pairs: steps per block")
     parser.add_argument("--pairs", type=int, default=12, help="kernel-pairs: ours/torch block pairs per batch size")
     parser.add_argument("--kernel", default="norm", choices=["norm", "rotary"], help="kernel-pairs: which of our kernels to pair with torch's ops")

@@ -1,4 +1,4 @@
-"""fp32 Linear kernels head to head on a model's own matrix shapes: ``python -m app.bench gemm``.
+"""Linear kernels head to head on a model's own matrix shapes: ``python -m app.bench gemm``.
 
 For each row count (``--batches``: sequences in a decode step, or tokens in a prefill chunk) it runs
 the projections of every decoder layer of SmolLM2-135M (q/k/v fused, o, gate/up fused, down; 30
@@ -6,6 +6,12 @@ layers of distinct random weights, 425 MB, so they stream from memory as in a re
 cache) through each CPU Linear kernel the engine can use, alternating kernels, and reports the time
 per pass, GFLOP/s and the fp32 weight bytes per second (``avx2-bf16``, bf16 weights, reads half of
 them). The figures in docs/engine.md come from here.
+
+The library's bf16 routes run beside them for the bake-off a bf16-compute kernel needs first
+(docs/performance.md): ``onednn-bf16`` (oneDNN's packed bf16 weights and bf16 activations: ``vdpbf16ps``
+where the CPU has avx512_bf16) and ``torch-bf16`` (``F.linear`` in bf16). Both round the activations to bf16,
+so they are a different model numerically; for each, the report says whether a row computed alone has the
+same bits as inside a batch of ``rows`` (``batch_invariant``), which the engine's bit-exact batching needs.
 """
 
 from __future__ import annotations
@@ -36,18 +42,52 @@ def run_gemm_bench(batches: list[int], kernels: list[str], repeats: int = 5) -> 
                    "weight_gb_per_s": round(weight_bytes / s / 1e9, 1)}
             for name, s in best.items()
         }
-        print(f"{rows:4d} rows: " + " | ".join(f"{n} {r['ms']:7.2f} ms {r['gflops']:6.1f} GFLOP/s {r['weight_gb_per_s']:5.1f} GB/s"
+        for name in BF16_ROUTES.keys() & packed.keys():
+            report["rows"][rows][name]["batch_invariant"] = batch_invariant(packed[name], rows)
+        print(f"{rows:4d} rows: " + " | ".join(f"{n} {r['ms']:7.2f} ms {r['gflops']:6.1f} GFLOP/s {r['weight_gb_per_s']:5.1f} GB/s{_invariance(r)}"
                                               for n, r in report["rows"][rows].items()), flush=True)
     return report
 
 
 def _pack(name: str, weights: list[torch.Tensor]):
+    if name in BF16_ROUTES:
+        return BF16_ROUTES[name](weights)
     # "avx2-bf16": our kernel with bf16 weights (what dtype bfloat16 runs on a CPU without native bf16)
     kernel = select_kernel("avx2", torch.bfloat16) if name == "avx2-bf16" else select_kernel(name)
     if kernel is None:  # torch's own kernels on the dense weights
         return lambda inputs: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights]
     packed = [(kernel.pack(w), w.shape[0], w.shape[1]) for w in weights]
     return lambda inputs: [kernel.apply(inputs[k], p, None, n) for p, n, k in packed]
+
+
+def _invariance(figures: dict) -> str:
+    if "batch_invariant" not in figures:
+        return ""
+    return " (rows alone = in batch)" if figures["batch_invariant"] else " (rows alone != in batch)"
+
+
+def _onednn_bf16(weights: list[torch.Tensor]):
+    packed = [(torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 32), w.shape[1]) for w in weights]
+    return lambda inputs: [torch.ops.mkldnn._linear_pointwise(inputs[k].bfloat16(), p, None, "none", [], "") for p, k in packed]
+
+
+def _torch_bf16(weights: list[torch.Tensor]):
+    dense = [w.bfloat16() for w in weights]
+    return lambda inputs: [torch.nn.functional.linear(inputs[w.shape[1]].bfloat16(), w) for w in dense]
+
+
+BF16_ROUTES = {"onednn-bf16": _onednn_bf16, "torch-bf16": _torch_bf16}
+
+
+def batch_invariant(fn, rows: int) -> bool:
+    """Whether every row of a ``rows``-row product has the same bits computed alone (all layers)."""
+    inputs = {k: torch.randn(rows, k) for k in {in_features for _, in_features in LAYER_SHAPES}}
+    together = fn(inputs)
+    for row in range(rows):
+        alone = fn({k: x[row : row + 1] for k, x in inputs.items()})
+        if any(not torch.equal(a[0], t[row]) for a, t in zip(alone, together)):
+            return False
+    return True
 
 
 def _time(fn, inputs, repeats: int) -> float:

@@ -10,7 +10,10 @@ packs every plain fp32 CPU Linear weight once into a kernel's own layout:
   It also takes bf16 weights (``weight_dtype``: widened to fp32 in registers, half the bytes to
   stream), and stores an fp32 weight as bf16 by itself when every value is a bf16 value (a bf16
   checkpoint loaded as fp32): half the bytes, bit-identical results;
-- ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn``, what IPEX and inductor's freezing use).
+- ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn``, what IPEX and inductor's freezing use);
+- ``onednn-bf16`` (opt-in): oneDNN's bf16 products, activations rounded to bf16 (as a bf16 model computes),
+  1.6-1.7x our fp32 kernel at 32-64 rows on an AVX-512 CPU with avx512_bf16 and 0.6x at one row
+  (docs/performance.md); a row's bits do not depend on its batch-mates there (checked by ``app.bench gemm``).
 
 ``auto`` (the default) takes ``avx2`` where it builds (x86-64 with AVX2/FMA and a C compiler), else
 ``onednn``; ``torch`` leaves torch's kernels. Measurements: docs/engine.md.
@@ -67,6 +70,22 @@ class OneDNNKernel:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+class OneDNNBF16Kernel:
+    """bf16 products through oneDNN: weights stored as bf16, activations rounded to bf16 at each call, the bf16
+    result widened back to fp32 (norms, residuals and attention stay fp32). On a CPU with avx512_bf16 oneDNN runs
+    them as ``vdpbf16ps`` (two products per fp32 lane); elsewhere it emulates them, slowly. Opt-in: it changes the
+    model's numbers (like serving in bf16), not only their last bits."""
+
+    name = "onednn-bf16"
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), _BATCH_HINT)
+
+    def apply(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), packed, None, "none", [], "").float()
+        return y if bias is None else y + bias
+
+
 class AVX2Kernel:
     name = "avx2"
 
@@ -96,6 +115,10 @@ def select_kernel(choice: str, weight_dtype: torch.dtype = torch.float32) -> Lin
         raise ValueError(f"engine.cpu_linear_kernel {choice!r} is not one of {', '.join(CPU_LINEAR_KERNELS)}")
     if choice == "torch":
         return None
+    if choice == "onednn-bf16":
+        if not onednn_supported():
+            raise ValueError("engine.cpu_linear_kernel is onednn-bf16, but this torch build has no oneDNN; use auto")
+        return OneDNNBF16Kernel()
     if choice in ("auto", "avx2"):
         if available():
             return AVX2Kernel(weight_dtype)
@@ -217,7 +240,7 @@ def onednn_supported() -> bool:
 def pack_cpu_linears(model: nn.Module, kernel: str = "auto", weight_dtype: torch.dtype = torch.float32) -> int:
     """Replace every plain fp32 CPU ``nn.Linear`` of ``model`` by a packed one; returns how many.
 
-    ``kernel`` is ``engine.cpu_linear_kernel``: auto, avx2, onednn or torch (nothing replaced);
+    ``kernel`` is ``engine.cpu_linear_kernel``: auto, avx2, onednn, onednn-bf16 or torch (nothing replaced);
     ``weight_dtype`` the packed weights' dtype (bfloat16 with the avx2 kernel only).
     """
     chosen = select_kernel(kernel, weight_dtype)

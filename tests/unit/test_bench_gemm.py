@@ -16,3 +16,21 @@ def test_gemm_bench_reports_every_kernel_and_row_count(monkeypatch):
             expected_gflops = figures["weight_gb_per_s"] * rows / 2
             assert abs(figures["gflops"] - expected_gflops) <= 0.01 * expected_gflops + 0.05 * (1 + rows / 2)
     assert report["weight_mb"] == round(2 * sum(n * k for n, k in gemm.LAYER_SHAPES) * 4 / 2**20)
+
+
+def test_bf16_routes_report_whether_a_row_alone_has_the_bits_it_has_in_a_batch(monkeypatch):
+    monkeypatch.setattr(gemm, "LAYERS", 1)
+    report = gemm.run_gemm_bench(batches=[3], kernels=["avx2-bf16", "torch-bf16"], repeats=1)
+    figures = report["rows"][3]
+    assert "batch_invariant" not in figures["avx2-bf16"] and isinstance(figures["torch-bf16"]["batch_invariant"], bool)
+
+
+def test_batch_invariance_check_notices_a_product_whose_rows_depend_on_their_batch():
+    def row_sum_leaks(inputs):  # each output row depends on the whole batch
+        return [x + x.sum(0, keepdim=True) for x in inputs.values()]
+
+    def per_row(inputs):
+        return [x * 2 for x in inputs.values()]
+
+    assert not gemm.batch_invariant(row_sum_leaks, 4)
+    assert gemm.batch_invariant(per_row, 4)
