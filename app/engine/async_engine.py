@@ -65,7 +65,8 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 
 
 def _merge_ready(first, pending: asyncio.Queue) -> tuple[RequestOutput | BaseException, BaseException | None]:
-    """Fold outputs that queued up behind ``first`` into one delta; returns it and any exception read after it.
+    """Fold outputs that queued up behind ``first`` into one delta; returns it and any failure read after it
+    (an exception, or an output that ends the request with an error), which the caller takes next.
 
     When the consumer (a slow client, or the streaming path under load) falls behind the engine,
     it then sends one chunk with several tokens instead of one chunk per token, so per-chunk
@@ -74,8 +75,8 @@ def _merge_ready(first, pending: asyncio.Queue) -> tuple[RequestOutput | BaseExc
     merged = first
     while isinstance(merged, RequestOutput) and not merged.finished and not pending.empty():
         nxt = pending.get_nowait()
-        if not isinstance(nxt, RequestOutput):
-            return merged, nxt
+        if not isinstance(nxt, RequestOutput) or nxt.finish_reason == "error":
+            return merged, nxt  # the tokens before a failure go out first; the failure ends the stream next
         merged = merged.followed_by(nxt)
     return merged, None
 

@@ -106,3 +106,22 @@ async def test_a_lone_stream_is_never_held_back_by_the_chunk_rate_cap():
     engine.shutdown(1)
     assert sum(len(o.new_token_ids) for o in outputs) == 10
     assert len(outputs) >= 5  # tokens come as made (merged only if the reader lags), not one per second
+
+
+def test_tokens_queued_before_a_failure_go_out_before_it():
+    from app.engine.async_engine import _merge_ready
+    from app.engine.request import RequestOutput
+
+    pending = asyncio.Queue()
+    pending.put_nowait(RequestOutput("r", [8], " b", 1, 2))
+    failure = RequestOutput("r", [], "", 1, 2, finished=True, finish_reason="error", error="step failed")
+    pending.put_nowait(failure)
+    pending.put_nowait(RequestOutput("r", [9], " c", 1, 3))  # never read: the failure ends the request
+    merged, carry = _merge_ready(RequestOutput("r", [7], " a", 1, 1), pending)
+    assert merged.new_token_ids == [7, 8] and merged.new_text == " a b" and not merged.finished
+    assert carry is failure
+    # an exception read while merging is handed back the same way
+    pending = asyncio.Queue()
+    pending.put_nowait(RuntimeError("engine died"))
+    merged, carry = _merge_ready(RequestOutput("r", [7], " a", 1, 1), pending)
+    assert merged.new_token_ids == [7] and isinstance(carry, RuntimeError)
