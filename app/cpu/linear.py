@@ -12,8 +12,9 @@ packs every plain fp32 CPU Linear weight once into a kernel's own layout:
   checkpoint loaded as fp32): half the bytes, bit-identical results;
 - ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn``, what IPEX and inductor's freezing use);
 - ``onednn-bf16`` (opt-in): oneDNN's bf16 products, activations rounded to bf16 (as a bf16 model computes),
-  1.6-1.7x our fp32 kernel at 32-64 rows on an AVX-512 CPU with avx512_bf16 and 0.6x at one row
-  (docs/performance.md); a row's bits do not depend on its batch-mates there (checked by ``app.bench gemm``).
+  1.6-1.9x our fp32 kernel from 32 rows on an AVX-512 CPU with avx512_bf16 and 0.55x at one row
+  (docs/performance.md). oneDNN sums a row differently with the rows beside it (``app.bench gemm`` checks),
+  so with it a request's logprobs, and now and then its greedy tokens, depend on its batch-mates.
 
 ``auto`` (the default) takes ``avx2`` where it builds (x86-64 with AVX2/FMA and a C compiler), else
 ``onednn``; ``torch`` leaves torch's kernels. Measurements: docs/engine.md.
