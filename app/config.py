@@ -21,7 +21,7 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32
 DEVICES = ("auto", "cpu", "cuda")
 BATCHING_MODES = ("none", "dynamic", "continuous")
 # The CPU fast path (app/cpu/): each part can be turned back to torch's ops.
-CPU_LINEAR_KERNELS = ("auto", "avx2", "onednn", "onednn-bf16", "torch")  # app/cpu/linear.py
+CPU_LINEAR_KERNELS = ("auto", "avx2", "avx512-bf16", "onednn", "onednn-bf16", "torch")  # app/cpu/linear.py
 CPU_ATTENTION_KERNELS = ("auto", "torch")  # app/cpu/attention.py
 CPU_NORM_KERNELS = ("auto", "torch")  # app/cpu/norm.py
 CPU_ROTARY_KERNELS = ("auto", "torch")  # app/cpu/rotary.py

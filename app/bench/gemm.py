@@ -10,8 +10,9 @@ them). The figures in docs/engine.md come from here.
 The library's bf16 routes run beside them for the bake-off a bf16-compute kernel needs first
 (docs/performance.md): ``onednn-bf16`` (oneDNN's packed bf16 weights and bf16 activations: ``vdpbf16ps``
 where the CPU has avx512_bf16) and ``torch-bf16`` (``F.linear`` in bf16). Both round the activations to bf16,
-so they are a different model numerically; for each, the report says whether a row computed alone has the
-same bits as inside a batch of ``rows`` (``batch_invariant``), which the engine's bit-exact batching needs.
+so they are a different model numerically, as is our own bf16 kernel (``avx512-bf16``); for each of these the
+report says whether a row computed alone has the same bits as inside a batch of ``rows``
+(``batch_invariant``), which the engine's bit-exact batching needs.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def run_gemm_bench(batches: list[int], kernels: list[str], repeats: int = 5) -> 
                    "weight_gb_per_s": round(weight_bytes / s / 1e9, 1)}
             for name, s in best.items()
         }
-        for name in BF16_ROUTES.keys() & packed.keys():
+        for name in (BF16_ROUTES.keys() | {"avx512-bf16"}) & packed.keys():
             report["rows"][rows][name]["batch_invariant"] = batch_invariant(packed[name], rows)
         print(f"{rows:4d} rows: " + " | ".join(f"{n} {r['ms']:7.2f} ms {r['gflops']:6.1f} GFLOP/s {r['weight_gb_per_s']:5.1f} GB/s{_invariance(r)}"
                                               for n, r in report["rows"][rows].items()), flush=True)

@@ -42,14 +42,15 @@ class FastPath:
         return f"CPU kernels: {self.kernels}; " + "; ".join(f"{part}: {how}" for part, how in self.parts.items())
 
 
-def install_fast_path(model: nn.Module, config: EngineConfig, kv_dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> FastPath:
+def install_fast_path(model: nn.Module, config: EngineConfig, kv_dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
+                      bf16_products: bool = False) -> FastPath:
     """Install on ``model`` what this CPU supports and ``config`` allows; logs one line saying what runs where."""
     reason = unavailable_reason()
     path = FastPath("on" if reason is None else f"off ({reason})")
     if _device(model).type != "cpu":
         path.parts["all"] = f"torch (model on {_device(model)})"
         return _logged(path)
-    pack_cpu_linears(model, config.cpu_linear_kernel, weight_dtype or torch.float32)
+    pack_cpu_linears(model, config.cpu_linear_kernel, weight_dtype or torch.float32, bf16_products)
     path.parts["linear"] = describe_packed(model)
     unfuse_rms_norms(model)  # a model an earlier engine of this process fused with other settings
     norms = fuse_rms_norms(model) if config.cpu_norm_kernel == "auto" else 0

@@ -37,6 +37,7 @@ module calls and the siblings' bookkeeping: ~30 us of ~360 a layer at one sequen
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Protocol
 
@@ -87,6 +88,26 @@ class OneDNNBF16Kernel:
         return y if bias is None else y + bias
 
 
+class AVX512BF16Kernel:
+    """bf16 products on our kernel (``kernels/linear_avx512bf16.c``, ``vdpbf16ps``): weights stored as bf16 in
+    groups of 64 columns, activations rounded to bf16 at each call, every output summed in fp32 in one fixed
+    order (the same bits alone or in any batch, unlike oneDNN's). For CPUs with avx512_bf16; opt-in, since it
+    changes the model's numbers as serving in bf16 does."""
+
+    name = "avx512-bf16"
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        n, k = weight.shape
+        groups, k2 = -(-n // 64), -(-k // 2)
+        padded = weight.new_zeros(groups * 64, k2 * 2, dtype=torch.bfloat16)
+        padded[:n, :k] = weight.detach()  # rounds to nearest even, as activations are
+        # [group][k pair][panel][column][pair member]: each k pair of a group is four 64-byte vectors
+        return padded.view(groups, 4, 16, k2, 2).permute(0, 3, 1, 2, 4).contiguous().view(-1)
+
+    def apply(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        return OPS.linear_bf16dot(x, packed, bias, out_features)
+
+
 class AVX2Kernel:
     name = "avx2"
 
@@ -107,15 +128,21 @@ class AVX2Kernel:
         return OPS.linear(x, packed, bias, out_features)
 
 
-def select_kernel(choice: str, weight_dtype: torch.dtype = torch.float32) -> LinearKernel | None:
+def select_kernel(choice: str, weight_dtype: torch.dtype = torch.float32, bf16_products: bool = False) -> LinearKernel | None:
     """The kernel ``engine.cpu_linear_kernel`` names (None: torch's own); asking for one this machine lacks is an error.
 
-    ``weight_dtype`` bfloat16 asks for bf16 weights on fp32 activations, which only our kernel does.
+    ``weight_dtype`` bfloat16 asks for bf16 weights on fp32 activations, which only our kernel does;
+    ``bf16_products`` (the loader's choice for bf16 where the CPU has avx512_bf16) makes ``auto`` our bf16 kernel.
     """
     if choice not in CPU_LINEAR_KERNELS:
         raise ValueError(f"engine.cpu_linear_kernel {choice!r} is not one of {', '.join(CPU_LINEAR_KERNELS)}")
     if choice == "torch":
         return None
+    if choice == "avx512-bf16" or (choice == "auto" and bf16_products):
+        if not bf16_products_available():
+            why = unavailable_reason() or "this CPU has no avx512_bf16"
+            raise ValueError(f"engine.cpu_linear_kernel is avx512-bf16, but {why}; use auto or onednn-bf16")
+        return AVX512BF16Kernel()
     if choice == "onednn-bf16":
         if not onednn_supported():
             raise ValueError("engine.cpu_linear_kernel is onednn-bf16, but this torch build has no oneDNN; use auto")
@@ -238,13 +265,15 @@ def onednn_supported() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def pack_cpu_linears(model: nn.Module, kernel: str = "auto", weight_dtype: torch.dtype = torch.float32) -> int:
+def pack_cpu_linears(model: nn.Module, kernel: str = "auto", weight_dtype: torch.dtype = torch.float32,
+                     bf16_products: bool = False) -> int:
     """Replace every plain fp32 CPU ``nn.Linear`` of ``model`` by a packed one; returns how many.
 
     ``kernel`` is ``engine.cpu_linear_kernel``: auto, avx2, onednn, onednn-bf16 or torch (nothing replaced);
-    ``weight_dtype`` the packed weights' dtype (bfloat16 with the avx2 kernel only).
+    ``weight_dtype`` the packed weights' dtype (bfloat16 with the avx2 kernel only); ``bf16_products``: see
+    :func:`select_kernel`.
     """
-    chosen = select_kernel(kernel, weight_dtype)
+    chosen = select_kernel(kernel, weight_dtype, bf16_products)
     if chosen is None:
         return 0
     replaced = sum(_fuse_siblings(parent, chosen) for parent in list(model.modules()))
@@ -317,3 +346,19 @@ def _packable(module: nn.Module) -> bool:
         and weight.device.type == "cpu"
         and weight.dtype == torch.float32
     )
+
+
+
+def bf16_products_available() -> bool:
+    """Whether our bf16 kernel runs here: the kernels built (with their avx512_bf16 code) and the CPU has it."""
+    return available() and cpu_has_avx512_bf16() and bool(OPS.linear_bf16dot_built())
+
+
+@functools.cache
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this CPU executes ``vdpbf16ps`` (the kernel's one instruction beyond AVX-512F/BW/VL)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in cpuinfo)
+    except OSError:  # not Linux: no way to ask here, so no
+        return False

@@ -92,7 +92,7 @@ class ModelRunner:
         self.sampler = Sampler()
         register_paged_attention(self.model)
         # plain fp32 CPU Linear layers only (quantized ones run as loaded); bf16 weights where the loader chose them
-        self.fast_path = install_fast_path(self.model, config, self.kv_pool.dtype, loaded.weight_dtype)
+        self.fast_path = install_fast_path(self.model, config, self.kv_pool.dtype, loaded.weight_dtype, loaded.bf16_products)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MB)", self.num_blocks, self.block_size, self.kv_bytes / 2**20)
 
     @property

@@ -37,6 +37,7 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: frozenset[int]
     weight_dtype: torch.dtype | None = None  # set when Linear weights are stored narrower than dtype (see below)
+    bf16_products: bool = False  # Linear layers multiply in bf16 (activations rounded too) on our avx512_bf16 kernel
 
 
 def resolve_device(device: str) -> torch.device:
@@ -108,8 +109,10 @@ def load_model(config: ModelConfig) -> LoadedModel:
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    weight_dtype = None
-    if _bf16_weights_on_fp32(config, device, dtype):
+    if config.dtype == "auto" and _bf16_products(config, device, torch.bfloat16):
+        dtype = torch.bfloat16  # the fastest path where the CPU multiplies bf16 natively and our kernel runs
+    weight_dtype, bf16_products = None, _bf16_products(config, device, dtype)
+    if bf16_products or _bf16_weights_on_fp32(config, device, dtype):
         dtype, weight_dtype = torch.float32, torch.bfloat16
     path, gguf_file = resolve_source(config.source)
     common = {"revision": config.revision, "trust_remote_code": config.trust_remote_code}
@@ -132,13 +135,30 @@ def load_model(config: ModelConfig) -> LoadedModel:
         max_model_len=_context_length(config, model, config.source),
         eos_token_ids=_eos_token_ids(model, tokenizer),
         weight_dtype=weight_dtype,
+        bf16_products=bf16_products,
     )
     logger.info(
         "Loaded %s from %s on %s as %s%s, quantization %s (context %d)",
-        config.name, path, device, dtype, " with bf16 Linear weights" if weight_dtype else "",
+        config.name, path, device, dtype,
+        " with bf16 Linear products" if bf16_products else " with bf16 Linear weights" if weight_dtype else "",
         config.quantization, loaded.max_model_len,
     )
     return loaded
+
+
+def _bf16_products(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """bf16 on a CPU with avx512_bf16 where our kernels run: Linear layers on our bf16 kernel, the rest in fp32.
+
+    The kernel rounds activations and weights to bf16 and multiplies pairs with ``vdpbf16ps``, summing in fp32
+    in a fixed order (a request's bits do not depend on its batch), while norms, attention, residuals and the
+    KV cache stay fp32: at least as exact as a bf16 model, and faster than both torch's bf16 and our fp32 path
+    (docs/performance.md). So ``dtype: auto`` takes it too for an unquantized model.
+    """
+    if device.type != "cpu" or dtype != torch.bfloat16 or config.quantization != "none":
+        return False
+    from app.cpu.linear import bf16_products_available  # the engine's kernels; imported only when it matters
+
+    return bf16_products_available()
 
 
 def _bf16_weights_on_fp32(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -19,6 +20,8 @@ void pack_weight(const float* w, float* packed, int64_t n, int64_t k);
 void pack_weight_bf16(const float* w, uint16_t* packed, int64_t n, int64_t k);
 void linear(const float* x, const float* packed, const float* bias, float* y, int64_t m, int64_t k, int64_t n);
 void linear_bf16w(const float* x, const uint16_t* packed, const float* bias, float* y, int64_t m, int64_t k, int64_t n);
+int linear_bf16dot_built(void);
+void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, float* y, int64_t m, int64_t k2, int64_t n);
 void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
 void rotary(const float* q, int64_t qs_b, int64_t qs_h, int64_t qs_t, int64_t q_heads, const float* k, int64_t ks_b,
             int64_t ks_h, int64_t ks_t, int64_t k_heads, const float* cos, const float* sin, int64_t cs_b, int64_t cs_t,
@@ -96,6 +99,40 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, const
     linear(x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr, y.data_ptr<float>(), rows, k, out_features);
   return y;
 }
+
+// ---- Linear with bf16 products (vdpbf16ps): x rounded to bf16, W packed in groups of 64 columns ---------
+constexpr int64_t kBf16GroupCols = 64;
+
+at::Tensor bf16dot_linear(const at::Tensor& x_in, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                          int64_t out_features) {
+  TORCH_CHECK(linear_bf16dot_built(), "this build of the kernels has no avx512_bf16 code (compiler too old)");
+  check_cpu(x_in, at::kFloat, "x");
+  TORCH_CHECK(x_in.dim() >= 1, "x must have a feature dimension");
+  check_dense(packed, at::kBFloat16, "packed");
+  TORCH_CHECK(packed.dim() == 1, "packed must be a packed weight");
+  const int64_t k = x_in.size(-1), k2 = (k + 1) / 2;
+  const int64_t groups = (out_features + kBf16GroupCols - 1) / kBf16GroupCols;
+  TORCH_CHECK(out_features > 0 && packed.numel() == groups * k2 * kBf16GroupCols * 2,
+              "packed holds no [", out_features, ", ", k, "] weight (x has ", k, " features)");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    check_dense(*bias, at::kFloat, "bias");
+    TORCH_CHECK(bias->numel() == out_features, "bias must have ", out_features, " values, got ", bias->numel());
+    bias_ptr = bias->data_ptr<float>();
+  }
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = out_features;
+  at::Tensor y = at::empty(shape, x_in.options());
+  const int64_t rows = k ? x_in.numel() / k : 0;
+  if (rows == 0) return y;
+  at::Tensor x = at::zeros({rows, 2 * k2}, x_in.options().dtype(at::kBFloat16));  // an odd k gets a zero partner
+  x.narrow(1, 0, k).copy_(x_in.reshape({rows, k}));  // fp32 -> bf16, round to nearest even
+  linear_bf16dot(reinterpret_cast<const uint32_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+                 bias_ptr, y.data_ptr<float>(), rows, k2, out_features);
+  return y;
+}
+
+int64_t bf16dot_built() { return linear_bf16dot_built(); }  // 0 where the compiler lacked avx512_bf16
 
 // ---- RMSNorm (Llama's formula) -------------------------------------------------------------------------
 at::Tensor rms_norm_op(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
@@ -230,6 +267,8 @@ at::Tensor prefill_attention_op(const at::Tensor& query, const at::Tensor& k_poo
 TORCH_LIBRARY(llm_serve, m) {
   m.def("pack_linear_weight(Tensor weight, ScalarType dtype) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_bf16dot(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_bf16dot_built() -> int");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("argmax_rows(Tensor x) -> Tensor");
@@ -239,9 +278,14 @@ TORCH_LIBRARY(llm_serve, m) {
         "Tensor query_keys, float scale) -> Tensor");
 }
 
+TORCH_LIBRARY_IMPL(llm_serve, CompositeExplicitAutograd, m) {
+  m.impl("linear_bf16dot_built", &bf16dot_built);  // no tensor to dispatch on
+}
+
 TORCH_LIBRARY_IMPL(llm_serve, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("linear", &packed_linear);
+  m.impl("linear_bf16dot", &bf16dot_linear);
   m.impl("rms_norm", &rms_norm_op);
   m.impl("rotary", &rotary_op);
   m.impl("argmax_rows", &argmax_rows_op);

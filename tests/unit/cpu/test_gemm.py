@@ -159,3 +159,14 @@ def test_an_fp32_weight_with_finer_values_stays_fp32(gemm):
     weight[3, 5] += 2.0**-20  # one value bf16 cannot hold
     assert AVX2Kernel().pack(weight).dtype == torch.float32
     assert not cpu_linear.bf16_exact(weight)
+
+
+def test_our_bf16_kernel_asked_for_where_it_cannot_run_is_an_error_saying_why(monkeypatch):
+    import pytest
+
+    monkeypatch.setattr(cpu_linear, "bf16_products_available", lambda: False)
+    monkeypatch.setattr(cpu_linear, "unavailable_reason", lambda: None)
+    with pytest.raises(ValueError, match="avx512-bf16, but this CPU has no avx512_bf16; use auto"):
+        cpu_linear.select_kernel("avx512-bf16")
+    with pytest.raises(ValueError, match="avx512-bf16"):
+        cpu_linear.select_kernel("auto", bf16_products=True)  # the loader never asks for it there; if it did, it is said

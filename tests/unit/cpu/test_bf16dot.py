@@ -1,0 +1,69 @@
+"""Our bf16 Linear kernel (``kernels/linear_avx512bf16.c``, ``vdpbf16ps``) against torch, on CPUs with avx512_bf16.
+
+The kernel multiplies bf16-rounded activations and weights and sums in fp32: compared with the same rounded
+values multiplied in float64 (only fp32 summation separates them), and bit for bit with itself across batch
+sizes and thread counts, since each output is summed in one fixed order.
+"""
+
+import pytest
+import torch
+
+from app.cpu.linear import AVX512BF16Kernel, bf16_products_available, cpu_has_avx512_bf16, select_kernel
+from app.cpu.ops import unavailable_reason
+
+pytestmark = pytest.mark.skipif(
+    not bf16_products_available(),
+    reason=f"our bf16 kernel needs the CPU kernels and avx512_bf16: {unavailable_reason() or 'this CPU has no avx512_bf16'}",
+)
+
+
+def _reference(x, weight, bias):
+    exact = torch.nn.functional.linear(x.bfloat16().double(), weight.bfloat16().double())
+    return (exact + bias.double() if bias is not None else exact).float()
+
+
+@pytest.mark.parametrize("n, k, rows", [(96, 64, 5), (960, 576, 1), (50, 33, 7), (576, 1536, 32), (130, 2, 13)])
+def test_the_product_is_the_bf16_rounded_product_summed_in_fp32(n, k, rows):
+    torch.manual_seed(n + k + rows)
+    weight, bias, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
+    kernel = AVX512BF16Kernel()
+    got = kernel.apply(x, kernel.pack(weight), bias, n)
+    want = _reference(x, weight, bias)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    # fp32 sums of k exact products: error within k ulps of the largest partial sum
+    scale = (x.bfloat16().double().abs() @ weight.bfloat16().double().abs().T).float()
+    assert torch.all((got - want).abs() <= 2 * k * torch.finfo(torch.float32).eps * scale + 1e-6)
+    no_bias = kernel.apply(x, kernel.pack(weight), None, n)
+    assert torch.allclose(no_bias + bias, got, atol=1e-4)
+
+
+def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_thread_count():
+    torch.manual_seed(0)
+    weight, x = torch.randn(1000, 576), torch.randn(37, 576, dtype=torch.float32)
+    kernel = AVX512BF16Kernel()
+    packed = kernel.pack(weight)
+    batch = kernel.apply(x, packed, None, 1000)
+    assert all(torch.equal(kernel.apply(x[i : i + 1], packed, None, 1000)[0], batch[i]) for i in range(37))
+    assert torch.equal(kernel.apply(x[5:20], packed, None, 1000), batch[5:20])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernel.apply(x, packed, None, 1000), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_shapes_the_kernel_cannot_take_are_errors_not_reads():
+    kernel = AVX512BF16Kernel()
+    packed = kernel.pack(torch.randn(64, 32))
+    with pytest.raises(RuntimeError, match="packed holds no"):
+        kernel.apply(torch.randn(2, 30), packed, None, 64)
+    with pytest.raises(RuntimeError, match="bias must have"):
+        kernel.apply(torch.randn(2, 32), packed, torch.randn(63), 64)
+
+
+def test_asking_for_it_by_name_works_here_and_names_the_kernel():
+    assert cpu_has_avx512_bf16()
+    assert isinstance(select_kernel("avx512-bf16"), AVX512BF16Kernel)
+    assert isinstance(select_kernel("auto", torch.bfloat16, bf16_products=True), AVX512BF16Kernel)
+    assert select_kernel("auto").name == "avx2"  # fp32 stays fp32
