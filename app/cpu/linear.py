@@ -10,6 +10,9 @@ packs every plain fp32 CPU Linear weight once into a kernel's own layout:
   It also takes bf16 weights (``weight_dtype``: widened to fp32 in registers, half the bytes to
   stream), and stores an fp32 weight as bf16 by itself when every value is a bf16 value (a bf16
   checkpoint loaded as fp32): half the bytes, bit-identical results;
+- ``avx512-bf16``: ours for bf16 products (``kernels/linear_avx512bf16.c``, ``vdpbf16ps``) on CPUs with
+  avx512_bf16: activations and weights rounded to bf16, sums in fp32 in one fixed order (the same bits alone
+  or in any batch); what ``auto`` takes where the loader chose bf16 products (``dtype`` auto or bfloat16 there);
 - ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn``, what IPEX and inductor's freezing use);
 - ``onednn-bf16`` (opt-in): oneDNN's bf16 products, activations rounded to bf16 (as a bf16 model computes),
   1.6-1.9x our fp32 kernel from 32 rows on an AVX-512 CPU with avx512_bf16 and 0.55x at one row

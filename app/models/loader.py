@@ -57,7 +57,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def auto_cpu_dtype() -> torch.dtype:
-    """fp32 where our CPU kernels run, else bf16 where the CPU computes it natively, else fp32.
+    """fp32 where our CPU kernels run, else bf16 where the CPU computes it natively, else fp32 (for an unquantized
+    model on a CPU with avx512_bf16, :func:`load_model` takes our bf16 kernel's path instead: ``_bf16_products``).
 
     The kernels compute in fp32 (a bf16-valued checkpoint's weights are still stored as bf16: half the
     bytes, the same bits) and beat torch's native bf16 where both run: on a 2-core AVX-512 EPYC with
