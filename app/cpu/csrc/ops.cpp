@@ -55,6 +55,14 @@ void check_index(const at::Tensor& t, int64_t dim, const char* name) {
   TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
 }
 
+// A Linear's optional bias: fp32, one value per output (nullptr: none).
+const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t out_features) {
+  if (!bias.has_value()) return nullptr;
+  check_dense(*bias, at::kFloat, "bias");
+  TORCH_CHECK(bias->numel() == out_features, "bias must have ", out_features, " values, got ", bias->numel());
+  return bias->data_ptr<float>();
+}
+
 // ---- Linear: y = x W^T + b over weights packed once into panels -------------------------------------
 at::Tensor pack_linear_weight(const at::Tensor& weight, at::ScalarType dtype) {
   check_cpu(weight, at::kFloat, "weight");
@@ -80,12 +88,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, const
   const int64_t k = x_in.size(-1);
   TORCH_CHECK(out_features > 0 && packed.numel() == packed_weight_numel(out_features, k),
               "packed holds no [", out_features, ", ", k, "] weight (x has ", k, " features)");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    check_dense(*bias, at::kFloat, "bias");
-    TORCH_CHECK(bias->numel() == out_features, "bias must have ", out_features, " values, got ", bias->numel());
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const float* bias_ptr = checked_bias(bias, out_features);
   const at::Tensor x = x_in.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_features;
@@ -114,12 +117,7 @@ at::Tensor bf16dot_linear(const at::Tensor& x_in, const at::Tensor& packed, cons
   const int64_t groups = (out_features + kBf16GroupCols - 1) / kBf16GroupCols;
   TORCH_CHECK(out_features > 0 && packed.numel() == groups * k2 * kBf16GroupCols * 2,
               "packed holds no [", out_features, ", ", k, "] weight (x has ", k, " features)");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    check_dense(*bias, at::kFloat, "bias");
-    TORCH_CHECK(bias->numel() == out_features, "bias must have ", out_features, " values, got ", bias->numel());
-    bias_ptr = bias->data_ptr<float>();
-  }
+  const float* bias_ptr = checked_bias(bias, out_features);
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = out_features;
   at::Tensor y = at::empty(shape, x_in.options());
