@@ -94,8 +94,8 @@ class OneDNNBF16Kernel:
 class AVX512BF16Kernel:
     """bf16 products on our kernel (``kernels/linear_avx512bf16.c``, ``vdpbf16ps``): weights stored as bf16 in
     groups of 64 columns, activations rounded to bf16 at each call, every output summed in fp32 in one fixed
-    order (the same bits alone or in any batch, unlike oneDNN's). For CPUs with avx512_bf16; opt-in, since it
-    changes the model's numbers as serving in bf16 does."""
+    order (the same bits alone or in any batch, unlike oneDNN's). For CPUs with avx512_bf16: what ``auto`` takes
+    where the loader chose bf16 products, else asked for by name (it changes the model's numbers as bf16 does)."""
 
     name = "avx512-bf16"
 
@@ -272,7 +272,7 @@ def pack_cpu_linears(model: nn.Module, kernel: str = "auto", weight_dtype: torch
                      bf16_products: bool = False) -> int:
     """Replace every plain fp32 CPU ``nn.Linear`` of ``model`` by a packed one; returns how many.
 
-    ``kernel`` is ``engine.cpu_linear_kernel``: auto, avx2, onednn, onednn-bf16 or torch (nothing replaced);
+    ``kernel`` is ``engine.cpu_linear_kernel``: auto, avx2, avx512-bf16, onednn, onednn-bf16 or torch (nothing replaced);
     ``weight_dtype`` the packed weights' dtype (bfloat16 with the avx2 kernel only); ``bf16_products``: see
     :func:`select_kernel`.
     """
@@ -349,7 +349,6 @@ def _packable(module: nn.Module) -> bool:
         and weight.device.type == "cpu"
         and weight.dtype == torch.float32
     )
-
 
 
 def bf16_products_available() -> bool:

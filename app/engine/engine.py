@@ -165,7 +165,6 @@ class LLMEngine:
             "step_tokens": c.step_tokens.to_dict(),
             **({f"spec_{k}": v for k, v in self.speculation.stats.to_dict().items()} if self.speculation else {}),
             **({"spec_by_name": self.speculation.stats_by_name()} if self.speculation else {}),
-            **({"spec_step_ms_by_tokens": self.speculation.step_costs.to_dict()} if self.speculation else {}),
         }
 
     # ---- internals ---------------------------------------------------------------------------

@@ -110,9 +110,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
 
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    if config.dtype == "auto" and _bf16_products(config, device, torch.bfloat16):
-        dtype = torch.bfloat16  # the fastest path where the CPU multiplies bf16 natively and our kernel runs
-    weight_dtype, bf16_products = None, _bf16_products(config, device, dtype)
+    # auto asks for bf16 products too: the fastest path where the CPU multiplies bf16 natively and our kernel runs
+    bf16_products = _bf16_products(config, device, torch.bfloat16 if config.dtype == "auto" else dtype)
+    weight_dtype = None
     if bf16_products or _bf16_weights_on_fp32(config, device, dtype):
         dtype, weight_dtype = torch.float32, torch.bfloat16
     path, gguf_file = resolve_source(config.source)

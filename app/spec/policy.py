@@ -76,10 +76,6 @@ class StepCosts:
         """The step time for this many tokens, or None before ``min_samples`` such steps."""
         return self._seconds[tokens] if self._samples.get(tokens, 0) >= self.min_samples else None
 
-    def to_dict(self) -> dict[int, float]:
-        """Trusted step times in ms by token count (for stats and benchmarks)."""
-        return {t: round(1000 * s, 3) for t, s in sorted(self._seconds.items()) if self.seconds(t) is not None}
-
     def ratio(self, tokens: int, base_tokens: int) -> float | None:
         """t(tokens) / t(base_tokens) when both are measured, never below 1 for more tokens (noise aside)."""
         t, base = self.seconds(tokens), self.seconds(base_tokens)
