@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 model: install
 	$(BIN)/python -m app prepare smollm2-135m-instruct smollm2-135m-instruct-gptq
 
+# Serve's direct ingress: the ingress replica also serves HTTP on its own port (30000 up), skipping the proxy's hop.
 serve: model
-	$(BIN)/serve run serve_config.yaml
+	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $(BIN)/serve run serve_config.yaml
 
 test: model
 	$(BIN)/python -m pytest -q

@@ -76,17 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "engine":
         from app.bench.engine_bench import run_engine_bench
 
-        result = run_engine_bench(spec, args.modes, dtype=_concrete_dtype(args.dtype), **_kernel_args(args))
+        result = run_engine_bench(spec, args.modes, dtype=_engine_dtype(args.dtype), **_kernel_args(args))
     elif args.command == "quant":
         result = quant(args, spec)
     elif args.command == "profile":
         from app.bench.profile_steps import run_step_profile
 
-        result = run_step_profile(spec, args.batches, _concrete_dtype(args.dtype), args.steps, **_kernel_args(args))
+        result = run_step_profile(spec, args.batches, _engine_dtype(args.dtype), args.steps, **_kernel_args(args))
     elif args.command == "kernel-pairs":
         from app.bench.kernel_pairs import run_kernel_pairs
 
-        result = run_kernel_pairs(spec, args.kernel, args.batches, _concrete_dtype(args.dtype), args.pairs, args.steps)
+        result = run_kernel_pairs(spec, args.kernel, args.batches, _engine_dtype(args.dtype), args.pairs, args.steps)
     elif args.command == "spec":
         from app.bench.spec_bench import run_spec_bench
 
@@ -201,6 +201,7 @@ def compare(args, spec: LoadSpec, progress: bool = False) -> dict:
         log.parent.mkdir(parents=True, exist_ok=True)
         # A port per mode: the previous server's Ray processes may still hold theirs for a moment after exit.
         with running_server(app_config, args.port + index, log) as url:
+            results.setdefault("urls", {})[mode] = url  # the ingress replica's own port where direct ingress is on
             runs = {}
             served = LoadSpec(**{**spec.__dict__, "base_url": url})  # each workload is warmed up first
             names = ["W1"] + (["W2", *args.extra_workloads] if mode in args.single_stream_modes else [])
@@ -250,10 +251,20 @@ def _kernel_args(args: argparse.Namespace) -> dict:
 
 
 def _concrete_dtype(dtype: str, device: str = "cpu") -> str:
-    """``auto`` as the server would resolve it on this machine, so offline and served runs compare."""
+    """``auto`` as torch's dtype the server would load in on this machine (for the transformers-run peers)."""
     from app.models.loader import resolve_device, resolve_dtype
 
     return str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
+
+
+def _engine_dtype(dtype: str) -> str:
+    """``auto`` as our engine takes it here, so offline and served runs compare: bfloat16 where the loader puts
+    ``auto`` on our bf16-product kernel (asking for bfloat16 takes the same path), else torch's dtype."""
+    from app.models.loader import auto_takes_bf16_products, resolve_device
+
+    if dtype == "auto" and auto_takes_bf16_products(resolve_device("cpu")):
+        return "bfloat16"
+    return _concrete_dtype(dtype)
 
 
 def format_table(result: dict) -> str:

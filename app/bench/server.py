@@ -3,12 +3,17 @@
 Used by the mode comparison so every mode is measured through the same path users take (Ray Serve,
 HTTP, OpenAI API). Runs ``serve run`` as a subprocess, so this module never imports ray. The naive
 transformers server (benchmarks/naive_server.py) is started the same way for ``peer --launch naive``.
+
+``serve run`` starts as ``make serve`` starts it, with Serve's direct ingress on (``DIRECT_INGRESS_ENV``): the
+ingress replica then serves HTTP on a port of its own besides the proxy's, and the benchmark sends its
+requests there, where a streamed token skips the proxy's hop (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +26,10 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+# Serve's direct ingress (Ray >= 2.60): each ingress replica also serves HTTP itself, on a port from 30000 up
+DIRECT_INGRESS_ENV = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+_DIRECT_PORT_LINE = re.compile(r"Started HTTP server on port (\d+)")
+_DIRECT_PORT_WAIT_S = 60
 
 
 @contextlib.contextmanager
@@ -35,12 +44,12 @@ def running_server(app_config: dict, port: int, log_path: Path, ready_timeout_s:
         with open(log_path, "w") as log:
             process = subprocess.Popen(
                 [str(serve_bin), "run", str(serve_file)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True, env={**os.environ, **DIRECT_INGRESS_ENV},
             )
             url = f"http://127.0.0.1:{port}"
             try:
                 _wait_ready(url, process, ready_timeout_s, log_path)
-                yield url
+                yield _direct_url(log_path, process) or url
             finally:
                 _stop(process)
 
@@ -89,6 +98,21 @@ def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float, log_path:
                 return
         time.sleep(1)
     raise TimeoutError(f"the server was not ready after {timeout_s:.0f}s; see {log_path}")
+
+
+def _direct_url(log_path: Path, process: subprocess.Popen) -> str | None:
+    """The ingress replica's own HTTP address, from its start-up line in ``serve run``'s log; None (the proxy's
+    address serves then) where Serve started no such server, e.g. a Ray without direct ingress."""
+    deadline = time.monotonic() + _DIRECT_PORT_WAIT_S
+    while time.monotonic() < deadline and process.poll() is None:
+        found = _DIRECT_PORT_LINE.search(log_path.read_text(errors="replace"))
+        if found:
+            url = f"http://127.0.0.1:{found.group(1)}"
+            _wait_ready(url, process, _DIRECT_PORT_WAIT_S, log_path)
+            return url
+        time.sleep(1)
+    print(f"no direct-ingress HTTP server in {log_path}: measuring through Serve's proxy", flush=True)
+    return None
 
 
 def _stop(process: subprocess.Popen) -> None:

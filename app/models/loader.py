@@ -147,6 +147,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
     return loaded
 
 
+def auto_takes_bf16_products(device: torch.device) -> bool:
+    """Whether ``dtype: auto`` (unquantized) loads onto our bf16-product kernel on ``device``."""
+    return _bf16_products(ModelConfig(), device, torch.bfloat16)
+
+
 def _bf16_products(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool:
     """bf16 on a CPU with avx512_bf16 where our kernels run: Linear layers on our bf16 kernel, the rest in fp32.
 
