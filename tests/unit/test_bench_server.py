@@ -47,4 +47,3 @@ def test_no_direct_server_means_the_proxy(tmp_path):
     log = tmp_path / "serve.log"
     log.write_text("proxy starting on 8000\n")
     assert server._direct_url(log, _Process(0)) is None  # serve run gone: no waiting for a line that cannot come
-
