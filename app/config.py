@@ -20,6 +20,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
 BATCHING_MODES = ("none", "dynamic", "continuous")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")  # auto: the dtype the model computes in (bf16 products: bfloat16)
 # The CPU fast path (app/cpu/): each part can be turned back to torch's ops.
 CPU_LINEAR_KERNELS = ("auto", "avx2", "avx512-bf16", "onednn", "onednn-bf16", "torch")  # app/cpu/linear.py
 CPU_ATTENTION_KERNELS = ("auto", "torch")  # app/cpu/attention.py
@@ -160,6 +161,7 @@ class EngineConfig:
     kv_cache_memory_mb: int = 0  # 0: auto (CUDA: 80% of free memory after loading; CPU: min(1 GiB, 20% of RAM))
     num_kv_blocks: int = 0  # >0 overrides kv_cache_memory_mb (tests use it to force preemption)
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (the model's: bf16 where dtype resolves to bf16) | bfloat16 | float32
     stream_interval_ms: int = 0  # under load (>1 running), send a request's tokens at most this often (0: each at once)
     max_stream_chunks_per_s: float = 0  # under load, all streams together send at most this many chunks/s (0: no cap)
     separate_process: bool = True  # run the core in its own process (no GIL shared with the server's threads)
@@ -193,6 +195,9 @@ class EngineConfig:
             raise ValueError(f"engine.batch_wait_timeout_s must be a number >= 0, got {self.batch_wait_timeout_s!r}")
         if not isinstance(self.max_queue_time_s, (int, float)) or isinstance(self.max_queue_time_s, bool) or self.max_queue_time_s < 0:
             raise ValueError(f"engine.max_queue_time_s must be a number >= 0 (0: no deadline), got {self.max_queue_time_s!r}")
+        self.kv_cache_dtype = DTYPE_ALIASES.get(str(self.kv_cache_dtype).lower(), str(self.kv_cache_dtype).lower())
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"engine.kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         for name, choices in _CPU_CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"engine.{name} {getattr(self, name)!r} is not one of {', '.join(choices)}")

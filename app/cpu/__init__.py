@@ -28,6 +28,7 @@ from app.cpu.norm import fuse_rms_norms, unfuse_rms_norms
 from app.cpu.ops import unavailable_reason
 
 logger = logging.getLogger(__name__)
+KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16)  # pools our attention kernel reads (queries fp32)
 
 
 @dataclass
@@ -35,16 +36,19 @@ class FastPath:
     """What :func:`install_fast_path` put in place for one model."""
 
     kernels: str  # "on", or why the kernels are off
-    attention: PagedAttentionKernel | None = None  # paged attention through the kernel (fp32 pools on CPU)
+    attention: PagedAttentionKernel | None = None  # paged attention through the kernel (fp32 queries on CPU)
     parts: dict[str, str] = field(default_factory=dict)  # part -> what runs it, for the start-up log line
 
     def describe(self) -> str:
         return f"CPU kernels: {self.kernels}; " + "; ".join(f"{part}: {how}" for part, how in self.parts.items())
 
 
-def install_fast_path(model: nn.Module, config: EngineConfig, kv_dtype: torch.dtype, weight_dtype: torch.dtype | None = None,
-                      bf16_products: bool = False) -> FastPath:
-    """Install on ``model`` what this CPU supports and ``config`` allows; logs one line saying what runs where."""
+def install_fast_path(model: nn.Module, config: EngineConfig, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                      weight_dtype: torch.dtype | None = None, bf16_products: bool = False) -> FastPath:
+    """Install on ``model`` what this CPU supports and ``config`` allows; logs one line saying what runs where.
+
+    ``dtype``: the model's activations; ``kv_dtype``: the KV pool's (default: ``dtype``)."""
+    kv_dtype = kv_dtype or dtype
     reason = unavailable_reason()
     path = FastPath("on" if reason is None else f"off ({reason})")
     if _device(model).type != "cpu":
@@ -59,9 +63,10 @@ def install_fast_path(model: nn.Module, config: EngineConfig, kv_dtype: torch.dt
     rotary_kernel = config.cpu_rotary_kernel == "auto" and reason is None
     layers = fuse_decoder_layers(model, rotary_kernel) if config.cpu_decoder_layer == "auto" else 0
     path.parts["decoder layers"] = f"one frame ({layers}, rope {'kernel' if rotary_kernel else 'torch'})" if layers else "module forward"
-    if reason is None and config.cpu_attention_kernel == "auto" and kv_dtype == torch.float32:
+    if reason is None and config.cpu_attention_kernel == "auto" and dtype == torch.float32 and kv_dtype in KERNEL_KV_DTYPES:
         path.attention = PagedAttentionKernel()
     path.parts["attention"] = "kernel" if path.attention else "gather + SDPA"
+    path.parts["KV cache"] = str(kv_dtype).removeprefix("torch.")
     path.parts["argmax"] = "kernel" if reason is None else "torch"
     path.parts["bf16 native"] = "yes" if _native_bf16() else "no"
     return _logged(path)

@@ -207,8 +207,9 @@ def paged_attention_forward(
         group, scale = paged_batch.groups[0], scaling if scaling is not None else query.shape[-1] ** -0.5
         kernel = paged_batch.decode_kernel
         return kernel.decode(query, key, value, k_pool, v_pool, paged_batch.slot_mapping, group.key_slots, group.key_counts, scale), None
-    k_pool.index_copy_(0, paged_batch.slot_mapping, key[0].transpose(0, 1))
-    v_pool.index_copy_(0, paged_batch.slot_mapping, value[0].transpose(0, 1))
+    # a bf16 pool under an fp32 model (the bf16-product path) stores keys and values rounded to bf16
+    k_pool.index_copy_(0, paged_batch.slot_mapping, key[0].transpose(0, 1).to(k_pool.dtype))
+    v_pool.index_copy_(0, paged_batch.slot_mapping, value[0].transpose(0, 1).to(v_pool.dtype))
     if (queries := paged_batch.kernel_queries) is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return queries.kernel.prefill(query, k_pool, v_pool, queries.key_slots, queries.query_seq, queries.query_keys, scale), None
@@ -231,7 +232,7 @@ def _attend_decodes(
 ) -> torch.Tensor:
     """A decode-only step: query ``t`` is sequence ``t``'s only one, so queries and outputs are views, not copies."""
     _, num_heads, num_seqs, head_dim = query.shape  # [1, H, B, D]
-    keys, values = _gather_kv(k_pool, v_pool, group, head_dim)  # [B, Hkv, L, D] each
+    keys, values = _gather_kv(k_pool, v_pool, group, head_dim, query.dtype)  # [B, Hkv, L, D] each
     kv_heads = keys.shape[1]
     repeat = num_heads // kv_heads
     # contiguous: torch's CPU SDPA ran 5x slower on the permuted view at 32 sequences (a copy is cheap here)
@@ -241,14 +242,14 @@ def _attend_decodes(
 
 
 def _gather_kv(
-    k_pool: torch.Tensor, v_pool: torch.Tensor, group: AttentionGroup, head_dim: int
+    k_pool: torch.Tensor, v_pool: torch.Tensor, group: AttentionGroup, head_dim: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's keys and values read back from the pool: [B, Hkv, L, D] each."""
     slots = group.key_slots.view(-1)  # index_select: ~2x faster than advanced indexing on CPU for this gather
     kv_heads = k_pool.shape[1]
     keys = k_pool.index_select(0, slots).view(group.num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
     values = v_pool.index_select(0, slots).view(group.num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
-    return keys, values
+    return keys.to(dtype), values.to(dtype)  # a bf16 pool under fp32 queries: widened (exactly) for SDPA
 
 
 def _attend_group(
@@ -256,7 +257,7 @@ def _attend_group(
 ) -> torch.Tensor:
     b, q = group.num_seqs, group.num_queries
     num_heads, head_dim = packed.shape[1], packed.shape[2]
-    keys, values = _gather_kv(k_pool, v_pool, group, head_dim)  # [B, Hkv, L, D] each
+    keys, values = _gather_kv(k_pool, v_pool, group, head_dim, packed.dtype)  # [B, Hkv, L, D] each
     kv_heads = keys.shape[1]
     repeat = num_heads // kv_heads
     # Grouped-query attention without copying keys: the `repeat` query heads that share a key/value

@@ -82,17 +82,18 @@ class ModelRunner:
         self.device = loaded.device
         self.block_size = config.block_size
         shape = KVCacheShape.of(self.model.config)
-        self.num_blocks = config.num_kv_blocks or _blocks_for_budget(shape, loaded.dtype, config, self.device)
+        kv_dtype = kv_cache_dtype(config, loaded)
+        self.num_blocks = config.num_kv_blocks or _blocks_for_budget(shape, kv_dtype, config, self.device)
         # [layers, key/value, slots, kv_heads, head_dim]: allocated once, never grown, so a step cannot OOM.
         self.kv_pool = torch.zeros(
             shape.num_layers, 2, self.num_blocks * self.block_size, shape.num_kv_heads, shape.head_dim,
-            dtype=loaded.dtype, device=self.device,
+            dtype=kv_dtype, device=self.device,
         )
         self.kv_bytes = self.kv_pool.numel() * self.kv_pool.element_size()
         self.sampler = Sampler()
         register_paged_attention(self.model)
         # plain fp32 CPU Linear layers only (quantized ones run as loaded); bf16 weights where the loader chose them
-        self.fast_path = install_fast_path(self.model, config, self.kv_pool.dtype, loaded.weight_dtype, loaded.bf16_products)
+        self.fast_path = install_fast_path(self.model, config, loaded.dtype, kv_dtype, loaded.weight_dtype, loaded.bf16_products)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MB)", self.num_blocks, self.block_size, self.kv_bytes / 2**20)
 
     @property
@@ -181,6 +182,15 @@ def _token_range(request: Request, start: int, end: int) -> list[int]:
     if start >= len(prompt):
         return request.output_token_ids[start - len(prompt) : end - len(prompt)]
     return (prompt + request.output_token_ids[: max(0, end - len(prompt))])[start:end]
+
+
+def kv_cache_dtype(config: EngineConfig, loaded: LoadedModel) -> torch.dtype:
+    """The KV pool's dtype: ``auto`` is the dtype the model computes in, which on the bf16-product path (fp32
+    activations, bf16 products) is bf16, as vLLM's ``kv_cache_dtype: auto`` is for a bf16 model: half the
+    bytes a decode step reads. ``float32`` keeps fp32 keys and values under a bf16 model's products."""
+    if config.kv_cache_dtype != "auto":
+        return getattr(torch, config.kv_cache_dtype)
+    return torch.bfloat16 if loaded.bf16_products else loaded.dtype
 
 
 def _blocks_for_budget(shape: KVCacheShape, dtype: torch.dtype, config: EngineConfig, device: torch.device) -> int:

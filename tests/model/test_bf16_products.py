@@ -1,5 +1,5 @@
 """bf16 on a CPU with avx512_bf16 where our kernels run (what ``dtype: auto`` and ``bfloat16`` load there): Linear
-layers on our bf16 kernel, everything else fp32.
+layers on our bf16 kernel and a bf16 KV cache, everything else fp32.
 
 A request's tokens and logprobs are the same bits alone and inside a batch that prefills in chunks beside
 other requests' decodes (the kernel sums each output in one order); greedy tokens keep the fp32 model's but
@@ -42,7 +42,9 @@ def test_auto_and_bfloat16_load_the_bf16_kernel_path(loaded):
     assert (loaded.dtype, loaded.weight_dtype, loaded.bf16_products) == (torch.float32, torch.bfloat16, True)
     engine = make_engine(loaded, max_model_len=512)
     assert engine.runner.fast_path.parts["linear"].startswith("avx512-bf16")
-    assert engine.runner.fast_path.attention is not None  # attention and the KV cache stay fp32
+    assert engine.runner.fast_path.attention is not None  # our attention kernel, over a bf16 KV cache
+    assert engine.runner.kv_pool.dtype == torch.bfloat16 and engine.runner.fast_path.parts["KV cache"] == "bfloat16"
+    assert make_engine(loaded, max_model_len=512, kv_cache_dtype="float32").runner.kv_pool.dtype == torch.float32
     assert not load_model(ModelConfig(dtype="float32")).bf16_products  # fp32 asked for is fp32
 
 

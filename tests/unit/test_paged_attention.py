@@ -1,4 +1,5 @@
-"""Paged attention against plain causal attention, without a model: prefill chunks, decodes, mixed steps."""
+"""Paged attention against plain causal attention, without a model: prefill chunks, decodes, mixed steps; over
+fp32 pools and bf16 ones (keys and values rounded to bf16 as stored, queries and outputs fp32)."""
 
 from types import SimpleNamespace
 
@@ -13,15 +14,21 @@ from app.engine.paged_attention import PagedBatch, SequenceSlice, paged_attentio
 KV_HEADS, REPEAT, HEAD_DIM, BLOCK = 2, 3, 8, 4
 HEADS = KV_HEADS * REPEAT
 TABLES = {"a": [3, 7, 0], "b": [1, 6], "c": [5, 2, 4]}  # scattered blocks, as a pool in use has them
+KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+
+
+def _stored(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """What a pool of ``kv_dtype`` gives back for fp32 keys or values ``x``."""
+    return x.to(kv_dtype).float()
 
 
 class Sequences:
     """Runs steps through paged attention and keeps each sequence's whole K/V for the reference."""
 
-    def __init__(self, decode_kernel=None) -> None:
+    def __init__(self, decode_kernel=None, kv_dtype: torch.dtype = torch.float32) -> None:
         torch.manual_seed(0)
-        self.decode_kernel = decode_kernel
-        self.pool = torch.zeros(1, 2, 8 * BLOCK, KV_HEADS, HEAD_DIM)  # [layers, k/v, slots, Hkv, D]
+        self.decode_kernel, self.kv_dtype = decode_kernel, kv_dtype
+        self.pool = torch.zeros(1, 2, 8 * BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype)  # [layers, k/v, slots, Hkv, D]
         self.keys = {name: torch.empty(KV_HEADS, 0, HEAD_DIM) for name in TABLES}
         self.values = {name: torch.empty(KV_HEADS, 0, HEAD_DIM) for name in TABLES}
 
@@ -34,8 +41,8 @@ class Sequences:
         for name, n in new_tokens.items():
             computed = self.keys[name].shape[1]
             slices.append(SequenceSlice(start, n, computed, TABLES[name]))
-            self.keys[name] = torch.cat([self.keys[name], key[0, :, start : start + n]], dim=1)
-            self.values[name] = torch.cat([self.values[name], value[0, :, start : start + n]], dim=1)
+            self.keys[name] = torch.cat([self.keys[name], _stored(key[0, :, start : start + n], self.kv_dtype)], dim=1)
+            self.values[name] = torch.cat([self.values[name], _stored(value[0, :, start : start + n], self.kv_dtype)], dim=1)
             expected.append(_reference(query[0, :, start : start + n], self.keys[name], self.values[name], computed))
             start += n
         batch = PagedBatch.build(self.pool, BLOCK, slices, self.decode_kernel)
@@ -59,8 +66,9 @@ def _reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, co
         [{"a": 5}, {"a": 1, "c": 4}, {"c": 3, "a": 1, "b": 2}, {"a": 1, "b": 1, "c": 1}],  # chunked + mixed
     ],
 )
-def test_paged_attention_equals_causal_attention_over_each_sequence(steps):
-    sequences = Sequences()
+@KV_DTYPES
+def test_paged_attention_equals_causal_attention_over_each_sequence(steps, kv_dtype):
+    sequences = Sequences(kv_dtype=kv_dtype)
     for new_tokens in steps:
         got, expected, batch = sequences.step(new_tokens)
         assert batch.decode_only == all(n == 1 for n in new_tokens.values())
@@ -74,10 +82,11 @@ def load_decode_attention() -> PagedAttentionKernel:
 
 
 @needs_kernel
-def test_decode_steps_through_our_cpu_kernel_equal_causal_attention():
+@KV_DTYPES
+def test_decode_steps_through_our_cpu_kernel_equal_causal_attention(kv_dtype):
     kernel = load_decode_attention()
     assert kernel is not None
-    sequences = Sequences(kernel)
+    sequences = Sequences(kernel, kv_dtype)
     for new_tokens in [{"a": 6, "b": 3, "c": 9}, {"a": 1, "b": 1, "c": 1}, {"c": 1, "a": 1}, {"a": 1, "b": 2}]:
         got, expected, batch = sequences.step(new_tokens)
         decode_only = all(n == 1 for n in new_tokens.values())
@@ -86,12 +95,13 @@ def test_decode_steps_through_our_cpu_kernel_equal_causal_attention():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def _attend_in_steps(kernel, tokens: dict[str, tuple], steps: list[dict[str, int]], heads: int, kv_heads: int) -> dict:
+def _attend_in_steps(kernel, tokens: dict[str, tuple], steps: list[dict[str, int]], heads: int, kv_heads: int,
+                     kv_dtype: torch.dtype) -> dict:
     """Run each sequence's tokens (query [N, H, D], key and value [N, Hkv, D]) through the kernel paths in the
     given steps (tokens per sequence per step); returns each sequence's attention outputs [N, H, D]."""
     head_dim = next(iter(tokens.values()))[0].shape[-1]
     blocks = {name: list(range(i, 64, len(tokens)))[::-1] for i, name in enumerate(tokens)}  # interleaved, reversed
-    pool = torch.zeros(1, 2, 64 * BLOCK, kv_heads, head_dim)
+    pool = torch.zeros(1, 2, 64 * BLOCK, kv_heads, head_dim, dtype=kv_dtype)
     done, outputs = dict.fromkeys(tokens, 0), {name: [] for name in tokens}
     for step in steps:
         slices, parts, start = [], [], 0
@@ -109,8 +119,9 @@ def _attend_in_steps(kernel, tokens: dict[str, tuple], steps: list[dict[str, int
 
 
 @needs_kernel
+@KV_DTYPES
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 12), (8, 1, 40)])
-def test_a_token_gets_the_same_bits_however_its_sequence_is_cut_into_steps(heads, kv_heads, head_dim):
+def test_a_token_gets_the_same_bits_however_its_sequence_is_cut_into_steps(heads, kv_heads, head_dim, kv_dtype):
     """Whole prefill, chunks beside another sequence, prefill then decodes: every output bit for bit the same
     (what makes prefix-cache hits, chunked prefill, batch-mates and preemption leave logprobs unchanged)."""
     kernel = load_decode_attention()
@@ -118,25 +129,27 @@ def test_a_token_gets_the_same_bits_however_its_sequence_is_cut_into_steps(heads
     n = 37
     tokens = {name: (torch.randn(n, heads, head_dim), torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim))
               for name in ("x", "other")}
-    whole = _attend_in_steps(kernel, {"x": tokens["x"]}, [{"x": n}], heads, kv_heads)["x"]
+    whole = _attend_in_steps(kernel, {"x": tokens["x"]}, [{"x": n}], heads, kv_heads, kv_dtype)["x"]
     chunked = _attend_in_steps(kernel, tokens, [{"other": 9, "x": 5}, {"x": 6, "other": 1}, {"x": 13}, {"other": 20, "x": 13},
-                                                {"other": 7}], heads, kv_heads)
+                                                {"other": 7}], heads, kv_heads, kv_dtype)
     decoded = _attend_in_steps(kernel, tokens, [{"x": 3, "other": 30}, *[{"other": 1, "x": 1}] * 7, *[{"x": 1}] * 27],
-                               heads, kv_heads)
+                               heads, kv_heads, kv_dtype)
     assert torch.equal(chunked["x"], whole) and torch.equal(decoded["x"], whole)
     assert torch.equal(chunked["other"], decoded["other"])
-    q, k, v = tokens["x"]  # and it is causal attention
+    q, k, v = tokens["x"]  # and it is causal attention over the keys and values as stored
+    k, v = _stored(k, kv_dtype), _stored(v, kv_dtype)
     mask = torch.ones(n, n, dtype=torch.bool).tril()
     expected = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(heads // kv_heads, 0),
                                               v.transpose(0, 1).repeat_interleave(heads // kv_heads, 0), attn_mask=mask)
     torch.testing.assert_close(whole, expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
-def _kernel_case(seqs: int, heads: int, kv_heads: int, head_dim: int, key_counts: list[int]) -> dict:
+def _kernel_case(seqs: int, heads: int, kv_heads: int, head_dim: int, key_counts: list[int],
+                 kv_dtype: torch.dtype = torch.float32) -> dict:
     """A decode step's kernel arguments: each sequence's last key slot is where its new key and value go."""
     torch.manual_seed(seqs + head_dim)
     slots = 4 * sum(key_counts)
-    k_pool, v_pool = torch.randn(slots, kv_heads, head_dim), torch.randn(slots, kv_heads, head_dim)
+    k_pool, v_pool = (torch.randn(slots, kv_heads, head_dim).to(kv_dtype) for _ in range(2))
     width = max(key_counts)
     key_slots = torch.zeros(seqs, width, dtype=torch.long)
     for b, n in enumerate(key_counts):
@@ -155,15 +168,18 @@ def _run_kernel(case: dict, scale: float = 0.125) -> torch.Tensor:
 
 
 @needs_kernel
+@KV_DTYPES
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 12), (8, 1, 128)])
-def test_decode_kernel_writes_the_new_keys_and_matches_sdpa_for_any_head_layout_and_length(heads, kv_heads, head_dim):
+def test_decode_kernel_writes_the_new_keys_and_matches_sdpa_for_any_head_layout_and_length(heads, kv_heads, head_dim, kv_dtype):
     key_counts = [1, 7, 8, 9, 33, 130]  # lengths around the 8-wide vector exp, and a long one
-    case = _kernel_case(len(key_counts), heads, kv_heads, head_dim, key_counts)
+    case = _kernel_case(len(key_counts), heads, kv_heads, head_dim, key_counts, kv_dtype)
     k_pool, v_pool = case["k_pool"].clone(), case["v_pool"].clone()  # what the pool must hold afterwards
-    k_pool.index_copy_(0, case["new_slots"], case["key"][0].transpose(0, 1))
-    v_pool.index_copy_(0, case["new_slots"], case["value"][0].transpose(0, 1))
+    # torch's own rounding to the pool's dtype: the kernel's decode writes and torch's prefill writes agree
+    k_pool.index_copy_(0, case["new_slots"], case["key"][0].transpose(0, 1).to(kv_dtype))
+    v_pool.index_copy_(0, case["new_slots"], case["value"][0].transpose(0, 1).to(kv_dtype))
     got = _run_kernel(case)
     assert torch.equal(case["k_pool"], k_pool) and torch.equal(case["v_pool"], v_pool)
+    k_pool, v_pool = k_pool.float(), v_pool.float()
     for b, n in enumerate(key_counts):
         slots = case["key_slots"][b, :n]
         keys = k_pool[slots].transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)  # [H, n, D]
@@ -173,8 +189,9 @@ def test_decode_kernel_writes_the_new_keys_and_matches_sdpa_for_any_head_layout_
 
 
 @needs_kernel
-def test_decode_kernel_gives_a_sequence_the_same_bits_alone_in_a_batch_and_on_one_thread():
-    case = _kernel_case(5, 9, 3, 64, [3, 50, 17, 64, 9])
+@KV_DTYPES
+def test_decode_kernel_gives_a_sequence_the_same_bits_alone_in_a_batch_and_on_one_thread(kv_dtype):
+    case = _kernel_case(5, 9, 3, 64, [3, 50, 17, 64, 9], kv_dtype)
     batched = _run_kernel(case)
     one = {name: t[:, :, 1:2] if name in ("query", "key", "value") else t for name, t in case.items()}
     one.update(new_slots=case["new_slots"][1:2], key_slots=case["key_slots"][1:2, :50].contiguous(), key_counts=case["key_counts"][1:2])

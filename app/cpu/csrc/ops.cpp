@@ -29,12 +29,12 @@ void rotary(const float* q, int64_t qs_b, int64_t qs_h, int64_t qs_t, int64_t q_
 void argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
 void decode_attention(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* new_k,
                       int64_t k_seq_stride, int64_t k_head_stride, const float* new_v, int64_t v_seq_stride,
-                      int64_t v_head_stride, const int64_t* new_slots, float* k_pool, float* v_pool,
+                      int64_t v_head_stride, const int64_t* new_slots, void* k_pool, void* v_pool, int kv_bf16,
                       const int64_t* key_slots, const int64_t* key_counts, float* out, int64_t seqs, int64_t heads,
                       int64_t kv_heads, int64_t head_dim, int64_t max_keys, float scale);
-void prefill_attention(const float* q, int64_t q_tok_stride, int64_t q_head_stride, const float* k_pool,
-                       const float* v_pool, const int64_t* key_slots, int64_t max_keys, const int64_t* query_seq,
-                       const int64_t* query_keys, float* out, int64_t tokens, int64_t heads, int64_t kv_heads,
+void prefill_attention(const float* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k_pool,
+                       const void* v_pool, int kv_bf16, const int64_t* key_slots, int64_t max_keys,
+                       const int64_t* query_seq, const int64_t* query_keys, float* out, int64_t tokens, int64_t heads, int64_t kv_heads,
                        int64_t head_dim, float scale);
 }
 
@@ -123,7 +123,8 @@ at::Tensor bf16dot_linear(const at::Tensor& x_in, const at::Tensor& packed, cons
   at::Tensor y = at::empty(shape, x_in.options());
   const int64_t rows = k ? x_in.numel() / k : 0;
   if (rows == 0) return y;
-  at::Tensor x = at::zeros({rows, 2 * k2}, x_in.options().dtype(at::kBFloat16));  // an odd k gets a zero partner
+  at::Tensor x = at::empty({rows, 2 * k2}, x_in.options().dtype(at::kBFloat16));
+  if (k % 2) x.narrow(1, k, 1).zero_();  // an odd k gets a zero partner
   x.narrow(1, 0, k).copy_(x_in.reshape({rows, k}));  // fp32 -> bf16, round to nearest even
   linear_bf16dot(reinterpret_cast<const uint32_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                  bias_ptr, y.data_ptr<float>(), rows, k2, out_features);
@@ -183,12 +184,20 @@ at::Tensor argmax_rows_op(const at::Tensor& x) {
   return out;
 }
 
-// ---- paged attention over a pool [slots, Hkv, D] -------------------------------------------------------
+// ---- paged attention over a pool [slots, Hkv, D] of fp32 or bf16 keys and values ----------------------
 void check_pool(const at::Tensor& pool, const char* name, int64_t kv_heads, int64_t head_dim) {
-  check_dense(pool, at::kFloat, name);
+  check_dense(pool, pool.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat, name);
   TORCH_CHECK(pool.dim() == 3 && pool.size(1) == kv_heads && pool.size(2) == head_dim, name,
               " must be [slots, ", kv_heads, ", ", head_dim, "], got ", pool.sizes());
 }
+
+void check_pools(const at::Tensor& k_pool, const at::Tensor& v_pool, int64_t kv_heads, int64_t head_dim) {
+  check_pool(k_pool, "k_pool", kv_heads, head_dim);
+  check_pool(v_pool, "v_pool", kv_heads, head_dim);
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "k_pool and v_pool must have one dtype");
+}
+
+int kv_bf16(const at::Tensor& pool) { return pool.scalar_type() == at::kBFloat16; }
 
 void check_query(const at::Tensor& query, const char* name) {
   check_cpu(query, at::kFloat, name);
@@ -208,8 +217,7 @@ at::Tensor decode_attention_op(const at::Tensor& query_in, const at::Tensor& key
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of key heads");
   TORCH_CHECK(key_in.sizes() == value_in.sizes() && key_in.size(2) == seqs && key_in.size(3) == head_dim,
               "key and value must be [1, kv_heads, seqs, head_dim] beside query");
-  check_pool(k_pool, "k_pool", kv_heads, head_dim);
-  check_pool(v_pool, "v_pool", kv_heads, head_dim);
+  check_pools(k_pool, v_pool, kv_heads, head_dim);
   check_index(new_slots, 1, "new_slots");
   check_index(key_slots, 2, "key_slots");
   check_index(key_counts, 1, "key_counts");
@@ -225,7 +233,7 @@ at::Tensor decode_attention_op(const at::Tensor& query_in, const at::Tensor& key
   at::Tensor out = at::empty({1, seqs, heads, head_dim}, query_in.options());
   decode_attention(query_in.data_ptr<float>(), query_in.stride(2), query_in.stride(1), key_in.data_ptr<float>(),
                    key_in.stride(2), key_in.stride(1), value_in.data_ptr<float>(), value_in.stride(2),
-                   value_in.stride(1), fresh, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                   value_in.stride(1), fresh, k_pool.data_ptr(), v_pool.data_ptr(), kv_bf16(k_pool),
                    key_slots.data_ptr<int64_t>(), counts, out.data_ptr<float>(), seqs, heads, kv_heads, head_dim,
                    max_keys, static_cast<float>(scale));
   return out;
@@ -240,8 +248,7 @@ at::Tensor prefill_attention_op(const at::Tensor& query, const at::Tensor& k_poo
   TORCH_CHECK(k_pool.dim() == 3, "k_pool must be [slots, kv_heads, head_dim]");
   const int64_t kv_heads = k_pool.size(1);
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads must be a multiple of the pool's key heads");
-  check_pool(k_pool, "k_pool", kv_heads, head_dim);
-  check_pool(v_pool, "v_pool", kv_heads, head_dim);
+  check_pools(k_pool, v_pool, kv_heads, head_dim);
   check_index(key_slots, 2, "key_slots");
   check_index(query_seq, 1, "query_seq");
   check_index(query_keys, 1, "query_keys");
@@ -254,8 +261,8 @@ at::Tensor prefill_attention_op(const at::Tensor& query, const at::Tensor& k_poo
     TORCH_CHECK(keys[t] >= 1 && keys[t] <= max_keys, "query_keys[", t, "] must be in 1..", max_keys);
   }
   at::Tensor out = at::empty({1, tokens, heads, head_dim}, query.options());
-  prefill_attention(query.data_ptr<float>(), query.stride(2), query.stride(1), k_pool.data_ptr<float>(),
-                    v_pool.data_ptr<float>(), key_slots.data_ptr<int64_t>(), max_keys, seq, keys,
+  prefill_attention(query.data_ptr<float>(), query.stride(2), query.stride(1), k_pool.data_ptr(),
+                    v_pool.data_ptr(), kv_bf16(k_pool), key_slots.data_ptr<int64_t>(), max_keys, seq, keys,
                     out.data_ptr<float>(), tokens, heads, kv_heads, head_dim, static_cast<float>(scale));
   return out;
 }

@@ -7,6 +7,12 @@
  * value once, where it lies in the pool, through the sequence's slot list. It also writes a decode
  * step's new keys and values into the pool (two torch index_copy_ calls a layer before).
  *
+ * The pool holds fp32 or bf16 keys and values (queries and outputs are fp32 either way). A bf16 pool
+ * halves the bytes a decode step reads, which late in a long batch is most of the attention's time; its
+ * values are widened to fp32 exactly as they are loaded (a shift), and everything after is the fp32 code.
+ * The element type is a constant argument of the always-inlined helpers below, so each entry point is
+ * compiled once per pool type with no test in the inner loops.
+ *
  * Every query, prefill or decode, is attended by one computation (attend_group: scores, softmax,
  * weighted sum of values, in a fixed order on one thread, for the query heads sharing a KV head), so a
  * token's output depends only on its query and the keys and values it sees: not on its batch-mates,
@@ -18,6 +24,37 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Elements i..i+8 of a pool as fp32 (bf16 is the upper half of an fp32: widening is exact). */
+INLINE __m256 load8(const void* pool, int64_t i, int bf16) {
+  if (bf16) {
+    __m128i half = _mm_loadu_si128((const __m128i*)((const uint16_t*)pool + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
+  return _mm256_loadu_ps((const float*)pool + i);
+}
+
+INLINE float load1(const void* pool, int64_t i, int bf16) {
+  if (bf16) {
+    uint32_t bits = (uint32_t)((const uint16_t*)pool)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  return ((const float*)pool)[i];
+}
+
+/* fp32 -> bf16 rounded to nearest even, NaN to a quiet NaN: torch's own conversion, so a key has the same
+ * bits in the pool whether this kernel (decode) or torch's index_copy_ (other steps) wrote it. */
+INLINE uint16_t to_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
 
 /* exp(x) for 8 floats: Cephes' expf (range reduction to [-ln2/2, ln2/2], degree-6 polynomial). */
 static inline __m256 exp256(__m256 x) {
@@ -45,12 +82,13 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-static inline float dot(const float* a, const float* b, int64_t d) {
+/* <q, the pool's d elements from `at`> */
+INLINE float dot(const float* q, const void* pool, int64_t at, int64_t d, int bf16) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(pool, at + i, bf16), acc);
   float s = hsum(acc);
-  for (; i < d; i++) s += a[i] * b[i];
+  for (; i < d; i++) s += q[i] * load1(pool, at + i, bf16);
   return s;
 }
 
@@ -73,55 +111,55 @@ static float exp_shifted(float* scores, int64_t n) {
   return sum;
 }
 
-/* Four dot products of q with four keys, sharing each load of q; returns them in out[0..4). */
-static inline void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3,
-                        int64_t d, float* out) {
+/* Four dot products of q with the keys at k[0..4) of the pool, sharing each load of q; into out[0..4). */
+INLINE void dot4(const float* q, const void* pool, const int64_t* k, int64_t d, int bf16, float* out) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 8 <= d; i += 8) {
     __m256 qv = _mm256_loadu_ps(q + i);
-    a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-    a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-    a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-    a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+    a0 = _mm256_fmadd_ps(qv, load8(pool, k[0] + i, bf16), a0);
+    a1 = _mm256_fmadd_ps(qv, load8(pool, k[1] + i, bf16), a1);
+    a2 = _mm256_fmadd_ps(qv, load8(pool, k[2] + i, bf16), a2);
+    a3 = _mm256_fmadd_ps(qv, load8(pool, k[3] + i, bf16), a3);
   }
   __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* [s0 s1 s2 s3 | s0 s1 s2 s3] halves */
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   _mm_storeu_ps(out, s);
-  for (; i < d; i++) {
-    out[0] += q[i] * k0[i];
-    out[1] += q[i] * k1[i];
-    out[2] += q[i] * k2[i];
-    out[3] += q[i] * k3[i];
-  }
+  for (; i < d; i++)
+    for (int j = 0; j < 4; j++) out[j] += q[i] * load1(pool, k[j] + i, bf16);
 }
 
+/* Pool element offset of key (or value) l of KV head g. */
+#define ROW(l) ((slots[(l)] * kv_heads + g) * d)
+
+/* Scores of one query against keys l..l+4 (offsets of a group of 4 keys at rows[0..4)). */
+#define ROWS4(l) {ROW(l), ROW((l) + 1), ROW((l) + 2), ROW((l) + 3)}
+
 /* scores[l] = scale * <q, key l> for the keys of one sequence and KV head. */
-static void key_scores(const float* q, const float* k_pool, const int64_t* slots, int64_t keys, int64_t kv_heads,
-                       int64_t g, int64_t d, float scale, float* scores) {
-#define KEY(j) (k_pool + (slots[l + (j)] * kv_heads + g) * d)
+INLINE void key_scores(const float* q, const void* k_pool, const int64_t* slots, int64_t keys, int64_t kv_heads,
+                       int64_t g, int64_t d, float scale, float* scores, int bf16) {
   int64_t l = 0;
   for (; l + 4 <= keys; l += 4) {
-    dot4(q, KEY(0), KEY(1), KEY(2), KEY(3), d, scores + l);
+    const int64_t rows[4] = ROWS4(l);
+    dot4(q, k_pool, rows, d, bf16, scores + l);
     for (int j = 0; j < 4; j++) scores[l + j] *= scale;
   }
-  for (; l < keys; l++) scores[l] = dot(q, KEY(0), d) * scale;
-#undef KEY
+  for (; l < keys; l++) scores[l] = dot(q, k_pool, ROW(l), d, bf16) * scale;
 }
 
 /* o[0..d) = inv_sum * sum_l p[l] * value l, with the output chunk held in registers across the keys. */
-static void weighted_values(const float* p, const float* v_pool, const int64_t* slots, int64_t keys,
-                            int64_t kv_heads, int64_t g, int64_t d, float inv_sum, float* o) {
+INLINE void weighted_values(const float* p, const void* v_pool, const int64_t* slots, int64_t keys, int64_t kv_heads,
+                            int64_t g, int64_t d, float inv_sum, float* o, int bf16) {
   int64_t d0 = 0;
   for (; d0 + 32 <= d; d0 += 32) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t l = 0; l < keys; l++) {
-      const float* v = v_pool + (slots[l] * kv_heads + g) * d + d0;
+      const int64_t v = ROW(l) + d0;
       __m256 w = _mm256_set1_ps(p[l]);
-      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
-      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
-      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
-      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+      a0 = _mm256_fmadd_ps(w, load8(v_pool, v, bf16), a0);
+      a1 = _mm256_fmadd_ps(w, load8(v_pool, v + 8, bf16), a1);
+      a2 = _mm256_fmadd_ps(w, load8(v_pool, v + 16, bf16), a2);
+      a3 = _mm256_fmadd_ps(w, load8(v_pool, v + 24, bf16), a3);
     }
     __m256 scale = _mm256_set1_ps(inv_sum);
     _mm256_storeu_ps(o + d0, _mm256_mul_ps(a0, scale));
@@ -131,57 +169,67 @@ static void weighted_values(const float* p, const float* v_pool, const int64_t* 
   }
   for (; d0 < d; d0++) { /* head_dim not a multiple of 32: the rest one lane at a time */
     float a = 0.0f;
-    for (int64_t l = 0; l < keys; l++) a += p[l] * v_pool[(slots[l] * kv_heads + g) * d + d0];
+    for (int64_t l = 0; l < keys; l++) a += p[l] * load1(v_pool, ROW(l) + d0, bf16);
     o[d0] = a * inv_sum;
   }
 }
 
 /* Sequence b's new key or value of KV head g (at x + b*seq_stride + g*head_stride) into its pool slot. */
-static inline void store_new(const float* x, int64_t seq_stride, int64_t head_stride, float* pool, int64_t slot,
-                             int64_t b, int64_t g, int64_t kv_heads, int64_t d) {
+static void store_new(const float* x, int64_t seq_stride, int64_t head_stride, void* pool, int64_t slot, int64_t b,
+                      int64_t g, int64_t kv_heads, int64_t d, int bf16) {
   const float* src = x + b * seq_stride + g * head_stride;
-  float* dst = pool + (slot * kv_heads + g) * d;
-  for (int64_t i = 0; i < d; i++) dst[i] = src[i];
+  const int64_t at = (slot * kv_heads + g) * d;
+  if (bf16)
+    for (int64_t i = 0; i < d; i++) ((uint16_t*)pool)[at + i] = to_bf16(src[i]);
+  else
+    memcpy((float*)pool + at, src, sizeof(float) * (size_t)d);
 }
 
 /* The `group` query heads sharing KV head g (query head r at q + r * q_head_stride) attend the first
  * `keys` keys of `slots`; their outputs go to o + r * d. The one computation of an attention output in
  * this file: decode and prefill both call it, so a token's output is the same bits whichever step
  * computed it, alone or in any batch. */
-static void attend_group(const float* q, int64_t q_head_stride, int64_t group, const float* k_pool,
-                         const float* v_pool, const int64_t* slots, int64_t keys, int64_t kv_heads, int64_t g,
-                         int64_t d, float scale, float* o) {
+INLINE void attend_group(const float* q, int64_t q_head_stride, int64_t group, const void* k_pool, const void* v_pool,
+                         const int64_t* slots, int64_t keys, int64_t kv_heads, int64_t g, int64_t d, float scale,
+                         float* o, int bf16) {
   float* scores = malloc(sizeof(float) * (size_t)keys);
   if (!scores) { /* cannot happen in practice (a few KB); leave NaN rather than crash the server */
     for (int64_t i = 0; i < group * d; i++) o[i] = NAN;
     return;
   }
   for (int64_t r = 0; r < group; r++) {
-    key_scores(q + r * q_head_stride, k_pool, slots, keys, kv_heads, g, d, scale, scores);
+    key_scores(q + r * q_head_stride, k_pool, slots, keys, kv_heads, g, d, scale, scores, bf16);
     float inv_sum = 1.0f / exp_shifted(scores, keys);
-    weighted_values(scores, v_pool, slots, keys, kv_heads, g, d, inv_sum, o + r * d);
+    weighted_values(scores, v_pool, slots, keys, kv_heads, g, d, inv_sum, o + r * d, bf16);
   }
   free(scores);
 }
 
+#define ATTEND_GROUP_ARGS                                                                                           \
+  const float *q, int64_t q_head_stride, int64_t group, const void *k_pool, const void *v_pool,                   \
+      const int64_t *slots, int64_t keys, int64_t kv_heads, int64_t g, int64_t d, float scale, float *o
+static void attend_group_f32(ATTEND_GROUP_ARGS) { attend_group(q, q_head_stride, group, k_pool, v_pool, slots, keys, kv_heads, g, d, scale, o, 0); }
+static void attend_group_bf16(ATTEND_GROUP_ARGS) { attend_group(q, q_head_stride, group, k_pool, v_pool, slots, keys, kv_heads, g, d, scale, o, 1); }
+#define ATTEND_GROUP(bf16, ...) ((bf16) ? attend_group_bf16(__VA_ARGS__) : attend_group_f32(__VA_ARGS__))
+
 /* q: query head h of sequence b at q + b*q_seq_stride + h*q_head_stride, head_dim contiguous.
  * new_k, new_v: this step's key and value of each sequence, laid out like q (their own strides), written
  * first into the pool at new_slots[b] (one task writes what it then reads: no other thread touches it).
- * k_pool, v_pool: [slots, kv_heads, head_dim] contiguous. key_slots: [seqs, max_keys] pool slot of each
- * key, the new one included; key_counts: [seqs] keys of each sequence (its first key_counts[b] slots are
- * real). out: [seqs, heads, head_dim] contiguous. */
+ * k_pool, v_pool: [slots, kv_heads, head_dim] contiguous, fp32 or (kv_bf16) bf16. key_slots: [seqs, max_keys]
+ * pool slot of each key, the new one included; key_counts: [seqs] keys of each sequence (its first
+ * key_counts[b] slots are real). out: [seqs, heads, head_dim] contiguous. */
 void decode_attention(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* new_k,
                       int64_t k_seq_stride, int64_t k_head_stride, const float* new_v, int64_t v_seq_stride,
-                      int64_t v_head_stride, const int64_t* new_slots, float* k_pool, float* v_pool,
+                      int64_t v_head_stride, const int64_t* new_slots, void* k_pool, void* v_pool, int kv_bf16,
                       const int64_t* key_slots, const int64_t* key_counts, float* out, int64_t seqs, int64_t heads,
                       int64_t kv_heads, int64_t head_dim, int64_t max_keys, float scale) {
   const int64_t group = heads / kv_heads; /* query heads sharing one KV head */
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
   for (int64_t b = 0; b < seqs; b++) {
     for (int64_t g = 0; g < kv_heads; g++) {
-      store_new(new_k, k_seq_stride, k_head_stride, k_pool, new_slots[b], b, g, kv_heads, head_dim);
-      store_new(new_v, v_seq_stride, v_head_stride, v_pool, new_slots[b], b, g, kv_heads, head_dim);
-      attend_group(q + b * q_seq_stride + g * group * q_head_stride, q_head_stride, group, k_pool, v_pool,
+      store_new(new_k, k_seq_stride, k_head_stride, k_pool, new_slots[b], b, g, kv_heads, head_dim, kv_bf16);
+      store_new(new_v, v_seq_stride, v_head_stride, v_pool, new_slots[b], b, g, kv_heads, head_dim, kv_bf16);
+      ATTEND_GROUP(kv_bf16, q + b * q_seq_stride + g * group * q_head_stride, q_head_stride, group, k_pool, v_pool,
                    key_slots + b * max_keys, key_counts[b], kv_heads, g, head_dim, scale,
                    out + (b * heads + g * group) * head_dim);
     }
@@ -194,68 +242,72 @@ void decode_attention(const float* q, int64_t q_seq_stride, int64_t q_head_strid
  * to scores[i]): each group of 4 keys that every query sees is loaded once for all of them, and each
  * query's scores are the same operations as key_scores gives it alone (groups of 4 from key 0, then single
  * keys), so the same bits. */
-static void key_scores_run(const float* const* qs, int n, const float* k_pool, const int64_t* slots,
+INLINE void key_scores_run(const float* const* qs, int n, const void* k_pool, const int64_t* slots,
                            const int64_t* counts, int64_t kv_heads, int64_t g, int64_t d, float scale,
-                           float* const* scores) {
-#define KEY(j) (k_pool + (slots[(j)] * kv_heads + g) * d)
+                           float* const* scores, int bf16) {
   int64_t shared = counts[0];
   for (int i = 1; i < n; i++) shared = counts[i] < shared ? counts[i] : shared;
   int64_t l = 0;
-  for (; l + 4 <= shared; l += 4)
+  for (; l + 4 <= shared; l += 4) {
+    const int64_t rows[4] = ROWS4(l);
     for (int i = 0; i < n; i++) {
-      dot4(qs[i], KEY(l), KEY(l + 1), KEY(l + 2), KEY(l + 3), d, scores[i] + l);
+      dot4(qs[i], k_pool, rows, d, bf16, scores[i] + l);
       for (int j = 0; j < 4; j++) scores[i][l + j] *= scale;
     }
+  }
   for (int i = 0; i < n; i++) {
     int64_t m = l;
     for (; m + 4 <= counts[i]; m += 4) {
-      dot4(qs[i], KEY(m), KEY(m + 1), KEY(m + 2), KEY(m + 3), d, scores[i] + m);
+      const int64_t rows[4] = ROWS4(m);
+      dot4(qs[i], k_pool, rows, d, bf16, scores[i] + m);
       for (int j = 0; j < 4; j++) scores[i][m + j] *= scale;
     }
-    for (; m < counts[i]; m++) scores[i][m] = dot(qs[i], KEY(m), d) * scale;
+    for (; m < counts[i]; m++) scores[i][m] = dot(qs[i], k_pool, ROW(m), d, bf16) * scale;
   }
-#undef KEY
 }
 
 /* weighted_values for a run of RUN queries: 16 lanes of RUN outputs at a time, each value row loaded once
  * for all of them over the keys every query sees, then each query's own remaining keys. Every lane is the
  * same sum over l in order as weighted_values computes (its 32-lane chunks are lane-wise the same), and
  * lanes past the last multiple of 32 go through weighted_values' own scalar code: the same bits. */
-static void weighted_values_run(float* const* p, const float* v_pool, const int64_t* slots, const int64_t* counts,
-                                int64_t kv_heads, int64_t g, int64_t d, const float* inv_sum, float* const* o) {
+INLINE void weighted_values_run(float* const* p, const void* v_pool, const int64_t* slots, const int64_t* counts,
+                                int64_t kv_heads, int64_t g, int64_t d, const float* inv_sum, float* const* o,
+                                int bf16) {
   const int64_t vector_lanes = d / 32 * 32;
   int64_t shared = counts[0];
   for (int i = 1; i < RUN; i++) shared = counts[i] < shared ? counts[i] : shared;
   for (int64_t d0 = 0; d0 < vector_lanes; d0 += 16) {
     __m256 z = _mm256_setzero_ps();
     __m256 a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z;
-#define VALUE(l) (v_pool + (slots[(l)] * kv_heads + g) * d + d0)
 #define ACC(i, v0, v1, l)                                        \
   {                                                              \
     __m256 w = _mm256_set1_ps(p[i][l]);                          \
     a##i##0 = _mm256_fmadd_ps(w, v0, a##i##0);                   \
     a##i##1 = _mm256_fmadd_ps(w, v1, a##i##1);                   \
   }
+#define VALUES(l)                                                \
+  const int64_t at = ROW(l) + d0;                                \
+  __m256 v0 = load8(v_pool, at, bf16), v1 = load8(v_pool, at + 8, bf16);
     for (int64_t l = 0; l < shared; l++) {
-      __m256 v0 = _mm256_loadu_ps(VALUE(l)), v1 = _mm256_loadu_ps(VALUE(l) + 8);
+      VALUES(l)
       ACC(0, v0, v1, l) ACC(1, v0, v1, l) ACC(2, v0, v1, l) ACC(3, v0, v1, l)
     }
 #define TAIL(i)                                                                          \
   for (int64_t l = shared; l < counts[i]; l++) {                                         \
-    __m256 v0 = _mm256_loadu_ps(VALUE(l)), v1 = _mm256_loadu_ps(VALUE(l) + 8);           \
+    VALUES(l)                                                                            \
     ACC(i, v0, v1, l)                                                                    \
   }                                                                                      \
   _mm256_storeu_ps(o[i] + d0, _mm256_mul_ps(a##i##0, _mm256_set1_ps(inv_sum[i])));       \
   _mm256_storeu_ps(o[i] + d0 + 8, _mm256_mul_ps(a##i##1, _mm256_set1_ps(inv_sum[i])));
     TAIL(0) TAIL(1) TAIL(2) TAIL(3)
 #undef TAIL
+#undef VALUES
 #undef ACC
-#undef VALUE
   }
   for (int64_t d0 = vector_lanes; d0 < d; d0++) /* as weighted_values' scalar remainder */
     for (int i = 0; i < RUN; i++) {
       float a = 0.0f;
-      for (int64_t l = 0; l < counts[i]; l++) a += p[i][l] * v_pool[(slots[l] * kv_heads + g) * d + d0];
+      for (int64_t l = 0; l < counts[i]; l++) a += p[i][l] * load1(v_pool, ROW(l) + d0, bf16);
       o[i][d0] = a * inv_sum[i];
     }
 }
@@ -265,9 +317,9 @@ static void weighted_values_run(float* const* p, const float* v_pool, const int6
 /* attend_group for RUN consecutive queries t0.. of one sequence (query i's head r at q + i*q_tok_stride +
  * r*q_head_stride, output at o + i*o_tok_stride + r*d): each group of keys is loaded once for all RUN x
  * group rows, each value once per head. */
-static void attend_run(const float* q, int64_t q_tok_stride, int64_t q_head_stride, int64_t group,
-                       const float* k_pool, const float* v_pool, const int64_t* slots, const int64_t* counts,
-                       int64_t kv_heads, int64_t g, int64_t d, float scale, float* o, int64_t o_tok_stride) {
+INLINE void attend_run(const float* q, int64_t q_tok_stride, int64_t q_head_stride, int64_t group, const void* k_pool,
+                       const void* v_pool, const int64_t* slots, const int64_t* counts, int64_t kv_heads, int64_t g,
+                       int64_t d, float scale, float* o, int64_t o_tok_stride, int bf16) {
   const int rows = (int)(group * RUN);
   int64_t most = 0;
   for (int i = 0; i < RUN; i++) most = counts[i] > most ? counts[i] : most;
@@ -290,23 +342,33 @@ static void attend_run(const float* q, int64_t q_tok_stride, int64_t q_head_stri
       outs[row] = o + i * o_tok_stride + r * d;
       row_counts[row] = counts[i];
     }
-  key_scores_run(qs, rows, k_pool, slots, row_counts, kv_heads, g, d, scale, scores);
+  key_scores_run(qs, rows, k_pool, slots, row_counts, kv_heads, g, d, scale, scores, bf16);
   for (int row = 0; row < rows; row++) inv_sum[row] = 1.0f / exp_shifted(scores[row], row_counts[row]);
   for (int64_t r = 0; r < group; r++)
-    weighted_values_run(scores + r * RUN, v_pool, slots, counts, kv_heads, g, d, inv_sum + r * RUN, outs + r * RUN);
+    weighted_values_run(scores + r * RUN, v_pool, slots, counts, kv_heads, g, d, inv_sum + r * RUN, outs + r * RUN,
+                        bf16);
   free(buffer);
 }
+
+#define ATTEND_RUN_ARGS                                                                                             \
+  const float *q, int64_t q_tok_stride, int64_t q_head_stride, int64_t group, const void *k_pool,                 \
+      const void *v_pool, const int64_t *slots, const int64_t *counts, int64_t kv_heads, int64_t g, int64_t d,     \
+      float scale, float *o, int64_t o_tok_stride
+static void attend_run_f32(ATTEND_RUN_ARGS) { attend_run(q, q_tok_stride, q_head_stride, group, k_pool, v_pool, slots, counts, kv_heads, g, d, scale, o, o_tok_stride, 0); }
+static void attend_run_bf16(ATTEND_RUN_ARGS) { attend_run(q, q_tok_stride, q_head_stride, group, k_pool, v_pool, slots, counts, kv_heads, g, d, scale, o, o_tok_stride, 1); }
+#define ATTEND_RUN(bf16, ...) ((bf16) ? attend_run_bf16(__VA_ARGS__) : attend_run_f32(__VA_ARGS__))
 
 /* Any step's queries (prefill chunks and decodes side by side), each attended exactly as a decode step
  * attends its one query: query t (at q + t*q_tok_stride + h*q_head_stride) belongs to the sequence whose
  * key slots are row query_seq[t] of key_slots [rows, max_keys], and sees its first query_keys[t] keys
- * (causal: up to and including itself). The step's keys and values must already be in the pool.
- * out: [tokens, heads, head_dim] contiguous. Tasks are (RUN packed queries, KV head); within one, RUN
- * queries of one sequence go together through attend_run, the others one by one through attend_group. */
-void prefill_attention(const float* q, int64_t q_tok_stride, int64_t q_head_stride, const float* k_pool,
-                       const float* v_pool, const int64_t* key_slots, int64_t max_keys, const int64_t* query_seq,
-                       const int64_t* query_keys, float* out, int64_t tokens, int64_t heads, int64_t kv_heads,
-                       int64_t head_dim, float scale) {
+ * (causal: up to and including itself). The step's keys and values must already be in the pool (fp32, or
+ * bf16 where kv_bf16). out: [tokens, heads, head_dim] contiguous. Tasks are (RUN packed queries, KV head);
+ * within one, RUN queries of one sequence go together through attend_run, the others one by one through
+ * attend_group. */
+void prefill_attention(const float* q, int64_t q_tok_stride, int64_t q_head_stride, const void* k_pool,
+                       const void* v_pool, int kv_bf16, const int64_t* key_slots, int64_t max_keys,
+                       const int64_t* query_seq, const int64_t* query_keys, float* out, int64_t tokens, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, float scale) {
   const int64_t group = heads / kv_heads, blocks = (tokens + RUN - 1) / RUN;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
   for (int64_t block = 0; block < blocks; block++)
@@ -315,12 +377,13 @@ void prefill_attention(const float* q, int64_t q_tok_stride, int64_t q_head_stri
       const float* q0 = q + t0 * q_tok_stride + g * group * q_head_stride;
       float* o0 = out + (t0 * heads + g * group) * head_dim;
       if (end - t0 == RUN && query_seq[t0] == query_seq[t0 + RUN - 1] && group * RUN <= MAX_RUN_ROWS) {
-        attend_run(q0, q_tok_stride, q_head_stride, group, k_pool, v_pool, key_slots + query_seq[t0] * max_keys,
-                   query_keys + t0, kv_heads, g, head_dim, scale, o0, heads * head_dim);
+        ATTEND_RUN(kv_bf16, q0, q_tok_stride, q_head_stride, group, k_pool, v_pool,
+                   key_slots + query_seq[t0] * max_keys, query_keys + t0, kv_heads, g, head_dim, scale, o0,
+                   heads * head_dim);
         continue;
       }
       for (int64_t t = t0; t < end; t++)
-        attend_group(q + t * q_tok_stride + g * group * q_head_stride, q_head_stride, group, k_pool, v_pool,
+        ATTEND_GROUP(kv_bf16, q + t * q_tok_stride + g * group * q_head_stride, q_head_stride, group, k_pool, v_pool,
                      key_slots + query_seq[t] * max_keys, query_keys[t], kv_heads, g, head_dim, scale,
                      out + (t * heads + g * group) * head_dim);
     }

@@ -9,6 +9,7 @@ from app.config import EngineConfig
 from app.cpu import install_fast_path
 from app.cpu.decoder import DecoderLayerForward
 from app.cpu.linear import OneDNNKernel, PackedLinear, PackedSiblingLinear
+from app.cpu.ops import unavailable_reason
 from app.engine.paged_attention import register_paged_attention
 from tests.unit.cpu.conftest import needs_kernels
 
@@ -72,6 +73,8 @@ def test_a_second_install_with_other_settings_takes_the_parts_back(caplog):
     assert not any("forward" in m.__dict__ for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
 
 
-def test_a_bf16_kv_pool_keeps_torchs_attention(caplog):
-    path, line = _install(_tiny_llama(), caplog)  # the kernel reads fp32 pools only
-    assert install_fast_path(_tiny_llama(), EngineConfig(), torch.bfloat16).attention is None
+def test_a_bf16_model_keeps_torchs_attention_and_an_fp32_model_reads_a_bf16_pool_with_the_kernel(caplog):
+    assert install_fast_path(_tiny_llama(), EngineConfig(), torch.bfloat16).attention is None  # bf16 queries: torch
+    path = install_fast_path(_tiny_llama(), EngineConfig(), torch.float32, torch.bfloat16)
+    assert (path.attention is not None) == (unavailable_reason() is None)
+    assert path.parts["KV cache"] == "bfloat16"
