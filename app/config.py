@@ -156,7 +156,7 @@ class EngineConfig:
     max_batch_size: int = 32  # @serve.batch window: requests admitted together
     batch_wait_timeout_s: float = 0.01  # how long the window waits for batch-mates (never for a lone request)
     max_num_seqs: int = 64  # sequences in one step's batch
-    max_num_batched_tokens: int = 512  # tokens in one step (decodes first, then chunks of prefills)
+    max_num_batched_tokens: int = 2048  # tokens in one step (decodes first, then chunks of prefills; vLLM CPU's default)
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_mb: int = 0  # 0: auto (CUDA: 80% of free memory after loading; CPU: min(1 GiB, 20% of RAM))
     num_kv_blocks: int = 0  # >0 overrides kv_cache_memory_mb (tests use it to force preemption)

@@ -26,7 +26,7 @@ from app.engine.request import Request, RequestStatus
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048
     gang: bool = False  # dynamic batching: a new group is admitted only when nothing of the last one runs
 
 

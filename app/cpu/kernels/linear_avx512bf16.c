@@ -58,14 +58,15 @@ static TARGET void tile_rows(const uint32_t* x, int64_t k2, const uint16_t* w, c
 // x: [m][k2] bf16 pairs; packed: ceil(n / 64) groups of k2 * 128 bf16; y: [m][n].
 TARGET void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, float* y, int64_t m,
                            int64_t k2, int64_t n) {
-    const int64_t groups = (n + GROUP_COLS - 1) / GROUP_COLS;
+    const int64_t groups = (n + GROUP_COLS - 1) / GROUP_COLS, tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    // Tasks are (group, row tile), group-major, handed out in contiguous ranges: a thread runs all the tiles
+    // of most of its groups back to back (the group's weights stay in its L2), and a weight with few groups
+    // (576 outputs: 9) still splits evenly between the threads instead of 5 groups against 4.
 #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint16_t* w = packed + g * k2 * (GROUP_COLS * 2);
-        for (int64_t r = 0; r < m; r += TILE_ROWS) {
-            const int rows = (int)(m - r < TILE_ROWS ? m - r : TILE_ROWS);
-            tile_rows(x + r * k2, k2, w, bias, y + r * n, n, g * GROUP_COLS, rows);
-        }
+    for (int64_t task = 0; task < groups * tiles; task++) {
+        const int64_t g = task / tiles, r = task % tiles * TILE_ROWS;
+        const int rows = (int)(m - r < TILE_ROWS ? m - r : TILE_ROWS);
+        tile_rows(x + r * k2, k2, packed + g * k2 * (GROUP_COLS * 2), bias, y + r * n, n, g * GROUP_COLS, rows);
     }
 }
 
