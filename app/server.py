@@ -20,6 +20,7 @@ from app.config import ServedModelConfig
 from app.engine import AsyncEngine, LLMEngine, Request, SamplingParams, build_engine_core
 from app.engine.async_engine import Admit
 from app.engine.draft_calls import DraftClient
+from app.engine.host_memory import keep_freed_memory
 from app.engine.core_process import CoreInfo, ProcessCore
 from app.models import LoadedModel, load_model
 from app.spec.remote import DraftCall, DraftResult, draft_sampling
@@ -153,19 +154,33 @@ def _front_options(config: ServedModelConfig) -> dict:
 def build_model_core(config: ServedModelConfig) -> tuple[LLMEngine, CoreInfo]:
     """Load the model, build its engine core and prove it generates (wherever the core will run)."""
     _set_torch_threads(config.engine.torch_threads)
+    keep_freed_memory()
     loaded = load_model(config.model)
     core = build_engine_core(loaded, config.engine)
     # Readiness means the model has produced a token, not merely that weights were read.
-    warmup_s = _warm_up(core, loaded)
+    warmup_s = _warm_up(core, loaded, config.engine.max_num_batched_tokens)
     info = CoreInfo(loaded.name, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, _vocab_size(loaded), warmup_s)
     return core, info
 
 
-def _warm_up(core, loaded: LoadedModel) -> float:
-    """Generate two tokens synchronously through the real engine path; raise if it fails."""
+def _warm_up(core, loaded: LoadedModel, step_tokens: int) -> float:
+    """Generate two tokens synchronously through the real engine path (raise if it fails), then one step at the
+    full token budget: the largest activations the engine allocates, whose memory the process then keeps
+    (``keep_freed_memory``), so the first burst of requests does not pay for fresh pages."""
     started = time.monotonic()
     prompt = loaded.tokenizer.encode(WARMUP_PROMPT) or [0]
-    request = Request("warmup", prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), loaded.eos_token_ids)
+    _generate(core, loaded, Request("warmup", prompt, _warm_up_sampling(2), loaded.eos_token_ids))
+    length = max(1, min(step_tokens, loaded.max_model_len - 1))
+    full_step = (prompt * (length // len(prompt) + 1))[:length]
+    _generate(core, loaded, Request("warmup-full-step", full_step, _warm_up_sampling(1), loaded.eos_token_ids))
+    return time.monotonic() - started
+
+
+def _warm_up_sampling(tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+
+
+def _generate(core, loaded: LoadedModel, request: Request) -> None:
     core.add_requests([request])
     outputs = []
     while core.has_unfinished_requests():
@@ -173,7 +188,6 @@ def _warm_up(core, loaded: LoadedModel) -> float:
     if not outputs or outputs[-1].finish_reason != "length":
         error = outputs[-1].error if outputs else "no output"
         raise RuntimeError(f"warm-up generation of {loaded.name} failed: {error}")
-    return time.monotonic() - started
 
 
 def _vocab_size(loaded: LoadedModel) -> int:
