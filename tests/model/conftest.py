@@ -33,7 +33,8 @@ PROMPTS = [
 @pytest.fixture(scope="session")
 def server_fp32():
     """The real embedded model in fp32 (exact comparisons), behind the real engine."""
-    server = ModelServer(ServedModelConfig(model=ModelConfig(dtype="float32")))
+    # 512-token steps: the warm-up runs one step of the whole budget, in fp32
+    server = ModelServer(ServedModelConfig(model=ModelConfig(dtype="float32"), engine=EngineConfig(max_num_batched_tokens=512)))
     yield server
     server.shutdown(timeout_s=5)
 

@@ -21,13 +21,17 @@ FAKE_BASE = f"{BASE}/fake"
 FAKE_MODELS = ["fake-a", "fake-b"]
 FRAGILE_MODEL = "fake-fragile"  # the one whose replica a test kills
 FAKE_TWIN = "fake-a-ngram"  # fake-a's speculative twin: the same model under a second name
+TEST_STEP_TOKENS = 512  # real engines' step budget in tests (their warm-up runs one full step)
 
 
 def app_args() -> dict:
     """The shipped config, with the bf16 model in fp32: batched == alone must hold exactly, and bf16
-    rounding depends on how many rows a matmul has (a near-tie can then flip a greedy token)."""
+    rounding depends on how many rows a matmul has (a near-tie can then flip a greedy token). Steps of
+    512 tokens: each engine's warm-up runs one step of the whole budget, and the suite starts many."""
     config = yaml.safe_load(open("configs/smollm2-cpu.yaml"))
     config["models"][0]["model"]["dtype"] = "float32"
+    for model in config["models"]:
+        model.setdefault("engine", {})["max_num_batched_tokens"] = TEST_STEP_TOKENS
     return config
 
 

@@ -15,7 +15,7 @@ import pytest
 import ray
 from ray import serve
 
-from tests.serve.conftest import BASE
+from tests.serve.conftest import BASE, TEST_STEP_TOKENS
 
 pytestmark = pytest.mark.serve
 
@@ -32,11 +32,11 @@ def _args() -> dict:
         "ingress_hosts_first_model": False,
         "models": [
             {"model": {**model, "source": "smollm2-135m-instruct-gptq", "name": TARGET, "quantization": "gptq"},
-             "engine": {"kv_cache_memory_mb": 256, "speculative": {
+             "engine": {"kv_cache_memory_mb": 256, "max_num_batched_tokens": TEST_STEP_TOKENS, "speculative": {
                  "drafter": "model", "draft": DRAFT, "num_speculative_tokens": 4, "served_name": TWIN}},
              "replica": replica},
             {"model": {**model, "source": "smollm2-135m-instruct", "name": DRAFT},
-             "engine": {"kv_cache_memory_mb": 256}, "replica": replica},
+             "engine": {"kv_cache_memory_mb": 256, "max_num_batched_tokens": TEST_STEP_TOKENS}, "replica": replica},
         ],
     }
 
