@@ -5,7 +5,7 @@ them out of the pool into a copy that SDPA then reads: three passes over the K/V
 reads each key and value once, in place, through the sequence's slot list; a decode step's new keys
 and values it writes into the pool itself. Prefill and mixed steps go through the same per-query
 computation (:meth:`PagedAttentionKernel.prefill`), so a token's attention output is the same bits
-whichever step computed it, whatever its batch-mates. It serves fp32 pools on CPU; everything else
+whichever step computed it, whatever its batch-mates. It serves fp32 queries on CPU over fp32 or bf16 pools; everything else
 keeps the gather + SDPA path of ``app/engine/paged_attention.py``.
 """
 

@@ -10,7 +10,7 @@ single ``[1, T]`` row (mixed prefill chunks and decodes). Each attention layer c
 Requests are attended in at most two padded groups (decodes with one query each, and prefill
 chunks), so a step costs two SDPA calls per layer whatever the batch size. A step of decodes only
 (the steady state) attends the queries where they lie, with no gather of queries or scatter of
-outputs. On AVX2 CPUs with an fp32 pool every step runs our kernel instead (``app/cpu/attention.py``),
+outputs. On AVX2 CPUs with fp32 activations (fp32 or bf16 pool) every step runs our kernel instead (``app/cpu/attention.py``),
 which reads each key and value once in the pool instead of gathering copies for SDPA, and attends
 each query, prefill or decode, with one computation: a token's bits do not depend on how its
 sequence was cut into steps or on its batch-mates (SDPA's do). Everything that does not
@@ -90,8 +90,8 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # [T] where each new token's key/value is written
     groups: list[AttentionGroup]
     decode_only: bool = False  # one group of one query per sequence, in packed order (steady-state decode)
-    decode_kernel: PagedAttentionKernel | None = None  # attends decode-only steps in place (CPU, fp32)
-    kernel_queries: KernelQueries | None = None  # attends the other steps with the same kernel (CPU, fp32)
+    decode_kernel: PagedAttentionKernel | None = None  # attends decode-only steps in place (CPU, fp32 queries)
+    kernel_queries: KernelQueries | None = None  # attends the other steps with the same kernel (CPU, fp32 queries)
 
     @classmethod
     def build(
