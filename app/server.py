@@ -11,19 +11,20 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from app.api.serving import OpenAIServing
 from app.config import ServedModelConfig
-from app.engine import AsyncEngine, LLMEngine, Request, SamplingParams, build_engine_core
+from app.engine import AsyncEngine, Request, SamplingParams, build_engine_core
 from app.engine.async_engine import Admit
 from app.engine.draft_calls import DraftClient
 from app.engine.host_memory import keep_freed_memory
 from app.engine.core_process import CoreInfo, ProcessCore
-from app.models import LoadedModel, load_model
 from app.spec.remote import DraftCall, DraftResult, draft_sampling
+
+if TYPE_CHECKING:  # loading a model needs torch and transformers; a replica that hosts no model never imports them
+    from app.engine.engine import LLMEngine
+    from app.models import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,8 @@ def _front_options(config: ServedModelConfig) -> dict:
 
 def build_model_core(config: ServedModelConfig) -> tuple[LLMEngine, CoreInfo]:
     """Load the model, build its engine core and prove it generates (wherever the core will run)."""
+    from app.models import load_model
+
     _set_torch_threads(config.engine.torch_threads)
     keep_freed_memory()
     loaded = load_model(config.model)
@@ -197,5 +200,7 @@ def _vocab_size(loaded: LoadedModel) -> int:
 def _set_torch_threads(requested: int) -> None:
     # Ray sets OMP_NUM_THREADS to the actor's num_cpus (often 1); a replica that owns the
     # machine's cores should use them all unless told otherwise.
+    import torch
+
     threads = requested or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)

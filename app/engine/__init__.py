@@ -1,15 +1,27 @@
-"""The inference engine: requests, sampling, batching modes and the async front."""
+"""The inference engine: requests, sampling, batching modes and the async front.
 
-from app.config import EngineConfig
+The async front and the request types load without torch; ``LLMEngine`` and ``build_engine_core`` (the
+model-running core: torch, transformers, the CPU kernels) load on first use, so a replica that only routes
+or serves from an engine process starts without them.
+"""
+
 from app.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineShutdownError, RequestFailedError
-from app.engine.engine import LLMEngine
 from app.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
-from app.models import LoadedModel
 
 
-def build_engine_core(loaded: LoadedModel, config: EngineConfig) -> LLMEngine:
+def build_engine_core(loaded, config):
     """The engine core (driven by AsyncEngine); ``config.batching`` picks the scheduling policy."""
+    from app.engine.engine import LLMEngine
+
     return LLMEngine(loaded, config)
+
+
+def __getattr__(name: str):
+    if name == "LLMEngine":
+        from app.engine.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

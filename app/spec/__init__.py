@@ -8,33 +8,30 @@
 
 Nothing here imports ray or reaches into the engine's internals: inputs are tensors, token lists and
 the engine's public ``Request`` / ``SamplingParams``. See docs/engine.md, "Speculative decoding".
-``processed_probs`` is imported on first use: it reuses ``app.engine.sampling``, and importing anything
-under ``app.engine`` runs ``app/engine/__init__.py``, which loads the whole engine (transformers, ~3 s).
+The names below load on first use: the torch-based parts (and ``processed_probs``, which reuses the engine's
+sampler) stay out of processes that only send draft calls or route requests.
 """
 
-from app.spec.ngram import NgramProposer
-from app.spec.policy import DraftLengthPolicy, DraftPolicyConfig, expected_speedup, expected_tokens_per_step
-from app.spec.rejection import PLACEHOLDER_TOKEN_ID, RejectionOutput, padded_from_packed, rejection_sample
-from app.spec.stats import SpecDecodingStats
+import importlib
 
-__all__ = [
-    "NgramProposer",
-    "DraftLengthPolicy",
-    "DraftPolicyConfig",
-    "expected_speedup",
-    "expected_tokens_per_step",
-    "processed_probs",
-    "PLACEHOLDER_TOKEN_ID",
-    "RejectionOutput",
-    "padded_from_packed",
-    "rejection_sample",
-    "SpecDecodingStats",
-]
+_EXPORTS = {
+    "NgramProposer": "app.spec.ngram",
+    "DraftLengthPolicy": "app.spec.policy",
+    "DraftPolicyConfig": "app.spec.policy",
+    "expected_speedup": "app.spec.policy",
+    "expected_tokens_per_step": "app.spec.policy",
+    "processed_probs": "app.spec.probs",
+    "PLACEHOLDER_TOKEN_ID": "app.spec.rejection",
+    "RejectionOutput": "app.spec.rejection",
+    "padded_from_packed": "app.spec.rejection",
+    "rejection_sample": "app.spec.rejection",
+    "SpecDecodingStats": "app.spec.stats",
+}
+
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
-    if name == "processed_probs":
-        from app.spec.probs import processed_probs
-
-        return processed_probs
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

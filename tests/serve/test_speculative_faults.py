@@ -22,7 +22,7 @@ pytestmark = pytest.mark.serve
 APP, PREFIX = "specfaults", "/specfaults"
 TARGET, TWIN, DRAFT = "target", "target-spec", "draft"
 PROMPT = "Write the numbers from one to forty in words, separated by commas:"
-MAX_TOKENS = 96
+MAX_TOKENS = 48
 
 
 def _args() -> dict:
