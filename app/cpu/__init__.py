@@ -3,7 +3,7 @@
 Layout: ``kernels/*.c`` (AVX2/FMA C kernels; ``linear_avx512bf16.c`` for CPUs with avx512_bf16),
 ``csrc/ops.cpp`` (their typed torch ops, ``torch.ops.llm_serve.*``), ``build.py`` + ``ops.py`` (build
 once, load, fake implementations), and one Python face per part: ``linear`` (prepacked GEMM, fused
-sibling projections, gated MLPs), ``attention`` (paged attention read in place), ``norm`` (RMSNorm),
+sibling projections, gated MLPs), ``gptq`` (GPTQ 4-bit layers on CPUs with avx512_bf16), ``attention`` (paged attention read in place), ``norm`` (RMSNorm),
 ``rotary`` (RoPE), ``decoder`` (a decoder layer's forward in one frame), ``argmax`` (greedy sampling).
 
 The runner calls :func:`install_fast_path` once per engine. Each part is installed only where it gives
@@ -23,7 +23,8 @@ from torch import nn
 from app.config import EngineConfig
 from app.cpu.attention import PagedAttentionKernel
 from app.cpu.decoder import fuse_decoder_layers, unfuse_decoder_layers
-from app.cpu.linear import describe_packed, pack_cpu_linears
+from app.cpu.gptq import pack_gptq_linears
+from app.cpu.linear import bf16_products_available, describe_packed, pack_cpu_linears
 from app.cpu.norm import fuse_rms_norms, unfuse_rms_norms
 from app.cpu.ops import unavailable_reason
 
@@ -56,6 +57,10 @@ def install_fast_path(model: nn.Module, config: EngineConfig, dtype: torch.dtype
         return _logged(path)
     pack_cpu_linears(model, config.cpu_linear_kernel, weight_dtype or torch.float32, bf16_products)
     path.parts["linear"] = describe_packed(model)
+    if config.cpu_linear_kernel in ("auto", "avx512-bf16") and bf16_products_available():
+        gptq = pack_gptq_linears(model)  # GPTQ 4-bit layers: our int4 kernel instead of torch's
+        if gptq:
+            path.parts["gptq linear"] = f"int4-avx512-bf16 ({gptq} layers)"
     unfuse_rms_norms(model)  # a model an earlier engine of this process fused with other settings
     norms = fuse_rms_norms(model) if config.cpu_norm_kernel == "auto" else 0
     path.parts["rms_norm"] = f"kernel ({norms} modules)" if norms else "torch"

@@ -59,6 +59,10 @@ def _register_fakes() -> None:
     def _(x, packed, bias, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @fake("llm_serve::linear_int4_bf16dot")
+    def _(x, codes, scales, zeros, bias, out_features, group_size):
+        return x.new_empty((*x.shape[:-1], out_features))
+
     @fake("llm_serve::rms_norm")
     def _(x, weight, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)

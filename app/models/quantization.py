@@ -114,9 +114,9 @@ def quantized_linear_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def _quantized_shape(module: torch.nn.Module) -> tuple[int, int] | None:
-    """(in, out) features of a GPTQ or bitsandbytes Linear; None for anything else."""
+    """(in, out) features of a GPTQ or bitsandbytes Linear (or a GPTQ layer on our int4 kernel); None for anything else."""
     cls = type(module).__name__
-    if cls in ("Linear8bitLt", "Linear4bit") or hasattr(module, "qweight"):
+    if cls in ("Linear8bitLt", "Linear4bit", "Int4Linear") or hasattr(module, "qweight"):
         return int(module.in_features), int(module.out_features)
     return None
 

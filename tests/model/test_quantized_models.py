@@ -10,6 +10,8 @@ from bitsandbytes import functional as bnb_functional
 
 from app.bench.fidelity import heldout_text, perplexity
 from app.config import ModelConfig
+from app.cpu.gptq import Int4Linear, dequantized, gptq_codes
+from app.cpu.linear import bf16_products_available
 from app.engine import Request
 from app.models import ModelLoadError, load_model
 from app.models.quantization import quantized_linear_bytes
@@ -26,9 +28,10 @@ LAYER_CLASSES = {"bnb-int8": "Linear8bitLt", "bnb-nf4": "Linear4bit", "gptq": "T
 # - nf4 on a CPU without avx512_bf16 dequantizes and runs an fp32 matmul: only summation order differs
 #   (fp32's 24-bit mantissa: differences ~1e-5 nats; tolerance 0.01).
 # - bf16 activations: nf4 on a CPU with avx512_bf16 (bitsandbytes' fused CPU kernel) and GPTQ's CPU int4
-#   kernel on any CPU cast activations to bf16 whatever the model dtype (8-bit mantissa: relative rounding
-#   up to 2^-9 before each of the ~210 products a token passes), and tile a packed batch differently from
-#   one sequence. Measured on an AVX-512 EPYC: nf4 up to 0.055 nats, GPTQ up to 0.066; tolerance 0.3.
+#   kernels (GPTQModel's, and ours where the CPU has avx512_bf16) cast activations to bf16 whatever the model
+#   dtype (8-bit mantissa: relative rounding up to 2^-9 before each of the ~210 products a token passes), and
+#   GPTQModel's tiles a packed batch differently from one sequence. Measured on an AVX-512 EPYC: nf4 up to
+#   0.055 nats, GPTQ up to 0.066; tolerance 0.3.
 # - LLM.int8 computes in fp16 and picks its outlier columns from the whole batch (any row above 6.0): a
 #   token's logits depend on its batch-mates (measured up to 0.37 on an AVX-512 EPYC; tolerance 0.75).
 NF4_IN_BF16 = bnb_functional.has_avx512bf16()
@@ -88,6 +91,26 @@ def test_gptq_is_small_and_close_to_bf16():
     text = heldout_text()
     bf16_model = _load("none", dtype="bfloat16")
     assert perplexity(gptq, text) <= 1.15 * perplexity(bf16_model, text)
+
+
+@pytest.mark.skipif(not bf16_products_available(), reason="our int4 kernel needs the CPU kernels and avx512_bf16")
+def test_the_engine_runs_every_gptq_layer_on_our_int4_kernel_closer_to_the_checkpoint_than_gptqmodels():
+    """Where the CPU has avx512_bf16 the engine swaps each GPTQ layer for ours: same codes, zeros and fp16 scales,
+    applied in fp32, where GPTQModel's CPU kernel rounds scales and zeros to bf16 first."""
+    loaded = _load("gptq")
+    originals = [m for m in loaded.model.modules() if type(m).__name__ == LAYER_CLASSES["gptq"]]
+    sampled = [(m, gptq_codes(m)) for m in originals[:4]]
+    make_engine(loaded)
+    assert sum(isinstance(m, Int4Linear) for m in loaded.model.modules()) == len(originals) == 210
+    torch.manual_seed(0)
+    for module, (codes, scales, zeros) in sampled:
+        x = torch.randn(8, module.in_features)
+        exact = x.bfloat16().double() @ dequantized(codes, scales, zeros, module.group_size).double().T
+        ours = Int4Linear(codes, scales, zeros, module.group_size, None)(x).double()
+        with torch.inference_mode():
+            theirs = module(x).double()
+        assert (ours - exact).abs().max() < 1e-4 * exact.abs().max()  # fp32 sums of exact products
+        assert (ours - exact).abs().max() < 0.25 * (theirs - exact).abs().max()
 
 
 GREEDY_IN_NEW_PROCESS = """

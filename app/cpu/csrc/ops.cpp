@@ -22,6 +22,8 @@ void linear(const float* x, const float* packed, const float* bias, float* y, in
 void linear_bf16w(const float* x, const uint16_t* packed, const float* bias, float* y, int64_t m, int64_t k, int64_t n);
 int linear_bf16dot_built(void);
 void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, float* y, int64_t m, int64_t k2, int64_t n);
+void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const float* scales, const float* zeros, const float* xsums,
+                         const float* bias, float* y, int64_t m, int64_t k2, int64_t n, int64_t pairs_per_group);
 void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
 void rotary(const float* q, int64_t qs_b, int64_t qs_h, int64_t qs_t, int64_t q_heads, const float* k, int64_t ks_b,
             int64_t ks_h, int64_t ks_t, int64_t k_heads, const float* cos, const float* sin, int64_t cs_b, int64_t cs_t,
@@ -129,6 +131,46 @@ at::Tensor bf16dot_linear(const at::Tensor& x_in, const at::Tensor& packed, cons
   linear_bf16dot(reinterpret_cast<const uint32_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                  bias_ptr, y.data_ptr<float>(), rows, k2, out_features);
   return y;
+}
+
+// ---- Linear with 4-bit weights (GPTQ codes, a zero and a scale per group and column), bf16 products ------
+at::Tensor int4_bf16dot_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                               const at::Tensor& zeros, const std::optional<at::Tensor>& bias, int64_t out_features,
+                               int64_t group_size) {
+  TORCH_CHECK(linear_bf16dot_built(), "this build of the kernels has no avx512_bf16 code (compiler too old)");
+  TORCH_CHECK(x_in.device().is_cpu() && (x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16),
+              "x must be a float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(x_in.dim() >= 1, "x must have a feature dimension");
+  check_dense(codes, at::kByte, "codes");
+  check_dense(scales, at::kFloat, "scales");
+  check_dense(zeros, at::kFloat, "zeros");
+  const int64_t k = x_in.size(-1), k2 = k / 2;
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && k % group_size == 0,
+              "group_size must be even and divide the input size (", k, "), got ", group_size);
+  const int64_t groups = (out_features + kBf16GroupCols - 1) / kBf16GroupCols, quant_groups = k / group_size;
+  TORCH_CHECK(out_features > 0 && codes.numel() == groups * k2 * kBf16GroupCols,
+              "codes hold no [", out_features, ", ", k, "] weight (x has ", k, " features)");
+  TORCH_CHECK(scales.numel() == groups * quant_groups * kBf16GroupCols && zeros.numel() == scales.numel(),
+              "scales and zeros must hold one value per column and group of ", group_size, " inputs");
+  const float* bias_ptr = checked_bias(bias, out_features);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = out_features;
+  at::Tensor y = at::empty(shape, x_in.options().dtype(at::kFloat));
+  const int64_t rows = k ? x_in.numel() / k : 0;
+  if (rows == 0) return y.to(x_in.scalar_type());
+  at::Tensor x = x_in.reshape({rows, k}).to(at::kBFloat16).contiguous();  // fp32 -> bf16, round to nearest even
+  // each row's sum of its bf16 values over each quantization group, in order (a row's own, whatever the batch)
+  at::Tensor xsums = at::empty({rows, quant_groups}, x_in.options().dtype(at::kFloat));
+  const at::BFloat16* xv = x.data_ptr<at::BFloat16>();
+  float* sums = xsums.data_ptr<float>();
+  for (int64_t i = 0; i < rows * quant_groups; i++) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < group_size; j++) sum += static_cast<float>(xv[i * group_size + j]);
+    sums[i] = sum;
+  }
+  linear_int4_bf16dot(reinterpret_cast<const uint32_t*>(x.data_ptr()), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                      zeros.data_ptr<float>(), sums, bias_ptr, y.data_ptr<float>(), rows, k2, out_features, group_size / 2);
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
 int64_t bf16dot_built() { return linear_bf16dot_built(); }  // 0 where the compiler lacked avx512_bf16
@@ -274,6 +316,8 @@ TORCH_LIBRARY(llm_serve, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_bf16dot(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_bf16dot_built() -> int");
+  m.def("linear_int4_bf16dot(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor? bias, int out_features, "
+        "int group_size) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("argmax_rows(Tensor x) -> Tensor");
@@ -291,6 +335,7 @@ TORCH_LIBRARY_IMPL(llm_serve, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("linear", &packed_linear);
   m.impl("linear_bf16dot", &bf16dot_linear);
+  m.impl("linear_int4_bf16dot", &int4_bf16dot_linear);
   m.impl("rms_norm", &rms_norm_op);
   m.impl("rotary", &rotary_op);
   m.impl("argmax_rows", &argmax_rows_op);

@@ -8,6 +8,11 @@
 // accumulators (6 rows x 4 panels) in registers; one row keeps 4 independent sums, enough to stream the
 // weights at memory speed. Compiled for the CPU at hand only through the target attribute: callers check
 // that the CPU has avx512_bf16 before calling (linear_bf16dot_built says whether this build has it).
+//
+// linear_int4_bf16dot takes 4-bit weights (GPTQ's codes, a zero and a scale per group of input features and
+// column) in the same tiles: each code becomes bf16 in registers through a table lookup, cheap enough to
+// redo for every tile of rows, and a group's exact products are summed before its zero and scale apply. Its cost grows with the rows as the bf16 kernel's does, not as a kernel that widens the
+// weights to floats for every few rows. The same bits alone or in any batch here too.
 #include <stdint.h>
 
 #if defined(__x86_64__) && ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 9))
@@ -70,9 +75,102 @@ TARGET void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const floa
     }
 }
 
+
+// A tile of 4-bit weights: the codes of a k pair (64 bytes: byte j of half h holds value j of panel 2h in its
+// low nibble and of panel 2h + 1 in its high one) become bf16 in registers through a table (vpermw); within a
+// quantization group the products x * code are exact and summed in fp32, and each group's sum enters y once:
+// y = bias + sum over groups of scale * (sum of x * code - zero * sum of x), the last from xsums.
+static inline TARGET __attribute__((always_inline)) void int4_tile(const uint32_t* x, int64_t k2, const uint8_t* codes,
+                                                                    const float* scales, const float* zeros,
+                                                                    const float* xsums, int64_t quant_groups, __m512i table,
+                                                                    int64_t pairs_per_group, const float* bias, float* y,
+                                                                    int64_t n, int64_t col0, const int rows) {
+    __mmask16 mask[PANELS];
+    for (int p = 0; p < PANELS; p++) {
+        const int64_t left = n - (col0 + 16 * p);
+        mask[p] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask[p], bias + col0 + 16 * p) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * n + col0 + 16 * p, mask[p], b);
+    }
+    const __m512i nibble = _mm512_set1_epi16(0xF);
+    for (int64_t start = 0; start < k2; start += pairs_per_group) {
+        __m512 acc[TILE_ROWS][PANELS];
+        for (int r = 0; r < rows; r++)
+            for (int p = 0; p < PANELS; p++) acc[r][p] = _mm512_setzero_ps();
+        for (int64_t kk = start; kk < start + pairs_per_group; kk++) {
+            const uint8_t* c = codes + kk * (GROUP_COLS);
+            const __m512i low = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)c));
+            const __m512i high = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(c + 32)));
+            __m512bh wv[PANELS];
+            wv[0] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(low, nibble), table);
+            wv[1] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(low, 4), table);
+            wv[2] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(high, nibble), table);
+            wv[3] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(high, 4), table);
+            for (int r = 0; r < rows; r++) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[r * k2 + kk]);
+                for (int p = 0; p < PANELS; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, wv[p]);
+            }
+        }
+        const int64_t group = start / pairs_per_group;
+        for (int p = 0; p < PANELS; p++) {
+            const __m512 sv = _mm512_loadu_ps(scales + group * GROUP_COLS + 16 * p);
+            const __m512 zv = _mm512_loadu_ps(zeros + group * GROUP_COLS + 16 * p);
+            for (int r = 0; r < rows; r++) {
+                float* yp = y + r * n + col0 + 16 * p;
+                const __m512 sum = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xsums[r * quant_groups + group]), acc[r][p]);
+                _mm512_mask_storeu_ps(yp, mask[p], _mm512_fmadd_ps(sum, sv, _mm512_maskz_loadu_ps(mask[p], yp)));
+            }
+        }
+    }
+}
+
+static TARGET void int4_tile_rows(const uint32_t* x, int64_t k2, const uint8_t* codes, const float* scales, const float* zeros,
+                                  const float* xsums, int64_t quant_groups, __m512i table, int64_t pairs_per_group,
+                                  const float* bias, float* y, int64_t n, int64_t col0, int rows) {
+    switch (rows) {  // a constant row count per case, so the accumulators stay in registers
+        case 1: int4_tile(x, k2, codes, scales, zeros, xsums, quant_groups, table, pairs_per_group, bias, y, n, col0, 1); break;
+        case 2: int4_tile(x, k2, codes, scales, zeros, xsums, quant_groups, table, pairs_per_group, bias, y, n, col0, 2); break;
+        case 3: int4_tile(x, k2, codes, scales, zeros, xsums, quant_groups, table, pairs_per_group, bias, y, n, col0, 3); break;
+        case 4: int4_tile(x, k2, codes, scales, zeros, xsums, quant_groups, table, pairs_per_group, bias, y, n, col0, 4); break;
+        case 5: int4_tile(x, k2, codes, scales, zeros, xsums, quant_groups, table, pairs_per_group, bias, y, n, col0, 5); break;
+        default: int4_tile(x, k2, codes, scales, zeros, xsums, quant_groups, table, pairs_per_group, bias, y, n, col0, 6); break;
+    }
+}
+
+// x: [m][k2] bf16 pairs; codes: ceil(n / 64) groups of k2 * 64 bytes; scales, zeros: per group, k2 /
+// pairs_per_group quantization groups of 64 floats (a zero as its code); xsums: [m][quantization group] the
+// sums of x's bf16 values over each group, in order; y: [m][n].
+TARGET void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const float* scales, const float* zeros,
+                                const float* xsums, const float* bias, float* y, int64_t m, int64_t k2, int64_t n,
+                                int64_t pairs_per_group) {
+    uint16_t entries[32] = {0};
+    for (int code = 0; code < 16; code++) {  // small integers: exact in bf16 (the high half of their fp32 bits)
+        const float value = (float)code;
+        uint32_t bits;
+        __builtin_memcpy(&bits, &value, sizeof bits);
+        entries[code] = (uint16_t)(bits >> 16);
+    }
+    const __m512i table = _mm512_loadu_si512((const void*)entries);
+    const int64_t groups = (n + GROUP_COLS - 1) / GROUP_COLS, tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t quant_groups = k2 / pairs_per_group;
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < groups * tiles; task++) {  // as linear_bf16dot: (group, row tile), group-major
+        const int64_t g = task / tiles, r = task % tiles * TILE_ROWS;
+        const int rows = (int)(m - r < TILE_ROWS ? m - r : TILE_ROWS);
+        const int64_t at = g * quant_groups * GROUP_COLS;
+        int4_tile_rows(x + r * k2, k2, codes + g * k2 * GROUP_COLS, scales + at, zeros + at, xsums + r * quant_groups,
+                       quant_groups, table, pairs_per_group, bias, y + r * n, n, g * GROUP_COLS, rows);
+    }
+}
+
 #else
 int linear_bf16dot_built(void) { return 0; }
 void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, float* y, int64_t m, int64_t k2, int64_t n) {
     (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)k2; (void)n;
+}
+void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const float* scales, const float* zeros, const float* xsums,
+                         const float* bias, float* y, int64_t m, int64_t k2, int64_t n, int64_t pairs_per_group) {
+    (void)x; (void)codes; (void)scales; (void)zeros; (void)xsums; (void)bias; (void)y; (void)m; (void)k2; (void)n;
+    (void)pairs_per_group;
 }
 #endif
