@@ -48,7 +48,8 @@ from pathlib import Path
 import yaml
 
 from app.bench.load import STANDARD_WORKLOADS, WORKLOADS, LoadSpec, run_load, run_sweep, run_workloads, warm_up, workload_spec
-from app.config import CPU_ATTENTION_KERNELS, CPU_DECODER_LAYERS, CPU_LINEAR_KERNELS, CPU_NORM_KERNELS, CPU_ROTARY_KERNELS
+from app.config import (CPU_ATTENTION_KERNELS, CPU_DECODER_LAYERS, CPU_GPTQ_KERNELS, CPU_LINEAR_KERNELS, CPU_NORM_KERNELS,
+                        CPU_ROTARY_KERNELS)
 
 RESULTS = Path("results/bench")
 
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "spec":
         from app.bench.spec_bench import run_spec_bench
 
-        result = run_spec_bench(args.max_tokens, tuple(args.concurrencies or (1, 8)), args.num_speculative_tokens, args.dtype)
+        result = run_spec_bench(args.max_tokens, tuple(args.concurrencies or (1, 8)), args.num_speculative_tokens, args.dtype,
+                                args.gptq_kernel)
     elif args.command == "gemm":
         from app.bench.gemm import run_gemm_bench
 
@@ -343,6 +345,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-kernel", default="auto", choices=CPU_ATTENTION_KERNELS, help="profile, engine: decode attention on CPU")
     parser.add_argument("--norm-kernel", default="auto", choices=CPU_NORM_KERNELS, help="profile, engine: RMSNorm on CPU")
     parser.add_argument("--rotary-kernel", default="auto", choices=CPU_ROTARY_KERNELS, help="profile, engine: RoPE on CPU")
+    parser.add_argument("--gptq-kernel", default="auto", choices=CPU_GPTQ_KERNELS,
+                        help="spec: the GPTQ target's 4-bit layers: auto (ours on CPUs with avx512_bf16) | torch (GPTQModel's)")
     parser.add_argument("--decoder-layer", default="auto", choices=CPU_DECODER_LAYERS,
                         help="profile, engine: one-frame decoder layer forward (auto) or the module's (torch)")
     parser.add_argument("--port", type=int, default=8010)

@@ -68,11 +68,11 @@ WORKLOADS = {"chat": CHAT, "rewrite": REWRITE}
 
 
 def run_spec_bench(max_tokens: int = 96, concurrencies: tuple[int, ...] = (1, 8), num_speculative_tokens: int = 4,
-                   dtype: str = "auto") -> dict:
+                   dtype: str = "auto", gptq_kernel: str = "auto") -> dict:
     draft = ModelServer(ServedModelConfig(model=ModelConfig(dtype=dtype, max_model_len=2048)))
     target_config = ServedModelConfig(
         model=ModelConfig(source=TARGET_SOURCE, quantization="gptq", dtype=dtype, max_model_len=2048),
-        engine=EngineConfig(speculative=[
+        engine=EngineConfig(cpu_gptq_kernel=gptq_kernel, speculative=[
             SpecConfig(drafter="ngram", num_speculative_tokens=num_speculative_tokens, served_name=NGRAM),
             SpecConfig(drafter="model", draft="draft", num_speculative_tokens=num_speculative_tokens, served_name=SPEC),
         ]),
@@ -93,7 +93,8 @@ async def _measure(target: ModelServer, draft: ModelServer, max_tokens: int, con
     draft_alone = await _run(draft, draft.info.name, CHAT[:4], max_tokens, 1)
     draft_s_per_token = 1 / draft_alone["output_tok_per_s"]
     result: dict = {"spec": {"target": TARGET_SOURCE, "draft": draft.info.name, "max_tokens": max_tokens,
-                             "num_speculative_tokens": k, "concurrencies": list(concurrencies)},
+                             "num_speculative_tokens": k, "concurrencies": list(concurrencies),
+                             "gptq_kernel": _gptq_kernel(target.config.engine.cpu_gptq_kernel)},
                     "draft_single_stream_tok_per_s": draft_alone["output_tok_per_s"], "runs": []}
     for workload, prompts in WORKLOADS.items():
         for concurrency in concurrencies:
@@ -110,6 +111,13 @@ async def _measure(target: ModelServer, draft: ModelServer, max_tokens: int, con
                 result["runs"].append(row)
                 print(_format_row(row), flush=True)
     return result
+
+
+def _gptq_kernel(setting: str) -> str:
+    """Which kernel ran the target's 4-bit layers (the engine takes ours only where the CPU has avx512_bf16)."""
+    from app.cpu.linear import bf16_products_available
+
+    return "ours (int4-avx512-bf16)" if setting == "auto" and bf16_products_available() else "GPTQModel's (torch int4)"
 
 
 async def _run(server: ModelServer, model: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:

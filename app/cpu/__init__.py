@@ -57,7 +57,7 @@ def install_fast_path(model: nn.Module, config: EngineConfig, dtype: torch.dtype
         return _logged(path)
     pack_cpu_linears(model, config.cpu_linear_kernel, weight_dtype or torch.float32, bf16_products)
     path.parts["linear"] = describe_packed(model)
-    if config.cpu_linear_kernel in ("auto", "avx512-bf16") and bf16_products_available():
+    if config.cpu_gptq_kernel == "auto" and bf16_products_available():
         gptq = pack_gptq_linears(model)  # GPTQ 4-bit layers: our int4 kernel instead of torch's
         if gptq:
             path.parts["gptq linear"] = f"int4-avx512-bf16 ({gptq} layers)"

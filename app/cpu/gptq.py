@@ -1,21 +1,22 @@
 """GPTQ 4-bit Linear layers on our kernel (``llm_serve::linear_int4_bf16dot``) on CPUs with avx512_bf16.
 
-GPTQModel runs a 4-bit layer on CPU through torch's ``_weight_int4pack_mm_for_cpu``, which widens the
-weights again for every four rows: its cost grows with the rows (on a 2-core AVX-512 EPYC a 576 x 1536
-layer takes 51 us at 1 row, 92 us at 8 and 436 us at 40), so a step that verifies speculative drafts, or a
-batch of decodes, pays for every row as if it were a fresh pass over the weights. Our kernel widens each
-group of 64 columns to bf16 once per call into a buffer of its own, then multiplies every row with
-``vdpbf16ps`` as the bf16 kernel does: 1 row ~1x torch's time, 8 rows ~2x faster, 40 rows ~3x
-(``python -m app.bench gemm --int4``).
+GPTQModel runs a 4-bit layer on CPU through torch's ``_weight_int4pack_mm_for_cpu``, whose cost grows with
+every few rows as if each were a fresh pass over the weights (on a 2-core AVX-512 EPYC a 576 x 1536 layer:
+~30 us at 1 row, ~90 at 8, ~450 at 40): a step that verifies speculative drafts, or a batch of decodes, pays
+for each row nearly in full. Ours turns each code into bf16 in registers by a table lookup (cheap enough to
+redo for every tile of 6 rows), multiplies with ``vdpbf16ps`` as the bf16 kernel does, and applies a group's
+zero and scale once to its sum: 1.1-2x torch's speed at 1 row and 1.5-2.5x from 5 rows on
+(``python -m app.bench gemm --kernels gptq-int4 torch-int4``; docs/quantization.md).
 
-Numbers: activations are rounded to bf16, as torch's int4 kernel rounds them; each weight
-``(code - zero) * scale`` (exact in fp32) is rounded to bf16, which torch's kernel keeps in fp32 (a relative
-change below 2^-9, far inside GPTQ's own rounding); every output is summed in fp32 in one fixed order, so a
-row has the same bits alone or in any batch, and the same as the bf16 kernel on the widened weights.
+Numbers: activations are rounded to bf16, as torch's int4 kernel rounds them; the codes are exact in bf16, so
+each product ``x * code`` is exact and summed in fp32 over a group, then ``scale * (sum - zero * sum of x)``
+in fp32 with the checkpoint's own fp16 scales (GPTQModel's CPU path rounds scales and zeros to bf16 first, ~20x
+further from the checkpoint's weights). Every output is summed in one fixed order: a row has the same bits
+alone or in any batch.
 
 Only layers this layout describes exactly are taken: 4-bit, input features in whole groups in order (no
 act-order permutation), no adapter, not yet run by GPTQModel (which repacks its weights on the first call);
-the codes read back must give GPTQModel's own dequantized weight, bit for bit, or the layer is left as it is.
+the codes read back must give GPTQModel's own dequantized weight, or the layer is left as it is.
 """
 
 from __future__ import annotations
