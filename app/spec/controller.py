@@ -23,17 +23,22 @@ from typing import Sequence
 from app.config import SpecConfig
 from app.engine.request import Request
 from app.spec.ngram import NgramProposer
-from app.spec.policy import DraftLengthPolicy, DraftPolicyConfig, StepCosts
+from app.spec.policy import PRIOR_AFTER_DRAFTS, DraftLengthPolicy, DraftPolicyConfig, StepCosts
 from app.spec.remote import DraftCall, DraftResult, ModelDrafter
 from app.spec.stats import SpecDecodingStats
+
+_NGRAM_FIRST_PRIOR = 0.7  # a prompt-lookup match is usually right for a few tokens (until this drafter's rate is known)
 
 
 class NgramDrafter:
     def __init__(self, config: SpecConfig, max_model_len: int, step_costs: StepCosts | None = None) -> None:
         self.config = config
         self.proposer = NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max, max_model_len)
-        # n-gram drafts cost next to nothing next to a target step; verifying them does not, once the batch is large
-        policy = DraftPolicyConfig(num_speculative_tokens=config.num_speculative_tokens, saturation_tokens=config.saturation_tokens)
+        # n-gram drafts cost next to nothing next to a target step; verifying them does not, once the batch is large.
+        # A new sequence starts from what this drafter's drafts achieve (on chat, a few in two pass; on rewrites, most),
+        # so that in a large batch it does not verify a full window before its own history says whether that pays.
+        policy = DraftPolicyConfig(num_speculative_tokens=config.num_speculative_tokens, saturation_tokens=config.saturation_tokens,
+                                   start_from_prior=True, prior_acceptance=_NGRAM_FIRST_PRIOR)
         self.policy = DraftLengthPolicy(policy, step_costs)
         self.stats = SpecDecodingStats.new(config.num_speculative_tokens)
 
@@ -44,6 +49,8 @@ class NgramDrafter:
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         self.policy.record(request.request_id, num_drafted, num_accepted)
         self.stats.observe_draft(num_drafted, num_accepted)
+        if self.stats.num_drafts >= PRIOR_AFTER_DRAFTS:
+            self.policy.set_prior(self.stats.acceptance_rate)
 
     def forget(self, request_id: str) -> None:
         self.policy.forget(request_id)

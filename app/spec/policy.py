@@ -44,6 +44,9 @@ from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 
+PRIOR_AFTER_DRAFTS = 8  # verified drafts before a drafter's own acceptance rate is every new sequence's prior
+
+
 def expected_tokens_per_step(a: float, k: int) -> float:
     """E(a, k) = (1 - a^(k+1)) / (1 - a): tokens emitted by a step drafting k, for acceptance rate a."""
     if k < 0 or not 0.0 <= a <= 1.0:

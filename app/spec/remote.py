@@ -35,12 +35,11 @@ from dataclasses import dataclass
 
 from app.config import SpecConfig
 from app.engine.request import Request, SamplingParams
-from app.spec.policy import DraftLengthPolicy, DraftPolicyConfig, StepCosts
+from app.spec.policy import PRIOR_AFTER_DRAFTS, DraftLengthPolicy, DraftPolicyConfig, StepCosts
 from app.spec.stats import SpecDecodingStats
 
 _BACKOFF_S = (0.5, 1.0, 2.0, 5.0)  # pause after 1, 2, 3, 4+ consecutive failed calls
 _FIRST_PRIOR = 0.8  # a draft model of the target's family agrees on most tokens (until measured otherwise)
-_PRIOR_AFTER_DRAFTS = 8  # verified drafts before the drafter's own acceptance rate is every new sequence's prior
 # Sequence-steps between probes while drafting cannot pay at the measured cost. A probe's prefill on the draft
 # replica competes with the target for a small machine's cores (one cost ~0.4 s of a 2-core EPYC's target time).
 _PROBE_HOPELESS_EVERY = 4096
@@ -169,7 +168,7 @@ class ModelDrafter:
         if seq is not None and result.error is None:
             seq.answered += 1
             seq.exhausted = seq.exhausted or not result.token_ids
-        if self.stats.num_drafts >= _PRIOR_AFTER_DRAFTS:  # new sequences start from what this drafter achieves
+        if self.stats.num_drafts >= PRIOR_AFTER_DRAFTS:  # new sequences start from what this drafter achieves
             self.policy.set_prior(self.stats.acceptance_rate)
         if seq is None or result.call_id != seq.asked_id:
             return False  # a sequence that ended, or an answer overtaken by a newer call
