@@ -90,7 +90,10 @@ def _int4_codes(weights: list[torch.Tensor], group_size: int = 32):
 
 def _gptq_int4(weights: list[torch.Tensor]):
     from app.cpu.gptq import Int4Linear
+    from app.cpu.ops import load_ops
 
+    if (reason := load_ops()) is not None:
+        raise SystemExit(f"gptq-int4 needs the CPU kernels: {reason}")
     layers = [(Int4Linear(codes, scales, zeros, 32, None), k) for codes, scales, zeros, n, k in _int4_codes(weights)]
     return lambda inputs: [layer(inputs[k]) for layer, k in layers]
 
