@@ -68,7 +68,7 @@ WORKLOADS = {"chat": CHAT, "rewrite": REWRITE}
 
 
 def run_spec_bench(max_tokens: int = 96, concurrencies: tuple[int, ...] = (1, 8), num_speculative_tokens: int = 4,
-                   dtype: str = "auto", gptq_kernel: str = "auto") -> dict:
+                   dtype: str = "auto", gptq_kernel: str = "auto", rounds: int = 2) -> dict:
     draft = ModelServer(ServedModelConfig(model=ModelConfig(dtype=dtype, max_model_len=2048)))
     target_config = ServedModelConfig(
         model=ModelConfig(source=TARGET_SOURCE, quantization="gptq", dtype=dtype, max_model_len=2048),
@@ -79,13 +79,13 @@ def run_spec_bench(max_tokens: int = 96, concurrencies: tuple[int, ...] = (1, 8)
     )
     target = ModelServer(target_config, draft_client=draft.propose)
     try:
-        return asyncio.run(_measure(target, draft, max_tokens, concurrencies, num_speculative_tokens))
+        return asyncio.run(_measure(target, draft, max_tokens, concurrencies, num_speculative_tokens, rounds))
     finally:
         target.shutdown(timeout_s=5)
         draft.shutdown(timeout_s=5)
 
 
-async def _measure(target: ModelServer, draft: ModelServer, max_tokens: int, concurrencies, k: int) -> dict:
+async def _measure(target: ModelServer, draft: ModelServer, max_tokens: int, concurrencies, k: int, rounds: int) -> dict:
     alone = target.info.name
     await _run(target, alone, CHAT[:2], 8, 2)  # warm-up: first steps of each shape pay one-time costs
     await _run(target, NGRAM, REWRITE[:2], 16, 2)
@@ -93,19 +93,24 @@ async def _measure(target: ModelServer, draft: ModelServer, max_tokens: int, con
     draft_alone = await _run(draft, draft.info.name, CHAT[:4], max_tokens, 1)
     draft_s_per_token = 1 / draft_alone["output_tok_per_s"]
     result: dict = {"spec": {"target": TARGET_SOURCE, "draft": draft.info.name, "max_tokens": max_tokens,
-                             "num_speculative_tokens": k, "concurrencies": list(concurrencies),
+                             "num_speculative_tokens": k, "concurrencies": list(concurrencies), "rounds": rounds,
                              "gptq_kernel": _gptq_kernel(target.config.engine.cpu_gptq_kernel)},
                     "draft_single_stream_tok_per_s": draft_alone["output_tok_per_s"], "runs": []}
     for workload, prompts in WORKLOADS.items():
         for concurrency in concurrencies:
-            runs = {"ngram": await _run(target, NGRAM, prompts, max_tokens, concurrency)}
-            first = await _run(target, alone, prompts, max_tokens, concurrency)
-            runs["model"] = await _run(target, SPEC, prompts, max_tokens, concurrency)
-            second = await _run(target, alone, prompts, max_tokens, concurrency)
-            # the target alone before and after the model drafter's run, between the two drafters: drift averages out
-            base = {**first, "output_tok_per_s": round((first["output_tok_per_s"] + second["output_tok_per_s"]) / 2, 2)}
+            # Each round: alone, n-gram, draft model, alone again, so that every drafter's run sits between two
+            # runs of the target alone; the rounds' runs are pooled (this machine drifts 15-40% within an hour
+            # and by ~20% from one minute to the next, more than some of the effects measured here).
+            pooled: dict[str, list[dict]] = {"none": [], "ngram": [], "model": []}
+            for _ in range(rounds):
+                pooled["none"].append(await _run(target, alone, prompts, max_tokens, concurrency))
+                pooled["ngram"].append(await _run(target, NGRAM, prompts, max_tokens, concurrency))
+                pooled["model"].append(await _run(target, SPEC, prompts, max_tokens, concurrency))
+                pooled["none"].append(await _run(target, alone, prompts, max_tokens, concurrency))
+            runs = {drafter: _pool(parts) for drafter, parts in pooled.items()}
+            base = runs["none"]
             target_s_per_token = concurrency / base["output_tok_per_s"]  # one stream's share of a step
-            for drafter, run in (("none", base), ("ngram", runs["ngram"]), ("model", runs["model"])):
+            for drafter, run in runs.items():
                 row = _row(workload, concurrency, drafter, run, base, k,
                            draft_s_per_token / target_s_per_token if drafter == "model" else 0.0)
                 result["runs"].append(row)
@@ -143,6 +148,14 @@ async def _run(server: ModelServer, model: str, prompts: list[str], max_tokens: 
     spec = _delta((after.get("spec_by_name") or {}).get(model, {}), (before.get("spec_by_name") or {}).get(model, {}))
     return {"output_tok_per_s": round(tokens / wall, 2), "tokens": tokens, "wall_s": round(wall, 3),
             "steps": after.get("num_steps", 0) - before.get("num_steps", 0), "spec": spec}
+
+
+def _pool(runs: list[dict]) -> dict:
+    """Several runs of one configuration as one: their tokens, wall time, steps and counters added up."""
+    tokens, wall = sum(r["tokens"] for r in runs), sum(r["wall_s"] for r in runs)
+    spec = {key: sum(r["spec"][key] for r in runs) for key in runs[0]["spec"]}
+    return {"output_tok_per_s": round(tokens / wall, 2), "tokens": tokens, "wall_s": round(wall, 3),
+            "steps": sum(r["steps"] for r in runs), "spec": spec}
 
 
 def _delta(after: dict, before: dict) -> dict:
