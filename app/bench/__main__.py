@@ -318,7 +318,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--extra-workloads", nargs="*", default=[], choices=[w for w in STANDARD_WORKLOADS if w not in ("W1", "W2")],
                         help="compare: W3/W4 too, for the single-stream modes")
     parser.add_argument("--workload", default="random", choices=WORKLOADS, help="load, sweep: the kind of requests")
-    parser.add_argument("--rounds", type=int, default=2, help="sweep: requests per level = rounds x concurrency (at least 8)")
+    parser.add_argument("--rounds", type=int, default=2, help="sweep: requests per level = rounds x concurrency (at least 8); "
+                        "spec: alternated rounds per workload and concurrency (pooled)")
     parser.add_argument("--slo-ttft-s", type=float, default=2.0, help="goodput: the most time to first token")
     parser.add_argument("--slo-itl-ms", type=float, default=200.0, help="goodput: the most for a request's p99 inter-token gap")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -345,7 +346,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-kernel", default="auto", choices=CPU_ATTENTION_KERNELS, help="profile, engine: decode attention on CPU")
     parser.add_argument("--norm-kernel", default="auto", choices=CPU_NORM_KERNELS, help="profile, engine: RMSNorm on CPU")
     parser.add_argument("--rotary-kernel", default="auto", choices=CPU_ROTARY_KERNELS, help="profile, engine: RoPE on CPU")
-    parser.add_argument("--rounds", type=int, default=2, help="spec: alternated rounds per workload and concurrency (pooled)")
     parser.add_argument("--gptq-kernel", default="auto", choices=CPU_GPTQ_KERNELS,
                         help="spec: the GPTQ target's 4-bit layers: auto (ours on CPUs with avx512_bf16) | torch (GPTQModel's)")
     parser.add_argument("--decoder-layer", default="auto", choices=CPU_DECODER_LAYERS,
