@@ -5,8 +5,8 @@ every few rows as if each were a fresh pass over the weights (on a 2-core AVX-51
 ~30 us at 1 row, ~90 at 8, ~450 at 40): a step that verifies speculative drafts, or a batch of decodes, pays
 for each row nearly in full. Ours turns each code into bf16 in registers by a table lookup (cheap enough to
 redo for every tile of 6 rows), multiplies with ``vdpbf16ps`` as the bf16 kernel does, and applies a group's
-zero and scale once to its sum: 1.1-2x torch's speed at 1 row and 1.5-2.5x from 5 rows on
-(``python -m app.bench gemm --kernels gptq-int4 torch-int4``; docs/quantization.md).
+zero and scale once to its sum. Served, a GPTQ model runs 1.3-1.6x faster on it than on GPTQModel's kernel
+(docs/quantization.md; the products alone: ``python -m app.bench gemm --kernels gptq-int4 torch-int4``).
 
 Numbers: activations are rounded to bf16, as torch's int4 kernel rounds them; the codes are exact in bf16, so
 each product ``x * code`` is exact and summed in fp32 over a group, then ``scale * (sum - zero * sum of x)``
@@ -110,8 +110,8 @@ def _unsupported(module: nn.Module) -> str | None:
     if module.qweight.dtype != torch.int32 or getattr(module, "pack_dtype", torch.int32) != torch.int32:
         return "not packed in int32 words"
     k, group_size = module.in_features, module.group_size
-    if group_size <= 0 or group_size % 2 or k % group_size or module.qweight.shape[0] * 8 != k:
-        return f"group size {group_size} does not split its {k} inputs evenly"
+    if group_size <= 0 or group_size % 16 or k % group_size or module.qweight.shape[0] * 8 != k:
+        return f"group size {group_size} is not a multiple of 16 that splits its {k} inputs evenly"
     if not torch.equal(module.g_idx.long().cpu(), torch.arange(k) // group_size):
         return "act-order (its inputs are permuted)"
     return None

@@ -24,6 +24,7 @@ int linear_bf16dot_built(void);
 void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, float* y, int64_t m, int64_t k2, int64_t n);
 void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const float* scales, const float* zeros, const float* xsums,
                          const float* bias, float* y, int64_t m, int64_t k2, int64_t n, int64_t pairs_per_group);
+void int4_group_sums(const uint16_t* x, float* sums, int64_t m, int64_t k, int64_t group_size);
 void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
 void rotary(const float* q, int64_t qs_b, int64_t qs_h, int64_t qs_t, int64_t q_heads, const float* k, int64_t ks_b,
             int64_t ks_h, int64_t ks_t, int64_t k_heads, const float* cos, const float* sin, int64_t cs_b, int64_t cs_t,
@@ -145,8 +146,8 @@ at::Tensor int4_bf16dot_linear(const at::Tensor& x_in, const at::Tensor& codes, 
   check_dense(scales, at::kFloat, "scales");
   check_dense(zeros, at::kFloat, "zeros");
   const int64_t k = x_in.size(-1), k2 = k / 2;
-  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && k % group_size == 0,
-              "group_size must be even and divide the input size (", k, "), got ", group_size);
+  TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && k % group_size == 0,
+              "group_size must be a multiple of 16 that divides the input size (", k, "), got ", group_size);
   const int64_t groups = (out_features + kBf16GroupCols - 1) / kBf16GroupCols, quant_groups = k / group_size;
   TORCH_CHECK(out_features > 0 && codes.numel() == groups * k2 * kBf16GroupCols,
               "codes hold no [", out_features, ", ", k, "] weight (x has ", k, " features)");
@@ -159,15 +160,10 @@ at::Tensor int4_bf16dot_linear(const at::Tensor& x_in, const at::Tensor& codes, 
   const int64_t rows = k ? x_in.numel() / k : 0;
   if (rows == 0) return y.to(x_in.scalar_type());
   at::Tensor x = x_in.reshape({rows, k}).to(at::kBFloat16).contiguous();  // fp32 -> bf16, round to nearest even
-  // each row's sum of its bf16 values over each quantization group, in order (a row's own, whatever the batch)
+  // each row's sum of its bf16 values over each quantization group (a row's own, whatever the batch)
   at::Tensor xsums = at::empty({rows, quant_groups}, x_in.options().dtype(at::kFloat));
-  const at::BFloat16* xv = x.data_ptr<at::BFloat16>();
   float* sums = xsums.data_ptr<float>();
-  for (int64_t i = 0; i < rows * quant_groups; i++) {
-    float sum = 0.0f;
-    for (int64_t j = 0; j < group_size; j++) sum += static_cast<float>(xv[i * group_size + j]);
-    sums[i] = sum;
-  }
+  int4_group_sums(reinterpret_cast<const uint16_t*>(x.data_ptr()), sums, rows, k, group_size);
   linear_int4_bf16dot(reinterpret_cast<const uint32_t*>(x.data_ptr()), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                       zeros.data_ptr<float>(), sums, bias_ptr, y.data_ptr<float>(), rows, k2, out_features, group_size / 2);
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());

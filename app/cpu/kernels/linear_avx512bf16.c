@@ -137,6 +137,21 @@ static TARGET void int4_tile_rows(const uint32_t* x, int64_t k2, const uint8_t* 
     }
 }
 
+// sums[r][g]: the sum of row r's bf16 values over quantization group g (group_size a multiple of 16), in a
+// fixed order that depends on nothing but the row: sixteen lanes along the group, then the lanes' tree.
+TARGET void int4_group_sums(const uint16_t* x, float* sums, int64_t m, int64_t k, int64_t group_size) {
+    const int64_t groups = k / group_size;
+#pragma omp parallel for schedule(static) if (m * groups >= 1024)  // a decode step's few rows: not worth a fork
+    for (int64_t i = 0; i < m * groups; i++) {
+        const uint16_t* xi = x + i * group_size;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < group_size; j += 16)  // bf16 -> fp32: the same bits, 16 places up
+            acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(xi + j))), 16)));
+        sums[i] = _mm512_reduce_add_ps(acc);
+    }
+}
+
 // x: [m][k2] bf16 pairs; codes: ceil(n / 64) groups of k2 * 64 bytes; scales, zeros: per group, k2 /
 // pairs_per_group quantization groups of 64 floats (a zero as its code); xsums: [m][quantization group] the
 // sums of x's bf16 values over each group, in order; y: [m][n].
@@ -167,6 +182,9 @@ TARGET void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const f
 int linear_bf16dot_built(void) { return 0; }
 void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, float* y, int64_t m, int64_t k2, int64_t n) {
     (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)k2; (void)n;
+}
+void int4_group_sums(const uint16_t* x, float* sums, int64_t m, int64_t k, int64_t group_size) {
+    (void)x; (void)sums; (void)m; (void)k; (void)group_size;
 }
 void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const float* scales, const float* zeros, const float* xsums,
                          const float* bias, float* y, int64_t m, int64_t k2, int64_t n, int64_t pairs_per_group) {
