@@ -108,6 +108,9 @@ class SpecConfig:
     # Batched tokens at which a target step costs twice a one-token step: how fast verifying extra tokens
     # stops being free as the batch grows (2-core AVX-512 EPYC: 1 token 15 ms, 32 sequences 85 ms: ~7).
     saturation_tokens: float = 8.0
+    # Size each sequence's drafts by what pays (its acceptance, the batch, the measured costs; 0 where nothing
+    # does), or false: always draft num_speculative_tokens, as vLLM does (for a pairing whose costs are known).
+    adaptive: bool = True
     # Also serve the model under this name, and draft only for requests addressed to it (unset: for every
     # eligible request): one engine, with and without speculation side by side, as in the default app.
     served_name: str | None = None
@@ -122,6 +125,8 @@ class SpecConfig:
             raise ValueError("engine.speculative.saturation_tokens must be a number > 0")
         if not isinstance(self.max_draft_wait_ms, (int, float)) or self.max_draft_wait_ms < 0:
             raise ValueError("engine.speculative.max_draft_wait_ms must be a number >= 0")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError("engine.speculative.adaptive must be true or false")
         if self.served_name is not None and (not isinstance(self.served_name, str) or not self.served_name):
             raise ValueError("engine.speculative.served_name must be a non-empty string (or unset)")
         if self.served_name is not None and not self.enabled:

@@ -43,8 +43,13 @@ class NgramDrafter:
         self.stats = SpecDecodingStats.new(config.num_speculative_tokens)
 
     def propose(self, request: Request, limit: int, batch_size: int, target_step_s: float, now: float) -> None:
-        k = min(limit, self.policy.draft_length(request.request_id, batch_size)) if limit > 0 else 0
+        k = min(limit, self._length(request, batch_size)) if limit > 0 else 0
         request.spec_token_ids = self.proposer.propose(request.all_token_ids, k) if k > 0 else []
+
+    def _length(self, request: Request, batch_size: int) -> int:
+        if not self.config.adaptive:
+            return self.config.num_speculative_tokens
+        return self.policy.draft_length(request.request_id, batch_size)
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         self.policy.record(request.request_id, num_drafted, num_accepted)

@@ -143,6 +143,8 @@ class ModelDrafter:
 
     def _length(self, request: Request, batch_size: int) -> int:
         """The policy's draft length; 0 where not even drafts that always pass would pay at the measured cost."""
+        if not self.config.adaptive:
+            return self.config.num_speculative_tokens
         if self.policy.best_length(1.0, batch_size) > 0:
             return self.policy.draft_length(request.request_id, batch_size)
         self._hopeless_steps += 1

@@ -27,11 +27,16 @@ TEST_STEP_TOKENS = 512  # real engines' step budget in tests (their warm-up runs
 def app_args() -> dict:
     """The shipped config, with the bf16 model in fp32: batched == alone must hold exactly, and bf16
     rounding depends on how many rows a matmul has (a near-tie can then flip a greedy token). Steps of
-    512 tokens: each engine's warm-up runs one step of the whole budget, and the suite starts many."""
+    512 tokens: each engine's warm-up runs one step of the whole budget, and the suite starts many. The
+    speculative twins draft at every step (``adaptive: false``): on a fast target the policy may find the
+    draft model too dear and draft nothing, which would leave their equality tests nothing to verify."""
     config = yaml.safe_load(open("configs/smollm2-cpu.yaml"))
     config["models"][0]["model"]["dtype"] = "float32"
     for model in config["models"]:
         model.setdefault("engine", {})["max_num_batched_tokens"] = TEST_STEP_TOKENS
+        for spec in model["engine"].get("speculative", []):
+            # the twins draft at every step, paying or not: their equality tests must exercise verification
+            spec["adaptive"] = False
     return config
 
 

@@ -33,7 +33,8 @@ def _args() -> dict:
         "models": [
             {"model": {**model, "source": "smollm2-135m-instruct-gptq", "name": TARGET, "quantization": "gptq"},
              "engine": {"kv_cache_memory_mb": 256, "max_num_batched_tokens": TEST_STEP_TOKENS, "speculative": {
-                 "drafter": "model", "draft": DRAFT, "num_speculative_tokens": 4, "served_name": TWIN}},
+                 "drafter": "model", "draft": DRAFT, "num_speculative_tokens": 4, "served_name": TWIN,
+                 "adaptive": False}},  # drafts at every step, paying or not: the kill must cut calls in flight
              "replica": replica},
             {"model": {**model, "source": "smollm2-135m-instruct", "name": DRAFT},
              "engine": {"kv_cache_memory_mb": 256, "max_num_batched_tokens": TEST_STEP_TOKENS}, "replica": replica},

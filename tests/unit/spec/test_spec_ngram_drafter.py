@@ -8,11 +8,11 @@ from app.spec.policy import PRIOR_AFTER_DRAFTS, StepCosts
 REPEATING = [5, 6, 7, 8, 9] * 6  # every suffix has an earlier match: prompt lookup always finds a window
 
 
-def _drafter() -> NgramDrafter:
+def _drafter(**fields) -> NgramDrafter:
     costs = StepCosts(min_samples=1)
     for tokens in range(1, 64):  # a compute-bound step: each batched token adds 10% of a one-token step
         costs.observe(tokens, 1.0 + 0.1 * (tokens - 1))
-    return NgramDrafter(SpecConfig(drafter="ngram", num_speculative_tokens=4), max_model_len=256, step_costs=costs)
+    return NgramDrafter(SpecConfig(drafter="ngram", num_speculative_tokens=4, **fields), max_model_len=256, step_costs=costs)
 
 
 def _request(request_id: str) -> Request:
@@ -33,3 +33,7 @@ def test_where_the_drafters_drafts_mostly_pass_a_new_sequence_drafts_at_once():
 
 def test_where_they_mostly_fail_a_new_sequence_in_a_large_batch_does_not_verify_a_window_first():
     assert _drafts_for_a_new_sequence(_drafter(), accepted_per_draft=0, batch_size=8) == 0
+
+
+def test_not_adaptive_it_drafts_the_full_window_whatever_it_costs():
+    assert _drafts_for_a_new_sequence(_drafter(adaptive=False), accepted_per_draft=0, batch_size=8) == 4
