@@ -3,8 +3,9 @@
 Layout: ``kernels/*.c`` (AVX2/FMA C kernels; ``linear_avx512bf16.c`` for CPUs with avx512_bf16),
 ``csrc/ops.cpp`` (their typed torch ops, ``torch.ops.llm_serve.*``), ``build.py`` + ``ops.py`` (build
 once, load, fake implementations), and one Python face per part: ``linear`` (prepacked GEMM, fused
-sibling projections, gated MLPs), ``gptq`` (GPTQ 4-bit layers on CPUs with avx512_bf16), ``attention`` (paged attention read in place), ``norm`` (RMSNorm),
-``rotary`` (RoPE), ``decoder`` (a decoder layer's forward in one frame), ``argmax`` (greedy sampling).
+sibling projections, gated MLPs), ``gptq`` (GPTQ 4-bit layers on CPUs with avx512_bf16), ``attention``
+(paged attention read in place), ``norm`` (RMSNorm), ``rotary`` (RoPE), ``decoder`` (a decoder layer's
+forward in one frame), ``argmax`` (greedy sampling).
 
 The runner calls :func:`install_fast_path` once per engine. Each part is installed only where it gives
 the module's own results (the bits, or float rounding for norms), checked on a test input first, and
