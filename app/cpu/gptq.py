@@ -10,7 +10,8 @@ zero and scale once to its sum. Served, a GPTQ model runs 1.3-1.6x faster on it 
 
 Numbers: activations are rounded to bf16, as torch's int4 kernel rounds them; the codes are exact in bf16, so
 each product ``x * code`` is exact and summed in fp32 over a group, then ``scale * (sum - zero * sum of x)``
-in fp32 with the checkpoint's own fp16 scales (GPTQModel's CPU path rounds scales and zeros to bf16 first, ~20x
+in fp32 with the checkpoint's own fp16 scales (kept as fp16, zeros as bytes: the layer stays as small as
+GPTQ's own packing) (GPTQModel's CPU path rounds scales and zeros to bf16 first, ~20x
 further from the checkpoint's weights). Every output is summed in one fixed order: a row has the same bits
 alone or in any batch.
 
@@ -42,8 +43,8 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = codes.shape
         self.group_size = group_size
         self.register_buffer("codes", pack_codes(codes))
-        self.register_buffer("scales", pack_per_group(scales))
-        self.register_buffer("zeros", pack_per_group(zeros))
+        self.register_buffer("scales", pack_per_group(scales, torch.float16))
+        self.register_buffer("zeros", pack_per_group(zeros, torch.uint8))
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,11 +66,12 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     return (values[:, :, :, 0] | (values[:, :, :, 1] << 4)).contiguous().view(-1)
 
 
-def pack_per_group(values: torch.Tensor) -> torch.Tensor:
-    """Scales or zeros [in / group_size, out] -> [group of 64 columns][quantization group][64] fp32; padded columns 0."""
+def pack_per_group(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scales (fp16) or zero codes (uint8) [in / group_size, out] -> [group of 64 columns][quantization group][64];
+    padded columns 0."""
     quant_groups, n = values.shape
     groups = -(-n // GROUP_COLS)
-    padded = values.new_zeros(quant_groups, groups * GROUP_COLS, dtype=torch.float32)
+    padded = values.new_zeros(quant_groups, groups * GROUP_COLS, dtype=dtype)
     padded[:, :n] = values
     return padded.view(quant_groups, groups, GROUP_COLS).permute(1, 0, 2).contiguous().view(-1)
 
@@ -93,6 +95,9 @@ def gptq_codes(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     zeros = ((module.qzeros.unsqueeze(2) >> shifts.view(1, 1, 8)) & 0xF).reshape(k // group_size, -1)
     codes, zeros = codes[: module.out_features].contiguous(), zeros[:, : module.out_features].float().contiguous()
     scales = module.scales.float().contiguous()
+    if not torch.equal(scales.half().float(), scales):
+        logger.debug("GPTQ layer left to GPTQModel's kernel: its scales are not fp16 values")
+        return None
     reference = module.dequantize_weight().float().t()  # GPTQModel's own reading of the same tensors
     if not torch.equal(reference, dequantized(codes, scales, zeros, group_size).to(module.scales.dtype).float()):
         logger.debug("GPTQ layer left to GPTQModel's kernel: its dequantized weight differs from the codes' reading")

@@ -22,8 +22,9 @@ void linear(const float* x, const float* packed, const float* bias, float* y, in
 void linear_bf16w(const float* x, const uint16_t* packed, const float* bias, float* y, int64_t m, int64_t k, int64_t n);
 int linear_bf16dot_built(void);
 void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, float* y, int64_t m, int64_t k2, int64_t n);
-void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const float* scales, const float* zeros, const float* xsums,
-                         const float* bias, float* y, int64_t m, int64_t k2, int64_t n, int64_t pairs_per_group);
+void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros,
+                         const float* xsums, const float* bias, float* y, int64_t m, int64_t k2, int64_t n,
+                         int64_t pairs_per_group);
 void int4_group_sums(const uint16_t* x, float* sums, int64_t m, int64_t k, int64_t group_size);
 void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
 void rotary(const float* q, int64_t qs_b, int64_t qs_h, int64_t qs_t, int64_t q_heads, const float* k, int64_t ks_b,
@@ -143,8 +144,8 @@ at::Tensor int4_bf16dot_linear(const at::Tensor& x_in, const at::Tensor& codes, 
               "x must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK(x_in.dim() >= 1, "x must have a feature dimension");
   check_dense(codes, at::kByte, "codes");
-  check_dense(scales, at::kFloat, "scales");
-  check_dense(zeros, at::kFloat, "zeros");
+  check_dense(scales, at::kHalf, "scales");
+  check_dense(zeros, at::kByte, "zeros");
   const int64_t k = x_in.size(-1), k2 = k / 2;
   TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && k % group_size == 0,
               "group_size must be a multiple of 16 that divides the input size (", k, "), got ", group_size);
@@ -164,8 +165,8 @@ at::Tensor int4_bf16dot_linear(const at::Tensor& x_in, const at::Tensor& codes, 
   at::Tensor xsums = at::empty({rows, quant_groups}, x_in.options().dtype(at::kFloat));
   float* sums = xsums.data_ptr<float>();
   int4_group_sums(reinterpret_cast<const uint16_t*>(x.data_ptr()), sums, rows, k, group_size);
-  linear_int4_bf16dot(reinterpret_cast<const uint32_t*>(x.data_ptr()), codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                      zeros.data_ptr<float>(), sums, bias_ptr, y.data_ptr<float>(), rows, k2, out_features, group_size / 2);
+  linear_int4_bf16dot(reinterpret_cast<const uint32_t*>(x.data_ptr()), codes.data_ptr<uint8_t>(),
+                      reinterpret_cast<const uint16_t*>(scales.data_ptr()), zeros.data_ptr<uint8_t>(), sums, bias_ptr, y.data_ptr<float>(), rows, k2, out_features, group_size / 2);
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 

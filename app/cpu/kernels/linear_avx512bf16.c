@@ -81,7 +81,7 @@ TARGET void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const floa
 // quantization group the products x * code are exact and summed in fp32, and each group's sum enters y once:
 // y = bias + sum over groups of scale * (sum of x * code - zero * sum of x), the last from xsums.
 static inline TARGET __attribute__((always_inline)) void int4_tile(const uint32_t* x, int64_t k2, const uint8_t* codes,
-                                                                    const float* scales, const float* zeros,
+                                                                    const uint16_t* scales, const uint8_t* zeros,
                                                                     const float* xsums, int64_t quant_groups, __m512i table,
                                                                     int64_t pairs_per_group, const float* bias, float* y,
                                                                     int64_t n, int64_t col0, const int rows) {
@@ -113,8 +113,10 @@ static inline TARGET __attribute__((always_inline)) void int4_tile(const uint32_
         }
         const int64_t group = start / pairs_per_group;
         for (int p = 0; p < PANELS; p++) {
-            const __m512 sv = _mm512_loadu_ps(scales + group * GROUP_COLS + 16 * p);
-            const __m512 zv = _mm512_loadu_ps(zeros + group * GROUP_COLS + 16 * p);
+            // fp16 scales and 4-bit zero codes, as the checkpoint holds them: exact in fp32
+            const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + group * GROUP_COLS + 16 * p)));
+            const __m512 zv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i*)(zeros + group * GROUP_COLS + 16 * p))));
             for (int r = 0; r < rows; r++) {
                 float* yp = y + r * n + col0 + 16 * p;
                 const __m512 sum = _mm512_fnmadd_ps(zv, _mm512_set1_ps(xsums[r * quant_groups + group]), acc[r][p]);
@@ -124,7 +126,7 @@ static inline TARGET __attribute__((always_inline)) void int4_tile(const uint32_
     }
 }
 
-static TARGET void int4_tile_rows(const uint32_t* x, int64_t k2, const uint8_t* codes, const float* scales, const float* zeros,
+static TARGET void int4_tile_rows(const uint32_t* x, int64_t k2, const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros,
                                   const float* xsums, int64_t quant_groups, __m512i table, int64_t pairs_per_group,
                                   const float* bias, float* y, int64_t n, int64_t col0, int rows) {
     switch (rows) {  // a constant row count per case, so the accumulators stay in registers
@@ -152,10 +154,10 @@ TARGET void int4_group_sums(const uint16_t* x, float* sums, int64_t m, int64_t k
     }
 }
 
-// x: [m][k2] bf16 pairs; codes: ceil(n / 64) groups of k2 * 64 bytes; scales, zeros: per group, k2 /
-// pairs_per_group quantization groups of 64 floats (a zero as its code); xsums: [m][quantization group] the
+// x: [m][k2] bf16 pairs; codes: ceil(n / 64) groups of k2 * 64 bytes; scales (fp16), zeros (codes): per group,
+// k2 / pairs_per_group quantization groups of 64; xsums: [m][quantization group] the
 // sums of x's bf16 values over each group, in order; y: [m][n].
-TARGET void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const float* scales, const float* zeros,
+TARGET void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros,
                                 const float* xsums, const float* bias, float* y, int64_t m, int64_t k2, int64_t n,
                                 int64_t pairs_per_group) {
     uint16_t entries[32] = {0};
@@ -186,8 +188,9 @@ void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias
 void int4_group_sums(const uint16_t* x, float* sums, int64_t m, int64_t k, int64_t group_size) {
     (void)x; (void)sums; (void)m; (void)k; (void)group_size;
 }
-void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const float* scales, const float* zeros, const float* xsums,
-                         const float* bias, float* y, int64_t m, int64_t k2, int64_t n, int64_t pairs_per_group) {
+void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros,
+                         const float* xsums, const float* bias, float* y, int64_t m, int64_t k2, int64_t n,
+                         int64_t pairs_per_group) {
     (void)x; (void)codes; (void)scales; (void)zeros; (void)xsums; (void)bias; (void)y; (void)m; (void)k2; (void)n;
     (void)pairs_per_group;
 }

@@ -28,7 +28,7 @@ def _layer(n: int, k: int, group_size: int, seed: int):
 
 def _run(x, layer, group_size, bias=None):
     codes, scales, zeros = layer
-    return OPS.linear_int4_bf16dot(x, pack_codes(codes), pack_per_group(scales), pack_per_group(zeros), bias,
+    return OPS.linear_int4_bf16dot(x, pack_codes(codes), pack_per_group(scales, torch.float16), pack_per_group(zeros, torch.uint8), bias,
                                    codes.shape[0], group_size)
 
 
@@ -72,8 +72,8 @@ def test_bf16_activations_give_bf16_outputs_of_the_same_product():
 def test_inconsistent_shapes_are_refused_with_the_reason():
     codes, scales, zeros = _layer(64, 128, 64, seed=3)
     with pytest.raises(RuntimeError, match="group_size must be a multiple of 16"):
-        OPS.linear_int4_bf16dot(torch.randn(2, 128), pack_codes(codes), pack_per_group(scales), pack_per_group(zeros),
+        OPS.linear_int4_bf16dot(torch.randn(2, 128), pack_codes(codes), pack_per_group(scales, torch.float16), pack_per_group(zeros, torch.uint8),
                                 None, 64, 48)
     with pytest.raises(RuntimeError, match="codes hold no"):
-        OPS.linear_int4_bf16dot(torch.randn(2, 128), pack_codes(codes), pack_per_group(scales), pack_per_group(zeros),
+        OPS.linear_int4_bf16dot(torch.randn(2, 128), pack_codes(codes), pack_per_group(scales, torch.float16), pack_per_group(zeros, torch.uint8),
                                 None, 128, 64)
