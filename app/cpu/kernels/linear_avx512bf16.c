@@ -11,8 +11,9 @@
 //
 // linear_int4_bf16dot takes 4-bit weights (GPTQ's codes, a zero and a scale per group of input features and
 // column) in the same tiles: each code becomes bf16 in registers through a table lookup, cheap enough to
-// redo for every tile of rows, and a group's exact products are summed before its zero and scale apply. Its cost grows with the rows as the bf16 kernel's does, not as a kernel that widens the
-// weights to floats for every few rows. The same bits alone or in any batch here too.
+// redo for every tile of rows, and a group's exact products are summed before its zero and scale apply.
+// Its cost grows with the rows as the bf16 kernel's does, not as a kernel that widens the weights to floats
+// for every few rows. The same bits alone or in any batch here too.
 #include <stdint.h>
 
 #if defined(__x86_64__) && ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 9))
