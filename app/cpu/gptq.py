@@ -10,10 +10,9 @@ zero and scale once to its sum. Served, a GPTQ model runs 1.3-1.6x faster on it 
 
 Numbers: activations are rounded to bf16, as torch's int4 kernel rounds them; the codes are exact in bf16, so
 each product ``x * code`` is exact and summed in fp32 over a group, then ``scale * (sum - zero * sum of x)``
-in fp32 with the checkpoint's own fp16 scales (kept as fp16, zeros as bytes: the layer stays as small as
-GPTQ's own packing) (GPTQModel's CPU path rounds scales and zeros to bf16 first, ~20x
-further from the checkpoint's weights). Every output is summed in one fixed order: a row has the same bits
-alone or in any batch.
+in fp32 with the checkpoint's own fp16 scales, where GPTQModel's CPU path rounds scales and zeros to bf16 first
+(~20x further from the checkpoint's weights). Scales stay fp16 and zeros bytes, so the layer is as small as
+GPTQ's own packing. Every output is summed in one fixed order: a row has the same bits alone or in any batch.
 
 Only layers this layout describes exactly are taken: 4-bit, input features in whole groups in order (no
 act-order permutation), no adapter, not yet run by GPTQModel (which repacks its weights on the first call);

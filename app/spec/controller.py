@@ -38,18 +38,13 @@ class NgramDrafter:
         # A new sequence starts from what this drafter's drafts achieve (on chat, a few in two pass; on rewrites, most),
         # so that in a large batch it does not verify a full window before its own history says whether that pays.
         policy = DraftPolicyConfig(num_speculative_tokens=config.num_speculative_tokens, saturation_tokens=config.saturation_tokens,
-                                   start_from_prior=True, prior_acceptance=_NGRAM_FIRST_PRIOR)
+                                   start_from_prior=True, prior_acceptance=_NGRAM_FIRST_PRIOR, adaptive=config.adaptive)
         self.policy = DraftLengthPolicy(policy, step_costs)
         self.stats = SpecDecodingStats.new(config.num_speculative_tokens)
 
     def propose(self, request: Request, limit: int, batch_size: int, target_step_s: float, now: float) -> None:
-        k = min(limit, self._length(request, batch_size)) if limit > 0 else 0
+        k = min(limit, self.policy.draft_length(request.request_id, batch_size)) if limit > 0 else 0
         request.spec_token_ids = self.proposer.propose(request.all_token_ids, k) if k > 0 else []
-
-    def _length(self, request: Request, batch_size: int) -> int:
-        if not self.config.adaptive:
-            return self.config.num_speculative_tokens
-        return self.policy.draft_length(request.request_id, batch_size)
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         self.policy.record(request.request_id, num_drafted, num_accepted)

@@ -122,6 +122,7 @@ class DraftPolicyConfig:
     probe_draft_tokens: int | None = None  # default: num_speculative_tokens
     # A sequence with no history drafts num_speculative_tokens (False), or what its prior says pays (True).
     start_from_prior: bool = False
+    adaptive: bool = True  # False: every length is num_speculative_tokens, whatever it costs (vLLM's behaviour)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_draft_tokens <= max(self.num_speculative_tokens, 1):
@@ -171,6 +172,8 @@ class DraftLengthPolicy:
     def best_length(self, a: float, batch_size: int) -> int:
         """argmax over k in {0} | [min, max] of the expected speed-up; 0 below ``min_speedup``."""
         cfg = self.config
+        if not cfg.adaptive:
+            return cfg.num_speculative_tokens
         best_k, best = 0, 1.0
         for k in range(cfg.min_draft_tokens, cfg.num_speculative_tokens + 1):
             speedup = expected_speedup(a, k, self.cost_ratio, batch_size, cfg.saturation_tokens, self.step_costs)

@@ -100,7 +100,7 @@ class ModelDrafter:
         # A draft model costs a good part of a target step per token: a sequence starts speculating only where its
         # prior (this drafter's acceptance so far) says it pays, and waits for a window it does not have yet.
         policy = DraftPolicyConfig(num_speculative_tokens=config.num_speculative_tokens, saturation_tokens=config.saturation_tokens,
-                                   start_from_prior=True, prior_acceptance=_FIRST_PRIOR)
+                                   start_from_prior=True, prior_acceptance=_FIRST_PRIOR, adaptive=config.adaptive)
         self.policy = DraftLengthPolicy(policy, step_costs)
         self.stats = SpecDecodingStats.new(config.num_speculative_tokens)
         self._seqs: dict[str, _Sequence] = {}
@@ -143,8 +143,6 @@ class ModelDrafter:
 
     def _length(self, request: Request, batch_size: int) -> int:
         """The policy's draft length; 0 where not even drafts that always pass would pay at the measured cost."""
-        if not self.config.adaptive:
-            return self.config.num_speculative_tokens
         if self.policy.best_length(1.0, batch_size) > 0:
             return self.policy.draft_length(request.request_id, batch_size)
         self._hopeless_steps += 1
