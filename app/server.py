@@ -102,8 +102,9 @@ class ModelServer:
         return result
 
     async def propose(self, call: DraftCall) -> DraftResult:
-        """Draft for another model's sequence (this model is its ``drafter: model``): this model's greedy choice
-        for ``call.num_tokens`` tokens after the call's context, computed in this engine's batches."""
+        """Draft for another model's sequence (this model is its ``drafter: model``): ``call.num_tokens`` tokens
+        after the call's context, computed in this engine's batches (greedy for a greedy request, else sampled,
+        each with the distribution it was drawn from: app/spec/remote.py)."""
         room = self.info.max_model_len - len(call.prompt_token_ids) - len(call.output_token_ids)
         num_tokens = min(call.num_tokens, room)
         if num_tokens <= 0:
@@ -113,14 +114,18 @@ class ModelServer:
                           sampling, self.info.eos_token_ids, output_token_ids=list(call.output_token_ids),
                           drafter=None, detokenize=False)
         tokens: list[int] = []
+        probs: list = []
         first_s = last_s = 0.0
         async for output in self.engine.generate(request, self.serving.admit):
             last_s = time.monotonic()
             first_s = first_s or last_s
             tokens.extend(output.new_token_ids)
+            probs.extend(lp.sampled_from if lp is not None else None for lp in output.logprobs or [])
         # the drafting cost per token, past the first (which also paid the context's prefill and any queue)
         s_per_token = (last_s - first_s) / (len(tokens) - 1) if len(tokens) > 1 else None
-        return DraftResult(call.call_id, call.drafter, call.sequence_id, tokens, s_per_token=s_per_token)
+        sampled = len(probs) == len(tokens) and all(p is not None for p in probs)
+        return DraftResult(call.call_id, call.drafter, call.sequence_id, tokens, s_per_token=s_per_token,
+                           probs=probs if sampled and tokens else None)
 
     def check_health(self) -> None:
         """Raise if this replica can no longer serve: the engine loop died, or it is wedged (no step

@@ -171,7 +171,7 @@ class LLMEngine:
     def _append(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> RequestOutput:
         """Append a step's tokens in order until the request finishes; one output carries them all."""
         if request.spec_token_ids:
-            request.spec_token_ids = []  # verified: the next drafts come from the controller
+            request.set_drafts([])  # verified: the next drafts come from the controller
         output = None
         for token_id, logprob in zip(token_ids, logprobs):
             step = self.outputs.append_token(request, token_id, logprob)

@@ -41,6 +41,8 @@ _FINISH_REASONS = {
 
 
 MAX_LOGPROBS = 20
+# A distribution over a few token ids: (ids, probabilities), the probabilities summing to 1.
+SparseProbs = tuple[list[int], list[float]]
 
 
 @dataclass
@@ -50,6 +52,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+    # A draft call's sampled token (SamplingParams.draft_top_n): the distribution it was drawn from.
+    sampled_from: SparseProbs | None = None
 
 
 @dataclass
@@ -71,6 +75,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's plus the n most likely
+    # Draft calls only (a draft model sampling for a target, app/spec/remote.py): sample from the n most likely
+    # tokens of the processed distribution, renormalized, and return that distribution with each token.
+    draft_top_n: int = 0
 
     def __post_init__(self) -> None:
         self.stop = tuple([self.stop] if isinstance(self.stop, str) else self.stop or ())
@@ -90,6 +97,7 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
             (len(self.stop) <= 16, "at most 16 stop strings are supported"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.draft_top_n >= 0, "draft_top_n must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -117,8 +125,11 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     # Draft tokens to verify in the next step, after the last output token (speculative decoding): the step
-    # computes them too, and keeps those the target model agrees with (app/spec/, engine.py).
+    # computes them too, and keeps those the target model agrees with (app/spec/, engine.py). Set by set_drafts.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The distribution each draft token was sampled from (a draft model sampling for a sampled request);
+    # None: the drafts were chosen, not sampled (n-gram lookup, greedy drafts), and are verified as one-hot.
+    spec_draft_probs: list[SparseProbs] | None = None
     # Which of the engine's drafters (engine.drafters) drafts for it (None: none); by default the first, if any.
     drafter: int | None = 0
     awaiting_draft: bool = False  # its next drafts are being computed elsewhere: the scheduler lets it wait
@@ -135,6 +146,12 @@ class Request:
                 times["prefill_s"] = self.first_token_s - self.first_scheduled_s
                 times["decode_s"] = now - self.first_token_s
         return times
+
+    def set_drafts(self, token_ids: list[int], probs: list[SparseProbs] | None = None) -> None:
+        """The drafts for the next step, with the distributions they were sampled from (if they were)."""
+        if probs is not None and len(probs) != len(token_ids):
+            raise ValueError(f"{len(probs)} draft distributions for {len(token_ids)} draft tokens")
+        self.spec_token_ids, self.spec_draft_probs = token_ids, probs
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -145,8 +145,10 @@ class ModelRunner:
             rows = torch.cat([torch.arange(first_row[i], first_row[i + 1]) for i in drafting]).to(logits.device)
             requests = [items[i].request for i in drafting]
             drafts = [r.spec_token_ids[: items[i].num_spec_tokens] for i, r in zip(drafting, requests)]
+            draft_probs = [r.spec_draft_probs[: items[i].num_spec_tokens] if r.spec_draft_probs is not None else None
+                           for i, r in zip(drafting, requests)]
             generators = [self._generator(r) for r in requests]
-            tokens, kept = verify_drafts(logits[rows], requests, drafts, generators)  # a copy: logits stay raw
+            tokens, kept = verify_drafts(logits[rows], requests, drafts, generators, draft_probs)  # a copy: logits stay raw
             for i, item_tokens, item_kept in zip(drafting, tokens, kept):
                 emitted[i], accepted[i] = item_tokens, item_kept
         return self._output(logits, items, first_row, emitted, logprobs, accepted)

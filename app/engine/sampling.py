@@ -7,12 +7,13 @@ penalties on raw logits, min_tokens masking, temperature, then top-k / top-p / m
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
 from app.cpu.argmax import argmax_rows
-from app.engine.request import Request, TokenLogprob
+from app.engine.request import Request, SparseProbs, TokenLogprob
 
 _NEG_INF = float("-inf")
 
@@ -36,19 +37,23 @@ class Sampler:
         """Sample, and for requests that ask, the sampled token's logprob under the model's raw distribution."""
         logits = logits.float()  # [B, V]
         raw = logits.clone() if any(r.sampling.logprobs is not None for r in requests) else None
-        tokens = self._sample(logits, requests)
-        return tokens, token_logprobs(raw, tokens, requests) if raw is not None else [None] * len(requests)
+        tokens, sampled_from = self._sample(logits, requests)
+        logprobs = token_logprobs(raw, tokens, requests) if raw is not None else [None] * len(requests)
+        for row, (ids, probs) in sampled_from.items():  # draft calls: what the target will verify against
+            logprobs[row] = TokenLogprob(tokens[row], math.log(probs[ids.index(tokens[row])]), [], (ids, probs))
+        return tokens, logprobs
 
-    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], dict[int, SparseProbs]]:
         logits = apply_penalties(logits, requests)
         logits = mask_stop_tokens_before_min(logits, requests)
         greedy_tokens = argmax_rows(logits)  # [B]
         if all(r.sampling.greedy for r in requests):
-            return greedy_tokens.tolist()
+            return greedy_tokens.tolist(), {}
         probs = truncated_probs(logits, requests)  # [B, V]
+        sampled_from = keep_draft_top_n(probs, requests)
         sampled = self._draw(probs, requests)  # [B]
         is_greedy = torch.tensor([r.sampling.greedy for r in requests], device=logits.device)
-        return torch.where(is_greedy, greedy_tokens, sampled).tolist()
+        return torch.where(is_greedy, greedy_tokens, sampled).tolist(), sampled_from
 
     def _draw(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets each row
@@ -67,6 +72,25 @@ class Sampler:
             generator.manual_seed(request.sampling.seed)
             self._generators[request.request_id] = generator
         return generator
+
+
+def keep_draft_top_n(probs: torch.Tensor, requests: Sequence[Request]) -> dict[int, SparseProbs]:
+    """Rows of draft calls (``draft_top_n``) keep their n most likely tokens, renormalized, in place; returns
+    each such row's distribution as sent to the target. Verification is lossless for any distribution the
+    draft token was truly drawn from, and n tokens cross the network in a few hundred bytes, where the whole
+    vocabulary would not; the mass cut off is small, and only costs acceptance."""
+    chosen: dict[int, SparseProbs] = {}
+    for row, request in enumerate(requests):
+        top_n = request.sampling.draft_top_n
+        if not top_n or request.sampling.greedy:
+            continue
+        values, ids = probs[row].topk(min(top_n, probs.shape[-1]))  # [n]
+        keep = values > 0  # truncation (top-p, top-k, min-p) may have left fewer than n
+        values, ids = values[keep] / values[keep].sum(), ids[keep]
+        probs[row].zero_()
+        probs[row, ids] = values
+        chosen[row] = (ids.tolist(), values.tolist())
+    return chosen
 
 
 def token_logprobs(raw: torch.Tensor, tokens: list[int], requests: Sequence[Request]) -> list[TokenLogprob | None]:

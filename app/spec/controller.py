@@ -44,7 +44,7 @@ class NgramDrafter:
 
     def propose(self, request: Request, limit: int, batch_size: int, target_step_s: float, now: float) -> None:
         k = min(limit, self.policy.draft_length(request.request_id, batch_size)) if limit > 0 else 0
-        request.spec_token_ids = self.proposer.propose(request.all_token_ids, k) if k > 0 else []
+        request.set_drafts(self.proposer.propose(request.all_token_ids, k) if k > 0 else [])
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         self.policy.record(request.request_id, num_drafted, num_accepted)
@@ -84,7 +84,7 @@ class SpeculationController:
         for request in decoding:
             drafter = self._drafter(request)
             if drafter is None:
-                request.spec_token_ids = []
+                request.set_drafts([])
                 continue
             drafter.propose(request, self._limit(request), len(decoding), target_step_s, now)
 

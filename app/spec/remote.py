@@ -15,11 +15,14 @@ goes on) for at most ``max_draft_wait_ms``, after which it decodes a token witho
 
 Matching, and why any arrival is safe to use: a result says "after output O, the draft model proposes
 t1..tn". When it arrives the sequence's output is O'. If O' = O + t1..tm (the target emitted exactly what
-the draft guessed so far), t(m+1).. are proposals for O'; otherwise they are dropped. The draft picks its
-tokens (its own greedy choice under the request's penalties) without ever seeing the target's random
-draws, and the target verifies them as one-hot drafts (``rejection.py``: accept x with probability p(x),
-else resample from p without x), which gives exactly the target's distribution for any such x. Output is
-therefore lossless whatever the timing, a lost call, or which replica answered.
+the draft guessed so far), t(m+1).. are proposals for O'; otherwise they are dropped. For a greedy request
+the draft proposes its greedy choice under the request's penalties, verified as one-hot drafts. For a
+sampled request it samples each token from its own processed distribution (the request's temperature,
+top-k/p, min-p and penalties, cut to its ``DRAFT_TOP_N`` most likely tokens) and returns that distribution
+q with it; the target accepts with probability min(1, p/q) (``rejection.py``). Either way the draft never
+sees the target's random draws, and whether a proposal is used depends only on tokens before it: given
+those, t(m+1) is still a draw from q after O', so output is lossless whatever the timing, a lost call,
+or which replica answered.
 
 State that survives routing: every call carries the sequence's whole context (prompt and output), so a
 draft replica that never saw the sequence, or a restarted one, recomputes it (its prefix cache keeps the
@@ -34,7 +37,7 @@ import itertools
 from dataclasses import dataclass
 
 from app.config import SpecConfig
-from app.engine.request import Request, SamplingParams
+from app.engine.request import Request, SamplingParams, SparseProbs
 from app.spec.policy import PRIOR_AFTER_DRAFTS, DraftLengthPolicy, DraftPolicyConfig, StepCosts
 from app.spec.stats import SpecDecodingStats
 
@@ -43,6 +46,9 @@ _FIRST_PRIOR = 0.8  # a draft model of the target's family agrees on most tokens
 # Sequence-steps between probes while drafting cannot pay at the measured cost. A probe's prefill on the draft
 # replica competes with the target for a small machine's cores (one cost ~0.4 s of a 2-core EPYC's target time).
 _PROBE_HOPELESS_EVERY = 4096
+# A sampled request's draft tokens are drawn from the draft's distribution cut to its most likely tokens, which
+# travels with them: ~1 KB per token instead of the vocabulary, at the cost of the (small) mass cut off.
+DRAFT_TOP_N = 64
 
 
 @dataclass(frozen=True)
@@ -67,14 +73,17 @@ class DraftResult:
     elapsed_s: float = 0.0  # the call's round trip, as the target side measured it
     error: str | None = None
     s_per_token: float | None = None  # the draft model's own time per proposal after the first (no prefill, no queue)
+    probs: list[SparseProbs] | None = None  # sampled proposals: the distribution each was drawn from
 
 
 def draft_sampling(sampling: SamplingParams, num_output_tokens: int, num_tokens: int) -> SamplingParams:
-    """The draft model's sampling for a call: its greedy choice under the request's penalties and min_tokens."""
+    """The draft model's sampling for a call: the request's own (penalties, min_tokens, temperature, top-k/p,
+    min-p), greedy for a greedy request, else cut to its ``DRAFT_TOP_N`` most likely tokens; never the request's
+    seed (the draft's draws must not follow the target's) and none of its stop strings or logprobs."""
     max_tokens = num_output_tokens + num_tokens
     return dataclasses.replace(
-        sampling, temperature=0.0, seed=None, stop=(), logprobs=None, max_tokens=max_tokens,
-        min_tokens=min(sampling.min_tokens, max_tokens),
+        sampling, seed=None, stop=(), logprobs=None, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens),
+        draft_top_n=0 if sampling.greedy else DRAFT_TOP_N,
     )
 
 
@@ -84,6 +93,7 @@ class _Sequence:
     asked_base: list[int] | None = None  # the output that call assumes
     arrived_base: list[int] | None = None  # the newest answer: proposals after this output ...
     arrived: list[int] | None = None  # ... these
+    arrived_probs: list[SparseProbs] | None = None  # ... drawn from these (sampled proposals)
     waiting_since: float | None = None
     answered: int = 0  # calls answered so far
     exhausted: bool = False  # the draft model answered nothing (its context is full): stop asking
@@ -118,13 +128,15 @@ class ModelDrafter:
         if self.draft_s_per_token is not None and target_step_s > 0:  # c, from the two measured averages
             self.policy.cost_ratio = self.draft_s_per_token / target_step_s
         seq = self._seqs.setdefault(request.request_id, _Sequence())
-        drafts = self._usable(seq, request.output_token_ids)
-        request.spec_token_ids, request.awaiting_draft = [], False
+        drafts, probs = self._usable(seq, request.output_token_ids)
+        request.set_drafts([])
+        request.awaiting_draft = False
         if limit <= 0 or now < self._paused_until or seq.exhausted:
             seq.waiting_since = None
             return
         if drafts and seq.want:  # what was asked for (a probe's too) is verified; the policy sizes the next window
-            request.spec_token_ids = drafts[: min(seq.want, limit)]
+            n = min(seq.want, limit)
+            request.set_drafts(drafts[:n], probs[:n] if probs is not None else None)
             seq.waiting_since = None
             k = min(limit, self._length(request, batch_size))
             if self.config.draft_ahead and k > 0:  # the overlap: draft the next window while the target verifies this one
@@ -173,6 +185,7 @@ class ModelDrafter:
         if seq is None or result.call_id != seq.asked_id:
             return False  # a sequence that ended, or an answer overtaken by a newer call
         seq.arrived_base, seq.arrived = seq.asked_base, list(result.token_ids)
+        seq.arrived_probs = _matching_probs(result)
         seq.asked_id = seq.asked_base = None
         return True
 
@@ -212,17 +225,28 @@ class ModelDrafter:
         self._calls.append(DraftCall(seq.asked_id, self.index, request.request_id, request.prompt_token_ids, output,
                                      num_tokens, request.sampling))
 
-    def _usable(self, seq: _Sequence, output: list[int]) -> list[int]:
-        """The arrived proposals that continue ``output`` (see the module docstring); consumed once read."""
-        base, arrived = seq.arrived_base, seq.arrived
+    def _usable(self, seq: _Sequence, output: list[int]) -> tuple[list[int], list[SparseProbs] | None]:
+        """The arrived proposals that continue ``output`` (see the module docstring) and the distributions they
+        were drawn from (None: chosen, not sampled); consumed once read."""
+        base, arrived, probs = seq.arrived_base, seq.arrived, seq.arrived_probs
         if base is None or arrived is None or not _extends(output, base):
-            return []
+            return [], None
+        seq.arrived_base = seq.arrived = seq.arrived_probs = None
         emitted = len(output) - len(base)
         if output[len(base):] != arrived[:emitted]:
-            seq.arrived_base = seq.arrived = None
-            return []
-        seq.arrived_base = seq.arrived = None
-        return arrived[emitted:]
+            return [], None
+        return arrived[emitted:], probs[emitted:] if probs is not None else None
+
+
+def _matching_probs(result: DraftResult) -> list[SparseProbs] | None:
+    """The result's distributions if each proposal lies in its own (else None: the proposals are then verified as
+    one-hot, which is lossless for any tokens, where a distribution that did not produce them would not be)."""
+    probs = result.probs
+    if probs is None or len(probs) != len(result.token_ids):
+        return None
+    if any(token not in ids for token, (ids, _) in zip(result.token_ids, probs)):
+        return None
+    return [(list(ids), list(values)) for ids, values in probs]
 
 
 def _extends(output: list[int], base: list[int] | None) -> bool:

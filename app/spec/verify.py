@@ -8,8 +8,9 @@ it would stand after the drafts before it (penalties and min_tokens count them, 
   choice: exactly its output without drafts. Done on the logits in place (argmax, no probabilities): the
   cheap path, which batches of greedy requests take every step.
 - a sampled request goes through the lossless rejection sampler (``rejection.py``) on the distributions the
-  engine's sampler would draw from (``probs.processed_probs``), drafts as one-hot q (n-gram drafts carry no
-  probabilities), with its own generator when seeded.
+  engine's sampler would draw from (``probs.processed_probs``), with its own generator when seeded. Its q is
+  the distribution each draft was sampled from where the drafter sent one (a draft model's few most likely
+  tokens), else one-hot at the draft (n-gram drafts, chosen rather than sampled).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Sequence
 import torch
 
 from app.cpu.argmax import argmax_rows
-from app.engine.request import Request
+from app.engine.request import Request, SparseProbs
 from app.engine.sampling import apply_penalties, mask_stop_tokens_before_min
 from app.spec.probs import position_request, processed_probs
 from app.spec.rejection import padded_from_packed, rejection_sample
@@ -31,6 +32,7 @@ def verify_drafts(
     requests: Sequence[Request],
     drafts: Sequence[Sequence[int]],  # sequence b's n_b drafted tokens
     generators: Sequence[torch.Generator | None],  # a seeded sampled request's own generator, else None
+    draft_probs: Sequence[Sequence[SparseProbs] | None] | None = None,  # what sequence b's drafts were drawn from
 ) -> tuple[list[list[int]], list[int]]:
     """Each sequence's emitted tokens (accepted drafts, then one more) and how many drafts it kept."""
     starts = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
@@ -41,7 +43,8 @@ def verify_drafts(
     if greedy:
         _verify_greedy(rows, requests, drafts, starts, greedy, emitted, accepted)
     if sampled:
-        _verify_sampled(rows, requests, drafts, starts, sampled, generators, emitted, accepted)
+        probs = draft_probs if draft_probs is not None else [None] * len(requests)
+        _verify_sampled(rows, requests, drafts, starts, sampled, generators, probs, emitted, accepted)
     return emitted, accepted
 
 
@@ -62,7 +65,7 @@ def _verify_greedy(rows, requests, drafts, starts, chosen, emitted, accepted) ->
         at += n + 1
 
 
-def _verify_sampled(rows, requests, drafts, starts, chosen, generators, emitted, accepted) -> None:
+def _verify_sampled(rows, requests, drafts, starts, chosen, generators, draft_probs, emitted, accepted) -> None:
     counts = [len(drafts[b]) for b in chosen]
     width = max(counts) + 1
     index = [row for b in chosen for row in range(starts[b], starts[b + 1])]
@@ -70,7 +73,28 @@ def _verify_sampled(rows, requests, drafts, starts, chosen, generators, emitted,
     draft_ids = torch.tensor([list(drafts[b]) + [0] * (width - 1 - len(drafts[b])) for b in chosen], dtype=torch.long)  # [B, K]
     subset = [requests[b] for b in chosen]
     target = processed_probs(logits, subset, draft_ids, counts)  # [B, K+1, V]
-    out = rejection_sample(draft_ids, counts, None, target, is_greedy=[False] * len(chosen),
+    sent = [draft_probs[b] for b in chosen]
+    q = dense_draft_probs(draft_ids, counts, sent, target.shape[-1]) if any(p is not None for p in sent) else None
+    out = rejection_sample(draft_ids, counts, q, target, is_greedy=[False] * len(chosen),
                            generators=[generators[b] for b in chosen])
     for b, tokens, kept in zip(chosen, out.tolist(), out.num_accepted.tolist()):
         emitted[b], accepted[b] = tokens, kept
+
+
+def dense_draft_probs(draft_ids: torch.Tensor, counts: Sequence[int], sent: Sequence[Sequence[SparseProbs] | None],
+                      vocab_size: int) -> torch.Tensor:
+    """[B, K, V] q for the rejection sampler: each position's sent distribution, or one-hot at its draft where
+    none was sent or the draft is not in it (one-hot is lossless for any draft; a distribution that did not
+    produce the token is not). Ids past the target's vocabulary are dropped: the target never emits them."""
+    B, K = draft_ids.shape
+    q = torch.zeros(B, K, vocab_size)  # [B, K, V]
+    for b in range(B):
+        for j in range(counts[b]):
+            token = int(draft_ids[b, j])
+            ids, values = sent[b][j] if sent[b] is not None else ([], [])
+            if token not in ids:
+                ids, values = [token], [1.0]
+            inside = [(i, v) for i, v in zip(ids, values) if 0 <= i < vocab_size]
+            if inside:
+                q[b, j, [i for i, _ in inside]] = torch.tensor([v for _, v in inside])
+    return q

@@ -5,7 +5,7 @@ import pytest
 
 from app.config import SpecConfig
 from app.engine.request import Request, SamplingParams
-from app.spec.remote import DraftResult, ModelDrafter, draft_sampling
+from app.spec.remote import DRAFT_TOP_N, DraftResult, ModelDrafter, draft_sampling
 
 STEP_S = 0.02  # the target's one-token step, for the cost ratio
 
@@ -127,12 +127,35 @@ def test_new_sequences_draft_only_while_the_measured_draft_cost_pays(draft_s_per
     assert fresh.awaiting_draft == drafts and bool(drafter.take_calls()) == drafts
 
 
-def test_the_draft_model_drafts_its_greedy_choice_under_the_requests_penalties_and_min_tokens():
+def test_the_draft_model_samples_as_the_request_does_cut_to_its_top_tokens_unseeded_under_its_penalties():
     sampling = SamplingParams(max_tokens=50, temperature=0.8, top_p=0.9, seed=3, stop=("x",), logprobs=2,
                               frequency_penalty=0.5, min_tokens=20)
     draft = draft_sampling(sampling, num_output_tokens=10, num_tokens=4)
-    assert (draft.temperature, draft.seed, draft.stop, draft.logprobs) == (0.0, None, (), None)
-    assert (draft.max_tokens, draft.min_tokens, draft.frequency_penalty) == (14, 14, 0.5)
+    assert (draft.temperature, draft.top_p, draft.seed, draft.stop, draft.logprobs) == (0.8, 0.9, None, (), None)
+    assert (draft.max_tokens, draft.min_tokens, draft.frequency_penalty, draft.draft_top_n) == (14, 14, 0.5, DRAFT_TOP_N)
+    greedy = draft_sampling(SamplingParams(max_tokens=50, temperature=0.0, repetition_penalty=1.2), 10, 4)
+    assert (greedy.temperature, greedy.draft_top_n, greedy.repetition_penalty) == (0.0, 0, 1.2)
+
+
+def test_sampled_proposals_become_drafts_with_the_distributions_they_were_drawn_from():
+    drafter, request = _drafter(), _request([7])
+    drafter.propose(request, 4, 1, STEP_S, 0.0)
+    [call] = drafter.take_calls()
+    probs = [([11, 12], [0.75, 0.25]), ([12, 13], [0.5, 0.5]), ([13], [1.0]), ([14, 1], [0.9, 0.1])]
+    drafter.add_result(DraftResult(call.call_id, 0, request.request_id, [11, 12, 13, 14], probs=probs), 0.01)
+    request.output_token_ids.append(11)  # the target emitted the first proposal meanwhile
+    drafter.propose(request, 4, 1, STEP_S, 0.02)
+    assert request.spec_token_ids == [12, 13, 14] and request.spec_draft_probs == probs[1:]
+
+
+def test_proposals_outside_the_distributions_sent_with_them_are_verified_as_one_hot():
+    drafter, request = _drafter(), _request([7])
+    drafter.propose(request, 4, 1, STEP_S, 0.0)
+    [call] = drafter.take_calls()
+    probs = [([11], [1.0]), ([99], [1.0])]  # 12 was not drawn from its distribution
+    drafter.add_result(DraftResult(call.call_id, 0, request.request_id, [11, 12], probs=probs), 0.01)
+    drafter.propose(request, 4, 1, STEP_S, 0.02)
+    assert request.spec_token_ids == [11, 12] and request.spec_draft_probs is None
 
 
 def test_a_sequence_the_draft_model_cannot_draft_for_stops_asking():
