@@ -1,8 +1,8 @@
 """Keep a sequence's draft calls on one draft replica, where Serve's request routing allows it.
 
 A draft call carries its sequence's whole context, so any replica can answer it (app/spec/remote.py), but the
-replica that answered the sequence's last call still holds its KV blocks in its prefix cache: routing the
-sequence's calls to the same replica saves recomputing them. This router ranks replicas for a draft call by
+replica that answered the sequence's last call still holds its KV (parked for the sequence's next call): routing
+the sequence's calls to the same replica saves recomputing them. This router ranks replicas for a draft call by
 rendezvous hashing of (sequence id, replica id): every sequence has a stable first choice, which changes
 only for sequences whose replica went away when replicas come and go. Every other request (HTTP traffic,
 whole completions) is routed as Serve routes by default: power of two choices on queue length.

@@ -49,7 +49,8 @@ class LLMEngine:
                 f"max_model_len={loaded.max_model_len}; raise engine.kv_cache_memory_mb (or num_kv_blocks) "
                 "or lower model.max_model_len"
             )
-        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                   max_parked=config.max_num_seqs)
         scheduler_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -189,7 +190,8 @@ class LLMEngine:
         return [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
 
     def _release(self, request: Request) -> None:
-        self.scheduler.remove_request(request.request_id)
+        completed = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        self.scheduler.remove_request(request.request_id, park=completed)  # a session's KV waits for its next request
         self.runner.forget(request.request_id)
         if self.speculation is not None:
             self.speculation.forget(request.request_id)

@@ -7,8 +7,14 @@ Prefix caching (as in vLLM): once a block is full of computed tokens it is regis
 of its tokens and of every token before it. A new request whose prompt starts with the same tokens
 reuses those blocks instead of recomputing them. A block whose last user finishes stays cached, on
 a free queue in least-recently-used order; it is evicted (its hash dropped) only when the pool needs
-a fresh block. Invariant: every block is either referenced by a request (ref_count > 0) or on the
-free queue, never both.
+a fresh block. Invariant: every block is either referenced (by a request or a parked session,
+ref_count > 0) or on the free queue, never both.
+
+Sessions: a finished request that names a session (a draft model's calls for one target sequence) can
+leave its blocks parked under it (``park``): the session's next request takes them back (``resume``),
+keeps the KV of the tokens it shares with the last one, partial last block included, and rolls the rest
+back (frees those blocks). The prefix cache alone would keep only full blocks. Parked blocks are
+reclaimable: the pool takes them back, oldest session first, before it reports a shortage.
 """
 
 from __future__ import annotations
@@ -38,13 +44,21 @@ class _RequestBlocks:
     hashes: list[bytes] = field(default_factory=list)  # hashes of its full blocks, in order
 
 
+@dataclass
+class _Parked:
+    blocks: _RequestBlocks
+    token_ids: list[int]  # the tokens whose KV the blocks hold, in order
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, max_parked: int = 64) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_parked = max_parked
+        self._parked: collections.OrderedDict[str, _Parked] = collections.OrderedDict()  # oldest first
         self._blocks = [_Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order (least recently used first); dict for O(1) removal on a cache hit.
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict((i, None) for i in range(num_blocks))
@@ -59,7 +73,13 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks that requests hold (parked sessions' own blocks are reclaimable, like cached free ones)."""
+        return self.num_blocks - len(self._free) - self.num_parked_blocks
+
+    @property
+    def num_parked_blocks(self) -> int:
+        """Blocks held by parked sessions only."""
+        return sum(1 for p in self._parked.values() for b in p.blocks.table if self._blocks[b].ref_count == 1)
 
     def block_table(self, request_id: str) -> list[int]:
         return self._requests[request_id].table
@@ -118,6 +138,8 @@ class BlockManager:
         missing = self.blocks_needed(num_tokens) - len(entry.table)
         if missing <= 0:
             return True
+        while missing > len(self._free) and self._parked:
+            self._release_all(self._parked.popitem(last=False)[1].blocks)  # the oldest parked session's first
         if missing > len(self._free):
             return False
         for _ in range(missing):
@@ -139,8 +161,52 @@ class BlockManager:
     def free(self, request_id: str) -> None:
         """Release a request's blocks; cached ones stay reusable until evicted."""
         entry = self._requests.pop(request_id, None)
+        if entry is not None:
+            self._release_all(entry)
+
+    # ---- sessions ----------------------------------------------------------------------------
+    def park(self, request_id: str, session_id: str, token_ids: list[int]) -> None:
+        """Keep a finished request's blocks, holding the KV of ``token_ids``, for ``session_id``'s next request."""
+        entry = self._requests.pop(request_id, None)
         if entry is None:
             return
+        while len(entry.table) > self.blocks_needed(len(token_ids)):
+            self._release(entry.table.pop())
+        self.drop_session(session_id)  # a newer request of the session replaces an older one
+        self._parked[session_id] = _Parked(entry, list(token_ids))
+        while len(self._parked) > self.max_parked:
+            self._release_all(self._parked.popitem(last=False)[1].blocks)
+
+    def resume(self, request_id: str, session_id: str, token_ids: list[int]) -> int | None:
+        """Give a request that holds no blocks yet its session's parked blocks, rolled back to the tokens it shares
+        with them; returns how many tokens' KV it has (at least its last token is left to compute), or None when
+        the session has nothing parked."""
+        parked = self._parked.pop(session_id, None)
+        if parked is None:
+            return None
+        if self._requests.get(request_id, _RequestBlocks()).table:
+            self._release_all(parked.blocks)
+            return None
+        common = min(_common_prefix_length(parked.token_ids, token_ids), len(token_ids) - 1)
+        entry, full = parked.blocks, common // self.block_size
+        keep, computed = full, full * self.block_size
+        if common % self.block_size and full < len(entry.table) and self._blocks[entry.table[full]].ref_count == 1:
+            # The block the two part in is the session's own: keep its first rows, which the request overwrites past
+            # ``common``. If it was full and registered, its hash no longer describes it.
+            self._evict(entry.table[full])
+            keep, computed = full + 1, common
+        while len(entry.table) > keep:
+            self._release(entry.table.pop())
+        del entry.hashes[full:]
+        self._requests[request_id] = entry
+        return computed
+
+    def drop_session(self, session_id: str) -> None:
+        parked = self._parked.pop(session_id, None)
+        if parked is not None:
+            self._release_all(parked.blocks)
+
+    def _release_all(self, entry: _RequestBlocks) -> None:
         # Tail blocks go on the queue first, so they are evicted before the prefix blocks shared more widely.
         for block_id in reversed(entry.table):
             self._release(block_id)
@@ -162,6 +228,14 @@ class BlockManager:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
             block.block_hash = None
+
+
+def _common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:

@@ -134,6 +134,9 @@ class Request:
     drafter: int | None = 0
     awaiting_draft: bool = False  # its next drafts are being computed elsewhere: the scheduler lets it wait
     detokenize: bool = True  # False: token ids only (a draft model's proposals need no text)
+    # Requests of one session (a draft model's calls for one target sequence) hand their KV on: the next one
+    # keeps what it shares with the last and recomputes only the rest (kv_cache.py: sessions).
+    session_id: str | None = None
     first_scheduled_s: float | None = None  # monotonic: first admitted to a step (the end of its queue time)
     first_token_s: float | None = None  # monotonic: its first token was sampled (the end of its prefill)
 

@@ -71,13 +71,17 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove_request(self, request_id: str) -> Request | None:
-        """Take a request out (finished or aborted) and free its blocks at once."""
+    def remove_request(self, request_id: str, park: bool = False) -> Request | None:
+        """Take a request out (finished or aborted) and free its blocks at once; with ``park``, a request of a
+        session leaves them to the session's next request instead (kv_cache.py: sessions)."""
         for queue in (self.running, self.waiting):
             for request in queue:
                 if request.request_id == request_id:
                     queue.remove(request)
-                    self.blocks.free(request_id)
+                    if park and request.session_id is not None:
+                        self.blocks.park(request_id, request.session_id, request.all_token_ids[: request.num_computed_tokens])
+                    else:
+                        self.blocks.free(request_id)
                     return request
         return None
 
@@ -159,7 +163,11 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int:
         """Attach cached prefix blocks and blocks for the first chunk; returns the chunk's size (0: no room)."""
         token_ids = request.all_token_ids
-        cached = self.blocks.find_cached_prefix(request.request_id, token_ids)
+        cached = None
+        if request.session_id is not None and request.status is RequestStatus.WAITING:
+            cached = self.blocks.resume(request.request_id, request.session_id, token_ids)  # its session's KV
+        if not cached:
+            cached = self.blocks.find_cached_prefix(request.request_id, token_ids)
         num_new = min(len(token_ids) - cached, budget)
         if not self.blocks.allocate(request.request_id, cached + num_new):
             self.blocks.free(request.request_id)  # give back the prefix blocks it took

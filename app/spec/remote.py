@@ -24,10 +24,11 @@ sees the target's random draws, and whether a proposal is used depends only on t
 those, t(m+1) is still a draw from q after O', so output is lossless whatever the timing, a lost call,
 or which replica answered.
 
-State that survives routing: every call carries the sequence's whole context (prompt and output), so a
-draft replica that never saw the sequence, or a restarted one, recomputes it (its prefix cache keeps the
-full blocks of a sequence's context between calls, wherever its calls land). A failed call makes the
-drafter stand down for a while (the draft replica is being replaced): sequences decode without drafts.
+State that survives routing: the draft replica keeps a sequence's KV from call to call under its id, rolled
+back to what the next call's context shares (``Request.session_id``, app/engine/kv_cache.py), and every call
+carries the sequence's whole context (prompt and output), so a draft replica that never saw the sequence,
+or a restarted one, recomputes it. A failed call makes the drafter stand down for a while (the draft
+replica is being replaced): sequences decode without drafts.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ def test_preemption_and_stop_conditions_with_speculation(loaded_fp32):
 DRAFT_MODEL = SpecConfig(drafter="model", draft="draft", num_speculative_tokens=4)
 
 
-def _answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every: int, send_probs: bool) -> list[DraftResult]:
+def _answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every: int, send_probs: bool,
+                        sessions: bool = True) -> list[DraftResult]:
     """What a draft replica answers (ModelServer.propose: the draft model's tokens after each call's context, with
     the distributions sampled ones were drawn from), with every ``corrupt_every``-th proposal replaced by a token
     the target will not choose, to force rejections (such a result then carries no distributions)."""
@@ -114,7 +115,8 @@ def _answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every: int, 
     for call in calls:
         request = Request(f"draft-{call.call_id}", call.prompt_token_ids,
                           draft_sampling(call.sampling, len(call.output_token_ids), call.num_tokens), eos_token_ids,
-                          output_token_ids=list(call.output_token_ids), drafter=None, detokenize=False)
+                          output_token_ids=list(call.output_token_ids), drafter=None, detokenize=False,
+                          session_id=call.sequence_id if sessions else None)
         draft_engine.add_requests([request])
         tokens, probs = [], []
         while draft_engine.has_unfinished_requests():
@@ -129,7 +131,7 @@ def _answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every: int, 
 
 
 def _run_with_draft_model(target, draft_engine, requests, eos_token_ids, corrupt_every: int = 3,
-                          send_probs: bool = True) -> dict[str, list]:
+                          send_probs: bool = True, sessions: bool = True) -> dict[str, list]:
     """Step the target; after each step answer its draft calls (a sequence waiting for drafts is not scheduled)."""
     seen = {r.request_id: [] for r in requests}
     target.add_requests(requests)
@@ -137,7 +139,7 @@ def _run_with_draft_model(target, draft_engine, requests, eos_token_ids, corrupt
         for output in target.step():
             seen[output.request_id] += [(lp.token_id, lp.logprob) for lp in output.logprobs or []]
         calls = target.take_draft_calls()
-        target.add_draft_results(_answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every, send_probs))
+        target.add_draft_results(_answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every, send_probs, sessions))
     return seen
 
 
@@ -162,6 +164,37 @@ def test_with_a_draft_model_each_of_16_prompts_alone_gives_the_targets_tokens(lo
         _run_with_draft_model(target, draft_engine, [request], loaded_fp32.eos_token_ids, corrupt_every=4)
         assert request.output_token_ids == [t for t, _ in plain[request.request_id][:tokens]], prompt
     assert target.stats()["spec_num_drafts"] >= len(PROMPTS)
+
+
+def test_the_draft_engine_hands_each_sequences_kv_from_call_to_call(loaded_fp32, plain):
+    """Each call of a sequence resumes the KV its last call left (rolled back to what the two share), where the
+    prefix cache alone keeps full blocks only: fewer tokens computed, the same output."""
+    computed = {}
+    for sessions in (True, False):
+        target = make_engine(loaded_fp32, max_model_len=512, speculative=DRAFT_MODEL)
+        draft_engine = make_engine(loaded_fp32, max_model_len=512)
+        requests = _requests(loaded_fp32, PROMPTS[:4], "p", logprobs=0)
+        got = _run_with_draft_model(target, draft_engine, requests, loaded_fp32.eos_token_ids, corrupt_every=4, sessions=sessions)
+        assert [[t for t, _ in got[k]] for k in got] == [[t for t, _ in plain[k]] for k in got]
+        stats = draft_engine.stats()
+        computed[sessions] = stats["mean_tokens_per_step"] * stats["num_steps"]
+        assert stats["kv_blocks_used"] == 0  # what sessions keep is parked, not used
+    assert computed[True] < 0.5 * computed[False], computed  # measured 227 against 759
+
+
+def test_a_request_resuming_its_sessions_kv_computes_what_a_fresh_engine_does(loaded_fp32):
+    """The KV a session hands on, rolled back mid-block, gives the next request the tokens and logprobs it gets
+    from scratch (the last request's extra tokens are overwritten, never read)."""
+    prompt = loaded_fp32.tokenizer.encode(PROMPTS[3])
+    engine = make_engine(loaded_fp32, max_model_len=512)
+    first = Request("a", prompt, greedy(12), loaded_fp32.eos_token_ids, session_id="s")
+    run_engine(engine, [first])
+    context = first.output_token_ids[:7] + [first.output_token_ids[7] + 1]  # parts from what the session computed
+    resumed = Request("b", prompt, greedy(20, logprobs=0), loaded_fp32.eos_token_ids, output_token_ids=list(context), session_id="s")
+    fresh = Request("b", prompt, greedy(20, logprobs=0), loaded_fp32.eos_token_ids, output_token_ids=list(context))
+    got = _run_with_logprobs(engine, [resumed])["b"]
+    assert resumed.num_cached_tokens == len(prompt) + 7
+    assert got == _run_with_logprobs(make_engine(loaded_fp32, max_model_len=512), [fresh])["b"]
 
 
 def test_with_a_draft_model_that_never_answers_the_target_decodes_on_alone(loaded_fp32, plain):

@@ -92,3 +92,62 @@ def test_pool_must_have_a_block():
     with pytest.raises(ValueError, match="at least one block"):
         BlockManager(num_blocks=0, block_size=16)
 
+
+
+# ---- sessions: a finished request's KV handed to its session's next request --------------------
+def _finished(blocks: BlockManager, request_id: str, tokens: list[int], session: str = "s") -> list[int]:
+    """A request that computed ``tokens`` and finished, its blocks parked under ``session``; its block table."""
+    assert blocks.allocate(request_id, len(tokens))
+    blocks.cache_full_blocks(request_id, tokens, num_computed_tokens=len(tokens))
+    table = list(blocks.block_table(request_id))
+    blocks.park(request_id, session, tokens)
+    return table
+
+
+def test_the_next_request_of_a_session_keeps_all_it_shares_partial_block_included():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    table = _finished(blocks, "call-1", list(range(10)))  # blocks of 4 + 4 + 2
+    assert blocks.num_used_blocks == 0 and blocks.num_parked_blocks == 3
+    assert blocks.resume("call-2", "s", list(range(10)) + [50, 51]) == 10  # the tokens after 10 are new
+    assert blocks.block_table("call-2") == table and blocks.num_parked_blocks == 0
+
+
+def test_what_the_next_request_does_not_share_is_rolled_back():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    table = _finished(blocks, "call-1", list(range(10)))
+    assert blocks.resume("call-2", "s", [0, 1, 2, 3, 4, 5, 99, 98]) == 6  # parts at 6, inside the second block
+    assert blocks.block_table("call-2") == table[:2] and blocks.num_free_blocks == 6
+    # the second block was full and registered: its hash no longer describes it, so nobody else finds it
+    assert blocks.find_cached_prefix("other", list(range(10))) == 4
+
+
+def test_a_block_others_share_is_not_rolled_back_into_but_recomputed():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    table = _finished(blocks, "call-1", list(range(10)))
+    assert blocks.find_cached_prefix("other", list(range(9))) == 8  # another request holds both full blocks
+    assert blocks.resume("call-2", "s", [0, 1, 2, 3, 4, 5, 99]) == 4
+    assert blocks.block_table("call-2") == table[:1]
+
+
+def test_at_least_the_last_token_is_left_to_compute_and_an_unknown_session_has_nothing():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    _finished(blocks, "call-1", list(range(8)))
+    assert blocks.resume("call-2", "nobody", list(range(8))) is None
+    assert blocks.resume("call-2", "s", list(range(8))) == 7
+
+
+def test_parked_sessions_give_their_blocks_back_when_the_pool_needs_them_oldest_first():
+    blocks = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    _finished(blocks, "a", list(range(8)), session="old")
+    _finished(blocks, "b", list(range(8)), session="new")
+    assert blocks.num_free_blocks == 0 and blocks.num_used_blocks == 0
+    assert blocks.allocate("c", 5)  # two blocks: the older session's
+    assert blocks.resume("d", "old", list(range(9))) is None and blocks.resume("d", "new", list(range(9))) == 8
+
+
+def test_at_most_max_parked_sessions_are_kept():
+    blocks = BlockManager(num_blocks=16, block_size=4, max_parked=2)
+    for session in ("s1", "s2", "s3"):
+        _finished(blocks, f"r-{session}", list(range(5)), session=session)
+    assert blocks.resume("x", "s1", list(range(6))) is None
+    assert blocks.resume("y", "s3", list(range(6))) == 5
