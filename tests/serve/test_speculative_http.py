@@ -45,7 +45,7 @@ def test_inside_a_batch_of_16_the_twin_answers_as_the_model_does(serve_app, plai
     assert _texts(speculative) == _texts(plain_answers)
     assert {a["model"] for a in speculative} == {twin} and {a["model"] for a in plain_answers} == {GPTQ_MODEL}
     assert all(a["usage"]["completion_tokens"] == MAX_TOKENS for a in speculative)
-    assert after["num_drafts"] > before["num_drafts"]  # the twin drafted; the plain name never does
+    assert after["num_drafts"] - before["num_drafts"] >= len(PROMPTS)  # the twin drafted; the plain name never does
     assert after["num_accepted_tokens"] > before["num_accepted_tokens"]
 
 
