@@ -74,7 +74,7 @@ def _verify_sampled(rows, requests, drafts, starts, chosen, generators, draft_pr
     subset = [requests[b] for b in chosen]
     target = processed_probs(logits, subset, draft_ids, counts)  # [B, K+1, V]
     sent = [draft_probs[b] for b in chosen]
-    q = dense_draft_probs(draft_ids, counts, sent, target.shape[-1]) if any(p is not None for p in sent) else None
+    q = dense_draft_probs(draft_ids, counts, sent, target.shape[-1]).to(target.device) if any(p is not None for p in sent) else None
     out = rejection_sample(draft_ids, counts, q, target, is_greedy=[False] * len(chosen),
                            generators=[generators[b] for b in chosen])
     for b, tokens, kept in zip(chosen, out.tolist(), out.num_accepted.tolist()):
