@@ -106,11 +106,11 @@ def test_preemption_and_stop_conditions_with_speculation(loaded_fp32):
 DRAFT_MODEL = SpecConfig(drafter="model", draft="draft", num_speculative_tokens=4)
 
 
-def _answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every: int, send_probs: bool,
-                        sessions: bool = True) -> list[DraftResult]:
+def _answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every: int, sessions: bool = True) -> list[DraftResult]:
     """What a draft replica answers (ModelServer.propose: the draft model's tokens after each call's context, with
     the distributions sampled ones were drawn from), with every ``corrupt_every``-th proposal replaced by a token
-    the target will not choose, to force rejections (such a result then carries no distributions)."""
+    the target will not choose, to force rejections (a replaced token lies outside the distribution sent with it:
+    the target then verifies that answer as one-hot)."""
     results = []
     for call in calls:
         request = Request(f"draft-{call.call_id}", call.prompt_token_ids,
@@ -125,13 +125,13 @@ def _answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every: int, 
                 probs += [lp.sampled_from for lp in output.logprobs or []]
         if corrupt_every:
             tokens = [0 if (call.call_id + i) % corrupt_every == 0 else t for i, t in enumerate(tokens)]
-        sent = probs if send_probs and len(probs) == len(tokens) and tokens else None
+        sent = probs if len(probs) == len(tokens) and tokens else None
         results.append(DraftResult(call.call_id, call.drafter, call.sequence_id, tokens, elapsed_s=0.001, probs=sent))
     return results
 
 
 def _run_with_draft_model(target, draft_engine, requests, eos_token_ids, corrupt_every: int = 3,
-                          send_probs: bool = True, sessions: bool = True) -> dict[str, list]:
+                          sessions: bool = True) -> dict[str, list]:
     """Step the target; after each step answer its draft calls (a sequence waiting for drafts is not scheduled)."""
     seen = {r.request_id: [] for r in requests}
     target.add_requests(requests)
@@ -139,7 +139,7 @@ def _run_with_draft_model(target, draft_engine, requests, eos_token_ids, corrupt
         for output in target.step():
             seen[output.request_id] += [(lp.token_id, lp.logprob) for lp in output.logprobs or []]
         calls = target.take_draft_calls()
-        target.add_draft_results(_answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every, send_probs, sessions))
+        target.add_draft_results(_answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every, sessions))
     return seen
 
 
@@ -212,19 +212,18 @@ def test_with_a_draft_model_that_never_answers_the_target_decodes_on_alone(loade
 
 def test_sampled_requests_verify_the_draft_models_own_distribution(loaded_fp32):
     """At temperature 1 a draft model that is the target itself sends q = p on its top tokens, so min(1, p/q)
-    accepts a first draft with probability (nearly) the mass of those tokens, where the same drafts verified as
-    one-hot are accepted with probability p(x)."""
+    accepts a first draft with probability (nearly) the mass of those tokens: measured 0.94 over ~20 drafts,
+    where the same drafts verified as one-hot pass with probability p(x) (measured 0.48; the bound below sits
+    3 standard deviations above that, and that the two rates differ is tested without a model:
+    tests/unit/spec/test_spec_sampled_drafts.py)."""
     torch.manual_seed(0)  # the draft's and the verifier's draws (no request is seeded)
-    first_position = {}
-    for send_probs in (True, False):
-        target = make_engine(loaded_fp32, max_model_len=512, speculative=SpecConfig(drafter="model", draft="d", adaptive=False))
-        draft_engine = make_engine(loaded_fp32, max_model_len=512)
-        requests = [Request(f"s-{i}", loaded_fp32.tokenizer.encode(p), SamplingParams(max_tokens=20, min_tokens=20, temperature=1.0),
-                            loaded_fp32.eos_token_ids) for i, p in enumerate(PROMPTS[:4])]
-        _run_with_draft_model(target, draft_engine, requests, loaded_fp32.eos_token_ids, corrupt_every=0, send_probs=send_probs)
-        assert all(len(r.output_token_ids) == 20 for r in requests)
-        stats = target.stats()
-        assert stats["spec_num_drafts"] > 12 and stats["kv_blocks_used"] == 0
-        first_position[send_probs] = stats["spec_num_accepted_tokens_per_pos"][0] / stats["spec_num_drafts"]
-    # measured 0.94 against 0.48 (about 20 and 50 drafts): the bounds sit 3 standard deviations away
-    assert first_position[True] > 0.7 and first_position[True] > first_position[False] + 0.2, first_position
+    target = make_engine(loaded_fp32, max_model_len=512, speculative=SpecConfig(drafter="model", draft="d", adaptive=False))
+    draft_engine = make_engine(loaded_fp32, max_model_len=512)
+    requests = [Request(f"s-{i}", loaded_fp32.tokenizer.encode(p), SamplingParams(max_tokens=20, min_tokens=20, temperature=1.0),
+                        loaded_fp32.eos_token_ids) for i, p in enumerate(PROMPTS[:4])]
+    _run_with_draft_model(target, draft_engine, requests, loaded_fp32.eos_token_ids, corrupt_every=0)
+    assert all(len(r.output_token_ids) == 20 for r in requests)
+    stats = target.stats()
+    assert stats["spec_num_drafts"] > 12 and stats["kv_blocks_used"] == 0
+    first_position = stats["spec_num_accepted_tokens_per_pos"][0] / stats["spec_num_drafts"]
+    assert first_position > 0.7, first_position
