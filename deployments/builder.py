@@ -1,6 +1,6 @@
 """``build_app(args)``: the import_path of serve_config.yaml. Config in, bound Serve application out.
 
-``args`` is the app config (app/config.py), plus one optional key that is not config:
+``args`` is the app config (app/config/), plus one optional key that is not config:
 ``server_factory``, the ``"module:attribute"`` import path of what each model replica serves
 (default: the real ``app.server.ModelServer``; the serving tests name a fake model here).
 

@@ -1,0 +1,60 @@
+"""What to load: the model's source, name, dtype, device and quantization (``model:`` of a served model)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATION_METHODS = ("none", "bnb-int8", "bnb-nf4", "gptq")  # app.models.quantization implements them
+SERVED_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
+
+
+
+@dataclass
+class ModelConfig:
+    """Which model to load and how.
+
+    ``source`` is a Hugging Face hub id, a local checkpoint directory, a ``.gguf`` file, or a
+    built-in name (see ``app.models.registry``). ``name`` is the id clients put in ``"model"``.
+    ``quantization``: ``none`` (``dtype`` as set), ``bnb-int8`` / ``bnb-nf4`` (bitsandbytes, applied
+    while loading a full-precision checkpoint) or ``gptq`` (``source`` is a GPTQ checkpoint).
+    """
+
+    source: str = "smollm2-135m-instruct"
+    name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    revision: str | None = None
+    trust_remote_code: bool = False
+    quantization: str = "none"
+
+    def __post_init__(self) -> None:
+        if not self.source or not isinstance(self.source, str):
+            raise ValueError("model.source must name a Hugging Face model id, a directory, a .gguf file or a built-in model")
+        self.name = self.name or _default_name(self.source)
+        if not SERVED_NAME_PATTERN.match(self.name):
+            raise ValueError(f"model.name {self.name!r} must be 1-128 characters of letters, digits and ._-/:")
+        self.dtype = DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype {self.dtype!r} is not one of {', '.join(DTYPES)} (or bf16/fp16/fp32)")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"model.quantization {self.quantization!r} is not one of {', '.join(QUANTIZATION_METHODS)} "
+                "(gptq needs a GPTQ checkpoint: make one with `python -m app quantize`)"
+            )
+        if self.device not in DEVICES:
+            raise ValueError(f"model.device {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"model.max_model_len must be an integer >= 2 or null, got {self.max_model_len!r}")
+
+
+def _default_name(source: str) -> str:
+    """A hub id names itself; a local directory or .gguf file is named by its last path part."""
+    if source.startswith((".", "/", "~")) or source.endswith(".gguf"):
+        return Path(source).name.removesuffix(".gguf") or "model"
+    return source

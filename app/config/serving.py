@@ -1,0 +1,210 @@
+"""How a model is deployed (``replica:``), one served model as a whole, and the app: the models it serves, the
+HTTP edge's limits, and reading it all from YAML."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from app.config.engine import EngineConfig, SpecConfig, require_int
+from app.config.model import ModelConfig
+
+@dataclass
+class ReplicaConfig:
+    """Ray Serve options of a model's replica deployment (serve_config.yaml may override them too)."""
+
+    num_replicas: int | str = 1  # an integer, or "auto" to autoscale
+    num_cpus: float = 1.0
+    num_gpus: float | None = None  # None: 1 when the model's device resolves to cuda, else 0
+    # What Serve hands one replica at a time. None: room for the engine's running batch, its queue and one
+    # admission window (max_num_seqs + engine.max_queued_requests + max_batch_size), so that past its bound
+    # the engine answers (503, Retry-After) rather than requests waiting in Serve's queue.
+    max_ongoing_requests: int | None = None
+    # Serve's queue at each caller (proxy, handles) for when no replica can take a request (all full, starting
+    # or being replaced); past it Serve answers 503 with Retry-After itself. -1: unbounded.
+    max_queued_requests: int = 64
+    autoscaling_config: dict[str, Any] | None = None
+    # num_replicas auto: the engine's waiting + running sequences per replica the autoscaler aims at
+    # (deployments/autoscaling.py); Serve's ongoing requests against target_ongoing_requests where unreported.
+    target_queue_depth: float = 16
+    # Serve's max_replicas_per_node: at most this many replicas of the deployment on one Ray node (1: one per
+    # node, so the replicas spread over the cluster). None: no limit.
+    max_replicas_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_replicas != "auto" and (not isinstance(self.num_replicas, int) or self.num_replicas < 1):
+            raise ValueError(f"replica.num_replicas must be an integer >= 1 or 'auto', got {self.num_replicas!r}")
+        if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
+            raise ValueError("replica.num_cpus and replica.num_gpus must not be negative")
+        if self.max_ongoing_requests is not None:
+            require_int("replica.max_ongoing_requests", self.max_ongoing_requests, minimum=1)
+        if self.max_queued_requests != -1:
+            require_int("replica.max_queued_requests (or -1: unbounded)", self.max_queued_requests, minimum=1)
+        if self.autoscaling_config is not None and not isinstance(self.autoscaling_config, dict):
+            raise ValueError("replica.autoscaling_config must be a mapping of Serve's autoscaling options (or null)")
+        if (not isinstance(self.target_queue_depth, (int, float)) or isinstance(self.target_queue_depth, bool)
+                or self.target_queue_depth <= 0):
+            raise ValueError(f"replica.target_queue_depth must be a number > 0, got {self.target_queue_depth!r}")
+        if self.max_replicas_per_node is not None:
+            require_int("replica.max_replicas_per_node (or null)", self.max_replicas_per_node, minimum=1)
+
+
+SAMPLING_DEFAULT_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+@dataclass
+class ServedModelConfig:
+    """One model served by the app: what to load, how to run it, how to deploy it.
+
+    ``default_sampling`` fills the sampling fields a request leaves unset (like vLLM's
+    generation-config defaults): small models answer better at a low temperature than at
+    OpenAI's default of 1.0.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    replica: ReplicaConfig = field(default_factory=ReplicaConfig)
+    default_sampling: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def served_names(self) -> list[str]:
+        """The names clients may send as "model": the model's, then those of its speculative twins."""
+        return [self.model.name] + [spec.served_name for spec in self.engine.drafters if spec.served_name]
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.default_sampling) - set(SAMPLING_DEFAULT_KEYS))
+        if unknown:
+            raise ValueError(f"default_sampling: unknown key(s) {', '.join(unknown)} (known: {', '.join(SAMPLING_DEFAULT_KEYS)})")
+        if self.replica.max_ongoing_requests is None:
+            engine = self.engine
+            self.replica.max_ongoing_requests = engine.max_num_seqs + engine.max_queued_requests + engine.max_batch_size
+        # Each request is one ongoing request at the replica while it streams; a smaller cap than the
+        # batch window would make Serve hold back requests the batcher is waiting for.
+        if self.engine.batching != "none" and self.replica.max_ongoing_requests < self.engine.max_batch_size:
+            raise ValueError(
+                f"replica.max_ongoing_requests ({self.replica.max_ongoing_requests}) must be at least "
+                f"engine.max_batch_size ({self.engine.max_batch_size}), or Serve silently caps every batch; "
+                "raise max_ongoing_requests (or leave it unset: batch, queue and one window) or lower max_batch_size"
+            )
+
+
+@dataclass
+class AppConfig:
+    """The whole application: the models it serves and the HTTP edge's limits."""
+
+    models: list[ServedModelConfig] = field(default_factory=lambda: [ServedModelConfig()])
+    max_request_bytes: int = 4 * 1024 * 1024  # larger bodies get 413
+    # The ingress replicas host the first model themselves (its tokens stream with no Ray hop; it scales as the
+    # ingress); false: the ingress only routes, every model is a deployment of its own (deployments/builder.py).
+    ingress_hosts_first_model: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("the app must serve at least one model (models: [...])")
+        names = [name for m in self.models for name in m.served_names]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
+        if not isinstance(self.max_request_bytes, int) or self.max_request_bytes < 1024:
+            raise ValueError("max_request_bytes must be an integer >= 1024")
+        if not isinstance(self.ingress_hosts_first_model, bool):
+            raise ValueError("ingress_hosts_first_model must be true or false")
+        own = {m.model.name for m in self.models}
+        for served in self.models:
+            for spec in served.engine.drafters:
+                if spec.drafter == "model" and (spec.draft not in own or spec.draft == served.model.name):
+                    raise ValueError(f"engine.speculative.draft of {served.model.name} must name another model of "
+                                     f"this app (one of: {', '.join(sorted(own - {served.model.name})) or 'none'})")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AppConfig":
+        return _build(cls, data, "app")
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "AppConfig":
+        return cls.from_dict(_read_yaml(path))
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> "AppConfig":
+        """Build from serve_config.yaml ``args``: ``config: file.yaml`` first, the other args on top."""
+        args = dict(args or {})
+        base = _read_yaml(args.pop("config")) if "config" in args else {}
+        return cls.from_dict(_deep_merge(base, args))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_absolute() and not path.exists():
+        # serve run may start from another directory: fall back to the project root.
+        path = Path(__file__).resolve().parents[2] / path
+    if not path.exists():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return data
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+_NESTED = {
+    (AppConfig, "models"): ServedModelConfig,
+    (ServedModelConfig, "model"): ModelConfig,
+    (ServedModelConfig, "engine"): EngineConfig,
+    (ServedModelConfig, "replica"): ReplicaConfig,
+    (EngineConfig, "speculative"): SpecConfig,
+}
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Construct dataclass ``cls`` from a mapping, naming the path of any unknown or bad key."""
+    if isinstance(data, cls):
+        return data
+    if cls is ModelConfig and isinstance(data, str):
+        data = {"source": data}  # `model: some/hub-id` is shorthand
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) in {where}: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    kwargs = {}
+    for key, value in data.items():
+        nested = _NESTED.get((cls, key))
+        if nested is SpecConfig and isinstance(value, list):
+            value = [_build(nested, item, f"{where}.{key}[{i}]") for i, item in enumerate(value)]
+        elif nested is not None and cls is AppConfig:
+            if not isinstance(value, list):
+                raise ValueError(f"{where}.{key} must be a list")
+            value = [_build(nested, item, f"{where}.{key}[{i}]") for i, item in enumerate(value)]
+        elif nested is not None:
+            value = _build(nested, value, f"{where}.{key}")
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # wrong types that reach a comparison
+        raise ValueError(f"{where}: {exc}") from exc
