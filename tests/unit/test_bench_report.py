@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from app.bench import load, report
+from app.bench import load, plots, report
 from app.bench.__main__ import main as bench_main
 
 
@@ -59,7 +59,7 @@ def _row(markdown: str, starts: str) -> list[str]:
 
 
 def test_report_tables_ratios_and_sources(files, tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "_pyplot", lambda: None)  # the tables need no matplotlib
+    monkeypatch.setattr(plots, "pyplot", lambda: None)  # the tables need no matplotlib
     out = tmp_path / "docs" / "benchmarks.md"
     markdown, written = report.render_report(list(files.values()), out, cpu_classes=["hf.json=avx2"])
     assert written == []
@@ -90,7 +90,7 @@ def test_report_tables_ratios_and_sources(files, tmp_path, monkeypatch):
 
 
 def test_a_quant_run_without_its_own_naive_row_takes_the_compare_runs(files, tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    monkeypatch.setattr(plots, "pyplot", lambda: None)
     gptq_only = json.loads(files["quant.json"].read_text())
     gptq_only["serving"].pop("naive fp32")
     files["quant.json"].write_text(json.dumps(gptq_only))
@@ -101,7 +101,7 @@ def test_a_quant_run_without_its_own_naive_row_takes_the_compare_runs(files, tmp
 
 
 def test_report_without_peers_says_which_ratios_are_missing(files, tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    monkeypatch.setattr(plots, "pyplot", lambda: None)
     markdown, _ = report.render_report([files["compare.json"]], tmp_path / "b.md")
     assert "No result for vLLM (`make bench-vllm`) or the naive baseline (`make bench-naive`)" in markdown
     assert _row(markdown, "this project (`continuous`)")[8] == "–"
@@ -190,7 +190,7 @@ def test_run_load_reads_chat_and_completion_streams(mock_server):
 
 
 def test_peer_and_sweep_commands_save_what_the_report_reads(mock_server, tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "_pyplot", lambda: None)
+    monkeypatch.setattr(plots, "pyplot", lambda: None)
     peer, sweep = tmp_path / "peer-vllm.json", tmp_path / "sweep.json"
     common = ["--url", "http://127.0.0.1:1", "--model", "m", "--max-tokens", "3", "--no-progress"]
     assert bench_main(["peer", "--name", "vllm", "--workloads", "W1", "W2", "--requests", "4", "--concurrency", "4", *common,
