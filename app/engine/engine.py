@@ -153,6 +153,7 @@ class LLMEngine:
             "num_waiting": self.num_waiting,
             "kv_blocks_used": self.blocks.num_used_blocks,
             "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_parked": self.blocks.num_parked_blocks,  # sessions' KV kept for their next request (reclaimable)
             "kv_usage": self.blocks.num_used_blocks / self.blocks.num_blocks,
             "prefix_cache_queried_tokens": prefix.queried_tokens,
             "prefix_cache_hit_tokens": prefix.hit_tokens,

@@ -178,7 +178,7 @@ def test_the_draft_engine_hands_each_sequences_kv_from_call_to_call(loaded_fp32,
         assert [[t for t, _ in got[k]] for k in got] == [[t for t, _ in plain[k]] for k in got]
         stats = draft_engine.stats()
         computed[sessions] = stats["mean_tokens_per_step"] * stats["num_steps"]
-        assert stats["kv_blocks_used"] == 0  # what sessions keep is parked, not used
+        assert stats["kv_blocks_used"] == 0 and (stats["kv_blocks_parked"] > 0) == sessions  # kept, reclaimable
     assert computed[True] < 0.5 * computed[False], computed  # measured 227 against 759
 
 
