@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         from app.bench.spec_bench import run_spec_bench
 
         result = run_spec_bench(args.max_tokens, tuple(args.concurrencies or (1, 8)), args.num_speculative_tokens, args.dtype,
-                                args.gptq_kernel, args.rounds)
+                                args.gptq_kernel, args.rounds, args.temperature)
     elif args.command == "gemm":
         from app.bench.gemm import run_gemm_bench
 
@@ -346,6 +346,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-kernel", default="auto", choices=CPU_ATTENTION_KERNELS, help="profile, engine: decode attention on CPU")
     parser.add_argument("--norm-kernel", default="auto", choices=CPU_NORM_KERNELS, help="profile, engine: RMSNorm on CPU")
     parser.add_argument("--rotary-kernel", default="auto", choices=CPU_ROTARY_KERNELS, help="profile, engine: RoPE on CPU")
+    parser.add_argument("--temperature", type=float, default=0.0, help="spec: sample at this temperature (0: greedy); "
+                        "answers then run to --max-tokens, so every run does the same work")
     parser.add_argument("--gptq-kernel", default="auto", choices=CPU_GPTQ_KERNELS,
                         help="spec: the GPTQ target's 4-bit layers: auto (ours on CPUs with avx512_bf16) | torch (GPTQModel's)")
     parser.add_argument("--decoder-layer", default="auto", choices=CPU_DECODER_LAYERS,

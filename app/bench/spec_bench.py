@@ -4,7 +4,8 @@ One target (the GPTQ build of the embedded model, as the default app serves it) 
 three names: alone, with n-gram drafts, and with the embedded model drafting on a model server of its own
 (``drafter: model``; the calls go to that server's engine as they would to its replica). Per drafter,
 workload and concurrency (1 and 8 streams), greedy (so every drafter emits exactly the target's tokens: the
-runs do the same work, each answer ending at EOS or ``max_tokens``):
+runs do the same work, each answer ending at EOS or ``max_tokens``), or with ``--temperature`` sampled (each
+answer then runs to ``max_tokens``, EOS ignored, so that the runs still do the same work):
 
 - output tok/s and the speed-up over the target alone in the same sitting;
 - acceptance rate a (accepted / drafted tokens), mean accepted length (1 + accepted / drafts), target
@@ -68,7 +69,7 @@ WORKLOADS = {"chat": CHAT, "rewrite": REWRITE}
 
 
 def run_spec_bench(max_tokens: int = 96, concurrencies: tuple[int, ...] = (1, 8), num_speculative_tokens: int = 4,
-                   dtype: str = "auto", gptq_kernel: str = "auto", rounds: int = 2) -> dict:
+                   dtype: str = "auto", gptq_kernel: str = "auto", rounds: int = 2, temperature: float = 0.0) -> dict:
     draft = ModelServer(ServedModelConfig(model=ModelConfig(dtype=dtype, max_model_len=2048)))
     target_config = ServedModelConfig(
         model=ModelConfig(source=TARGET_SOURCE, quantization="gptq", dtype=dtype, max_model_len=2048),
@@ -79,13 +80,14 @@ def run_spec_bench(max_tokens: int = 96, concurrencies: tuple[int, ...] = (1, 8)
     )
     target = ModelServer(target_config, draft_client=draft.propose)
     try:
-        return asyncio.run(_measure(target, draft, max_tokens, concurrencies, num_speculative_tokens, rounds))
+        return asyncio.run(_measure(target, draft, max_tokens, concurrencies, num_speculative_tokens, rounds, temperature))
     finally:
         target.shutdown(timeout_s=5)
         draft.shutdown(timeout_s=5)
 
 
-async def _measure(target: ModelServer, draft: ModelServer, max_tokens: int, concurrencies, k: int, rounds: int) -> dict:
+async def _measure(target: ModelServer, draft: ModelServer, max_tokens: int, concurrencies, k: int, rounds: int,
+                   temperature: float) -> dict:
     alone = target.info.name
     await _run(target, alone, CHAT[:2], 8, 2)  # warm-up: first steps of each shape pay one-time costs
     await _run(target, NGRAM, REWRITE[:2], 16, 2)
@@ -94,6 +96,7 @@ async def _measure(target: ModelServer, draft: ModelServer, max_tokens: int, con
     draft_s_per_token = 1 / draft_alone["output_tok_per_s"]
     result: dict = {"spec": {"target": TARGET_SOURCE, "draft": draft.info.name, "max_tokens": max_tokens,
                              "num_speculative_tokens": k, "concurrencies": list(concurrencies), "rounds": rounds,
+                             "temperature": temperature,
                              "gptq_kernel": _gptq_kernel(target.config.engine.cpu_gptq_kernel)},
                     "draft_single_stream_tok_per_s": draft_alone["output_tok_per_s"], "runs": []}
     for workload, prompts in WORKLOADS.items():
@@ -103,10 +106,8 @@ async def _measure(target: ModelServer, draft: ModelServer, max_tokens: int, con
             # and by ~20% from one minute to the next, more than some of the effects measured here).
             pooled: dict[str, list[dict]] = {"none": [], "ngram": [], "model": []}
             for _ in range(rounds):
-                pooled["none"].append(await _run(target, alone, prompts, max_tokens, concurrency))
-                pooled["ngram"].append(await _run(target, NGRAM, prompts, max_tokens, concurrency))
-                pooled["model"].append(await _run(target, SPEC, prompts, max_tokens, concurrency))
-                pooled["none"].append(await _run(target, alone, prompts, max_tokens, concurrency))
+                for drafter, name in (("none", alone), ("ngram", NGRAM), ("model", SPEC), ("none", alone)):
+                    pooled[drafter].append(await _run(target, name, prompts, max_tokens, concurrency, temperature))
             runs = {drafter: _pool(parts) for drafter, parts in pooled.items()}
             base = runs["none"]
             target_s_per_token = concurrency / base["output_tok_per_s"]  # one stream's share of a step
@@ -125,7 +126,8 @@ def _gptq_kernel(setting: str) -> str:
     return "ours (int4-avx512-bf16)" if setting == "auto" and bf16_products_available() else "GPTQModel's (torch int4)"
 
 
-async def _run(server: ModelServer, model: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
+async def _run(server: ModelServer, model: str, prompts: list[str], max_tokens: int, concurrency: int,
+               temperature: float = 0.0) -> dict:
     """Every prompt once, ``concurrency`` at a time; tokens/s and the engine's counters over the run."""
     before = server.engine.stats()
     queue = list(prompts)
@@ -135,9 +137,10 @@ async def _run(server: ModelServer, model: str, prompts: list[str], max_tokens: 
         nonlocal tokens
         while queue:
             prompt = queue.pop(0)
-            # greedy: every drafter emits the target's own tokens, so runs do the same work and may stop at EOS
+            # greedy: every drafter emits the target's own tokens, so runs do the same work and may stop at EOS;
+            # sampled: the tokens differ from run to run, so every answer runs to max_tokens
             request = ChatCompletionRequest(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                                            temperature=0)
+                                            temperature=temperature, ignore_eos=temperature > 0)
             answer = await server.serving.chat(request)
             tokens += answer["usage"]["completion_tokens"]
 
