@@ -33,11 +33,11 @@ target gives padding ids probability 0, as masked logits do).
 p and q must be the request's *processed* distributions (penalties, min_tokens, temperature, top-k/p,
 min-p applied identically to both): ``app.spec.probs.processed_probs`` produces them.
 
-Randomness: a row with a ``torch.Generator`` draws, in this order, ``n_b`` uniforms and then ``V_p``
-exponentials from it, and nothing else, so a seeded sequence gives the same tokens alone or in any batch
+Randomness: a row with a ``torch.Generator`` draws, in this order, ``n_b`` uniforms and then one more
+(float64) from it, and nothing else, so a seeded sequence gives the same tokens alone or in any batch
 and whatever K the batch is padded to. Rows without one draw from torch's default generator. Greedy rows
-draw nothing from their generator. The final token is drawn as ``argmax(r / E)`` with ``E ~ Exp(1)``
-(the engine sampler's exponential race), which samples from ``r / sum(r)`` without normalizing r.
+draw nothing from their generator. The final token is drawn by the engine sampler's own ``draw_rows``
+(the cumulative weights inverted at that uniform), which samples from ``r / sum(r)`` without normalizing r.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from app.engine.sampling import draw_rows
 
 PLACEHOLDER_TOKEN_ID = -1  # fills token_ids past each sequence's emitted tokens (vLLM's placeholder)
 
@@ -140,11 +142,11 @@ def rejection_sample(
         # probability 0: it can only come from rounding, and p is then the right distribution.
         use_residual = rejected & (residual.sum(dim=-1) > 0)  # [B]
         final_probs = torch.where(use_residual.unsqueeze(1), residual, p_final)  # [B, V_p]
-    noise = torch.empty_like(final_probs).exponential_()  # [B, V_p]
+    final_generators = [None] * B
     for b in seeded:
         if not greedy_list[b]:
-            noise[b].exponential_(generator=generators[b])
-    sampled_final = (final_probs / noise).argmax(dim=-1)  # [B]
+            final_generators[b] = generators[b]
+    sampled_final = draw_rows(final_probs, final_generators)  # [B]
     final = torch.where(greedy, target_argmax[rows, j], sampled_final)  # [B]
 
     token_ids = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)  # [B, K+1]

@@ -1,7 +1,7 @@
 import torch
 
 from app.engine.request import Request, SamplingParams
-from app.engine.sampling import Sampler
+from app.engine.sampling import Sampler, draw_rows, truncated_probs
 
 
 def _req(rid="r", **params):
@@ -55,3 +55,44 @@ def test_logprobs_are_the_raw_distribution_with_sorted_alternatives():
     assert logprobs[0].token_id == 0 and abs(logprobs[0].logprob - float(expected[0])) < 1e-6
     assert [t for t, _ in logprobs[0].top] == [0, 2]
     assert abs(logprobs[0].top[1][1] - float(expected[2])) < 1e-6
+
+
+def _reference_truncation(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, top-p and min-p by sorting each whole row: the definition the sampler's partial sort must match."""
+    out = []
+    for row, p in zip(logits, params):
+        scaled = row / max(p.temperature, 1e-5)
+        probs, order = scaled.softmax(-1).sort(descending=True)
+        ranks = torch.arange(len(row))
+        keep = (ranks < (p.top_k or len(row))) & (probs >= p.min_p * probs[0])
+        if p.top_p < 1:  # (at 1, a cumulative sum passing 1.0 by rounding must not drop the tail)
+            keep &= probs.cumsum(-1) - probs <= p.top_p
+        keep[0] = True
+        kept = torch.zeros(len(row), dtype=torch.bool).scatter_(0, order, keep)
+        out.append(scaled.masked_fill(~kept, float("-inf")).softmax(-1))
+    return torch.stack(out)
+
+
+def test_truncation_keeps_what_a_full_sort_keeps_without_sorting_whole_rows():
+    torch.manual_seed(3)
+    V = 2000  # past the 256 candidates the sampler ranks first
+    logits = torch.cat([torch.randn(6, V) * 4, torch.randn(2, V) * 0.05])  # peaked rows, and nearly flat ones
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(top_k=40),
+              SamplingParams(temperature=1.3, top_p=0.5, top_k=100, min_p=0.05), SamplingParams(min_p=0.1),
+              SamplingParams(top_k=1000), SamplingParams(top_p=0.95),  # flat: the nucleus runs past the candidates
+              SamplingParams(top_p=0.3, top_k=1500)]
+    got = truncated_probs(logits.clone(), [Request(str(i), [1], p) for i, p in enumerate(params)])
+    want = _reference_truncation(logits, params)
+    assert torch.equal(got > 0, want > 0)  # the same tokens kept
+    assert torch.allclose(got, want, atol=1e-6)
+    assert (want > 0).sum(-1).tolist()[5:7] == [1000, int((want[6] > 0).sum())] and int((want[6] > 0).sum()) > 256
+
+
+def test_draw_rows_draws_in_proportion_to_unnormalized_weights_and_never_a_zero_weight():
+    weights = torch.tensor([[0.0, 2.0, 0.0, 6.0, 0.0]]).repeat(40_000, 1)
+    tokens = draw_rows(weights, [None] * len(weights))
+    counts = torch.bincount(tokens, minlength=5).double() / len(tokens)
+    assert counts[0] == counts[2] == counts[4] == 0
+    assert abs(float(counts[3]) - 0.75) < 0.02  # 10 standard deviations of 40k draws: a real failure, not noise
+    seeded = [torch.Generator().manual_seed(5) for _ in range(2)]
+    assert draw_rows(weights[:1], seeded[:1]).item() == draw_rows(weights[:3], [None, seeded[1], None])[1].item()
