@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.serve.conftest import GPTQ_MODEL, GPTQ_NGRAM_MODEL, GPTQ_SPEC_MODEL, MODEL
+from tests.serve.conftest import GPTQ_MODEL, GPTQ_NGRAM_MODEL, GPTQ_SPEC_MODEL, MODEL, app_args
 
 pytestmark = pytest.mark.serve
 
@@ -18,14 +18,18 @@ def _sse(response):
 
 
 @pytest.mark.parametrize("model", [MODEL, GPTQ_MODEL])
-def test_chat_answers_with_default_sampling(client, model):
-    # Unset temperature/top_p take the preset's default_sampling; the seed keeps the draw reproducible
-    # (an unlucky unseeded draw can ramble without EOS up to the whole context). The default app
-    # serves the embedded model and its GPTQ 4-bit quantization side by side.
-    response = client.post("/v1/chat/completions", json={**CAPITAL, "model": model, "seed": 0, "max_tokens": 64})
-    assert response.status_code == 200, response.text
-    body = response.json()
-    assert "Paris" in body["choices"][0]["message"]["content"]
+def test_chat_with_sampling_unset_samples_with_the_presets_defaults(client, model):
+    # Unset temperature/top_p take the preset's default_sampling: the same seeded request with those values
+    # written out gives the same answer (a seed makes a draw reproducible). The default app serves the
+    # embedded model and its GPTQ 4-bit quantization side by side.
+    [preset] = [m["default_sampling"] for m in app_args()["models"] if m["model"]["name"] == model]
+    request = {**CAPITAL, "model": model, "seed": 0, "max_tokens": 24}
+    implicit = client.post("/v1/chat/completions", json=request)
+    explicit = client.post("/v1/chat/completions", json={**request, **preset})
+    assert implicit.status_code == explicit.status_code == 200, implicit.text + explicit.text
+    body = implicit.json()
+    assert body["choices"][0]["message"]["content"] and preset["temperature"] > 0
+    assert body["choices"][0]["message"]["content"] == explicit.json()["choices"][0]["message"]["content"]
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
 
 
