@@ -158,9 +158,9 @@ def mask_stop_tokens_before_min(logits: torch.Tensor, requests: Sequence[Request
     return logits
 
 
-# Top-k / top-p keep a prefix of the tokens by probability; it is found among this many of the most likely (a
-# partial sort), and only a row whose prefix runs past them is sorted whole.
-_CANDIDATES = 256
+# Top-k / top-p keep a prefix of the tokens by probability; it is looked for among this many of the most likely
+# (a partial sort), then among more for a row whose prefix runs past them, and only then in the whole row.
+_CANDIDATES = (256, 4096)
 
 
 def truncated_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -168,8 +168,9 @@ def truncated_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
 
     A row keeps its most likely token and each next most likely one while it is within top-k, the mass before
     it is at most top-p, and its probability is at least min-p times the top one's. Rows with neither top-k nor
-    top-p are never sorted; the others rank their ``_CANDIDATES`` most likely tokens only, unless their kept
-    prefix reaches past them. (A full sort of a 49k vocabulary costs ~3 ms a row on a CPU: as much as a step.)
+    top-p are never sorted; the others rank their 256 most likely tokens only, unless their kept prefix reaches
+    past them (then 4096, then all). (A full sort of a 49k vocabulary costs ~3 ms a row on a CPU: as much as a
+    step; its top 256 ~0.1 ms, its top 4096 ~0.6 ms.)
     """
     device = logits.device
     B, V = logits.shape
@@ -196,15 +197,14 @@ def _prefix_kept(probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tens
     top_k = torch.tensor([r.sampling.top_k if 0 < r.sampling.top_k < V else V for r in requests], device=device)
     # top_p = 1 keeps everything (a cumulative sum can pass 1.0 by rounding and would drop the tail)
     top_p = torch.tensor([r.sampling.top_p if r.sampling.top_p < 1 else math.inf for r in requests], device=device)
-    width = min(V, _CANDIDATES)
-    values, ids = probs.topk(width, dim=-1)  # [R, W], most likely first
-    ranks = torch.arange(width, device=device).unsqueeze(0)  # [1, W]
-    kept = (ranks < top_k.unsqueeze(1)) & (values.cumsum(dim=-1) - values <= top_p.unsqueeze(1))  # [R, W]
-    out = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, ids, kept)  # [R, V]
-    longer = kept[:, -1].nonzero().squeeze(1).tolist() if width < V else []
-    for row in longer:  # the prefix may go on past the candidates: rank this row's whole vocabulary
-        values, ids = probs[row].sort(descending=True)  # [V]
-        ranks = torch.arange(V, device=device)
-        kept_row = (ranks < top_k[row]) & (values.cumsum(dim=-1) - values <= top_p[row])
-        out[row] = torch.zeros(V, dtype=torch.bool, device=device).scatter_(0, ids, kept_row)
+    out = torch.zeros_like(probs, dtype=torch.bool)  # [R, V]
+    rows = torch.arange(R, device=device)  # the rows whose prefix is not found yet
+    for width in (*(w for w in _CANDIDATES if w < V), V):
+        values, ids = probs[rows].topk(width, dim=-1)  # [r, W], most likely first
+        ranks = torch.arange(width, device=device).unsqueeze(0)  # [1, W]
+        kept = (ranks < top_k[rows].unsqueeze(1)) & (values.cumsum(dim=-1) - values <= top_p[rows].unsqueeze(1))  # [r, W]
+        out[rows] = torch.zeros(len(rows), V, dtype=torch.bool, device=device).scatter_(1, ids, kept)
+        rows = rows[kept[:, -1]]  # a prefix that fills the window may go on past it
+        if width == V or len(rows) == 0:
+            break
     return out

@@ -86,6 +86,13 @@ def test_truncation_keeps_what_a_full_sort_keeps_without_sorting_whole_rows():
     assert torch.equal(got > 0, want > 0)  # the same tokens kept
     assert torch.allclose(got, want, atol=1e-6)
     assert (want > 0).sum(-1).tolist()[5:7] == [1000, int((want[6] > 0).sum())] and int((want[6] > 0).sum()) > 256
+    # a vocabulary past the second window too: nuclei inside it (3k tokens) and past it (5k: the whole row sorted)
+    flat = torch.randn(2, 6000) * 0.05
+    params = [SamplingParams(top_p=0.5), SamplingParams(top_p=0.9)]
+    got = truncated_probs(flat.clone(), [Request(str(i), [1], p) for i, p in enumerate(params)])
+    want = _reference_truncation(flat, params)
+    assert torch.equal(got > 0, want > 0) and torch.allclose(got, want, atol=1e-6)
+    assert 256 < int((want[0] > 0).sum()) < 4096 < int((want[1] > 0).sum())
 
 
 def test_draw_rows_draws_in_proportion_to_unnormalized_weights_and_never_a_zero_weight():
