@@ -139,7 +139,7 @@ class BlockManager:
         if missing <= 0:
             return True
         while missing > len(self._free) and self._parked:
-            self._release_all(self._parked.popitem(last=False)[1].blocks)  # the oldest parked session's first
+            self._drop_oldest_session()
         if missing > len(self._free):
             return False
         for _ in range(missing):
@@ -175,7 +175,7 @@ class BlockManager:
         self.drop_session(session_id)  # a newer request of the session replaces an older one
         self._parked[session_id] = _Parked(entry, list(token_ids))
         while len(self._parked) > self.max_parked:
-            self._release_all(self._parked.popitem(last=False)[1].blocks)
+            self._drop_oldest_session()
 
     def resume(self, request_id: str, session_id: str, token_ids: list[int]) -> int | None:
         """Give a request that holds no blocks yet its session's parked blocks, rolled back to the tokens it shares
@@ -205,6 +205,9 @@ class BlockManager:
         parked = self._parked.pop(session_id, None)
         if parked is not None:
             self._release_all(parked.blocks)
+
+    def _drop_oldest_session(self) -> None:
+        self._release_all(self._parked.popitem(last=False)[1].blocks)
 
     def _release_all(self, entry: _RequestBlocks) -> None:
         # Tail blocks go on the queue first, so they are evicted before the prefix blocks shared more widely.
