@@ -165,6 +165,10 @@ def build_model_core(config: ServedModelConfig) -> tuple[LLMEngine, CoreInfo]:
     keep_freed_memory()
     loaded = load_model(config.model)
     core = build_engine_core(loaded, config.engine)
+    if config.engine.parity_check:  # served exactly as transformers computes it, or not at all
+        from app.engine.parity import check_parity
+
+        check_parity(core, loaded)
     # Readiness means the model has produced a token, not merely that weights were read.
     warmup_s = _warm_up(core, loaded, config.engine.max_num_batched_tokens)
     info = CoreInfo(loaded.name, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, _vocab_size(loaded), warmup_s)

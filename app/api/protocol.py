@@ -17,7 +17,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.errors import APIError
-from app.engine.request import MAX_LOGPROBS, SamplingParams
+from app.engine.request import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 
 # What an unset field means, unless the model's config sets `default_sampling`.
@@ -44,15 +44,15 @@ class _SamplingFields(_Strict):
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # past the vocabulary: no top-k, as vLLM
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = None
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # int64, as OpenAI and vLLM take it
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None  # checked against the vocabulary by the serving layer
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -107,7 +107,7 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # legacy completions: the number of alternatives
     echo: bool = False
     suffix: str | None = None
@@ -146,8 +146,8 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -175,12 +175,12 @@ class GenerateRequest(_Strict):
     """The seeds' simple endpoint: a prompt and a token budget; the rest mirrors completions."""
 
     prompt: str = Field(min_length=1)
-    max_new_tokens: int = Field(64, ge=1)
+    max_new_tokens: int = Field(64, ge=1, le=INT64_MAX)
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
 

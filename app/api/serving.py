@@ -108,6 +108,9 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         sampling = request.sampling_params(max_tokens or room, self.default_sampling)
+        outside = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise APIError(400, f"stop_token_ids must be in [0, {self.vocab_size}); got {outside[0]}", param="stop_token_ids")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         model = request.model or self.model_name
         return _Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model))

@@ -125,6 +125,9 @@ class EngineConfig:
     max_queue_time_s: float = 0  # > 0: a request without its first token after this long ends with 503 (0: no deadline)
     # no step completed for this long while requests wait: the engine is wedged, the replica's health check fails
     step_timeout_s: float = 60.0
+    # before ready: two prompts through the engine and through transformers' own forward must agree (else the
+    # model is refused, naming what differed); false skips it (app/engine/parity.py)
+    parity_check: bool = True
     # drafts verified in the next step (none by default): one drafter, or a list of them, each under its served_name
     speculative: SpecConfig | list[SpecConfig] = field(default_factory=SpecConfig)
 
@@ -143,6 +146,8 @@ class EngineConfig:
             raise ValueError(f"engine.batch_wait_timeout_s must be a number >= 0, got {self.batch_wait_timeout_s!r}")
         if not isinstance(self.max_queue_time_s, (int, float)) or isinstance(self.max_queue_time_s, bool) or self.max_queue_time_s < 0:
             raise ValueError(f"engine.max_queue_time_s must be a number >= 0 (0: no deadline), got {self.max_queue_time_s!r}")
+        if not isinstance(self.parity_check, bool):
+            raise ValueError(f"engine.parity_check must be true or false, got {self.parity_check!r}")
         self.kv_cache_dtype = DTYPE_ALIASES.get(str(self.kv_cache_dtype).lower(), str(self.kv_cache_dtype).lower())
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"engine.kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")

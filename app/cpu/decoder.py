@@ -64,7 +64,7 @@ class DecoderLayerForward:
         query, key, value = query.view(head_shape).transpose(1, 2), key.view(head_shape).transpose(1, 2), value.view(head_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query, key = self.rotary(query, key, cos, sin)
-        # kwargs as the attention module passes them on (position_ids, use_cache, paged_batch, ...)
+        # kwargs as the attention module passes them on (position_ids, use_cache, ...)
         out, _ = self.attention(self.attn, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(*input_shape, -1).contiguous())
 
@@ -121,16 +121,44 @@ def _has_hooks(module: nn.Module) -> bool:
 
 @torch.no_grad()
 def _same_bits(layer: nn.Module, candidate: DecoderLayerForward) -> bool:
-    """Does ``candidate`` give the layer's own output on a test input (attention without a paged batch: SDPA)?"""
+    """Does ``candidate`` give the layer's own output on a test input (attention without a paged batch: SDPA), and
+    pass its attention the same arguments (a window or softcap the module adds would otherwise be dropped)?"""
     attn = layer.self_attn
     generator = torch.Generator().manual_seed(0)  # CPU tensors: the packed q/k/v GEMM is a CPU kernel
     x = torch.randn(1, _CHECK_TOKENS, attn.config.hidden_size, generator=generator)
     angles = torch.rand(1, _CHECK_TOKENS, attn.head_dim, generator=generator) * 10
     embeddings = (angles.cos(), angles.sin())
+    name = attn.config._attn_implementation
+    module_calls, candidate_calls = _AttentionArguments(ALL_ATTENTION_FUNCTIONS[name]), _AttentionArguments(candidate.attention)
     try:
+        ALL_ATTENTION_FUNCTIONS[name] = module_calls  # the module looks its attention up on each call
         expected = type(layer).forward(layer, x, attention_mask=None, position_embeddings=embeddings)
+        del ALL_ATTENTION_FUNCTIONS[name]
+        candidate.attention = candidate_calls
         got = candidate(x, attention_mask=None, position_embeddings=embeddings)
     except Exception:  # noqa: BLE001 - another signature or layout: leave the layer as it is
         return False
+    finally:
+        if name in ALL_ATTENTION_FUNCTIONS._local_mapping:
+            del ALL_ATTENTION_FUNCTIONS[name]
+        candidate.attention = candidate_calls.inner
     expected = expected[0] if isinstance(expected, tuple) else expected
-    return isinstance(got, torch.Tensor) and got.shape == expected.shape and torch.equal(got, expected)
+    same_arguments = module_calls.calls == candidate_calls.calls
+    return same_arguments and isinstance(got, torch.Tensor) and got.shape == expected.shape and torch.equal(got, expected)
+
+
+# What the decoder layer's caller hands down per call (the one-frame forward passes the caller's on as they are).
+_CALLER_ARGUMENTS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions"})
+
+
+class _AttentionArguments:
+    """An attention function that records the keyword arguments the layer itself adds (not tensors, not the
+    caller's) to each call: a sliding window, a softcap, a scaling."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def __call__(self, module, *args, **kwargs):
+        self.calls.append({k: v for k, v in kwargs.items()
+                           if k not in _CALLER_ARGUMENTS and v is not None and not isinstance(v, torch.Tensor)})
+        return self.inner(module, *args, **kwargs)

@@ -55,12 +55,14 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             gang=config.batching == "dynamic",
+            sliding_window=self.runner.sliding_window,
         )
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.max_model_len)
         self.speculation = SpeculationController(config.drafters, loaded.max_model_len) if config.drafters else None
         self.counters = StepCounters()
         self._groups = itertools.count()
+        self._refused: list[RequestOutput] = []  # requests that failed at admission, reported by the next step
 
     # ---- the core contract driven by AsyncEngine ---------------------------------------------
     def add_requests(self, requests: list[Request]) -> None:
@@ -68,6 +70,12 @@ class LLMEngine:
         group = next(self._groups)
         for request in requests:
             request.group = group
+            try:
+                self.runner.admit(request)
+            except Exception as exc:  # noqa: BLE001 - this request's failure alone; the group goes on without it
+                logger.exception("request %s failed at admission", request.request_id)
+                self._refused.append(self._fail_one(request, exc))
+                continue
             self.scheduler.add_request(request)
 
     def add_request(self, request: Request) -> None:
@@ -83,7 +91,7 @@ class LLMEngine:
         return self.outputs.finish(request, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self._refused) or self.scheduler.has_unfinished_requests()
 
     @property
     def num_running(self) -> int:
@@ -97,32 +105,37 @@ class LLMEngine:
         started = time.perf_counter()
         if self.speculation is not None:
             self.speculation.expire(self.scheduler.running, time.monotonic())
+        refused, self._refused = self._refused, []
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
-            return []
+            return refused
         executed = time.perf_counter()
         try:
             result = self.runner.execute(scheduled, self.blocks)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
             logger.exception("forward pass failed")
-            return self._fail(scheduled, f"{type(exc).__name__}: {exc}")
+            return refused + self._fail(scheduled, f"{type(exc).__name__}: {exc}")
         if self.speculation is not None and _only_decodes(scheduled):
             self.speculation.observe_step(scheduled.num_batched_tokens, time.perf_counter() - executed)
         self.scheduler.update(scheduled, {r.request_id: n for r, n in zip(result.requests, result.num_accepted)})
-        outputs = []
-        for request, token_ids, logprobs, drafted, accepted in zip(
-            result.requests, result.token_ids, result.logprobs, result.num_drafted, result.num_accepted
+        outputs = refused
+        for request, token_ids, logprobs, drafted, accepted, error in zip(
+            result.requests, result.token_ids, result.logprobs, result.num_drafted, result.num_accepted, result.errors
         ):
-            if self.speculation is not None:
-                self.speculation.record(request, drafted, accepted)
-            output = self._append(request, token_ids, logprobs)
+            if error is None:
+                output = self._emit(request, token_ids, logprobs, drafted, accepted)
+            else:
+                output = self._fail_one(request, error)
             if output.finished:
                 self._release(request)
             outputs.append(output)
         self._count(scheduled, sum(len(o.new_token_ids) for o in outputs))
         self.counters.busy_s += time.perf_counter() - started
         if self.speculation is not None:
-            self.speculation.propose(self._decoding(), self._mean_step_s(), time.monotonic())
+            for request, exc in self.speculation.propose(self._decoding(), self._mean_step_s(), time.monotonic()):
+                logger.error("request %s failed while drafting: %s: %s", request.request_id, type(exc).__name__, exc)
+                outputs.append(self._fail_one(request, exc))
+                self._release(request)
         return outputs
 
     # ---- drafts computed elsewhere (engine.speculative drafter: model) ----------------------------
@@ -170,6 +183,21 @@ class LLMEngine:
         }
 
     # ---- internals ---------------------------------------------------------------------------
+    def _emit(self, request: Request, token_ids: list[int], logprobs: list, drafted: int, accepted: int) -> RequestOutput:
+        """A request's tokens of this step through stop matching and detokenizing; an exception there (its stop
+        strings, its text) fails this request alone."""
+        try:
+            if self.speculation is not None:
+                self.speculation.record(request, drafted, accepted)
+            return self._append(request, token_ids, logprobs)
+        except Exception as exc:  # noqa: BLE001 - the step goes on for the others
+            logger.exception("request %s failed while its tokens were processed", request.request_id)
+            return self._fail_one(request, exc)
+
+    def _fail_one(self, request: Request, error: BaseException | str) -> RequestOutput:
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        return self.outputs.finish(request, RequestStatus.FAILED, text)
+
     def _append(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> RequestOutput:
         """Append a step's tokens in order until the request finishes; one output carries them all."""
         if request.spec_token_ids:

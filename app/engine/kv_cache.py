@@ -15,6 +15,10 @@ leave its blocks parked under it (``park``): the session's next request takes th
 keeps the KV of the tokens it shares with the last one, partial last block included, and rolls the rest
 back (frees those blocks). The prefix cache alone would keep only full blocks. Parked blocks are
 reclaimable: the pool takes them back, oldest session first, before it reports a shortage.
+
+Sliding windows: where every attention layer sees only its last ``window`` keys, a request's blocks wholly
+before its window are handed back as it grows (``release_before``); its table keeps their places as
+``DROPPED``, so block ``i`` still holds tokens ``[i*block_size, (i+1)*block_size)``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import collections
 import hashlib
 from array import array
 from dataclasses import dataclass, field
+
+
+DROPPED = -1  # a block-table entry whose block was handed back (wholly before a sliding window)
 
 
 @dataclass
@@ -79,7 +86,7 @@ class BlockManager:
     @property
     def num_parked_blocks(self) -> int:
         """Blocks held by parked sessions only."""
-        return sum(1 for p in self._parked.values() for b in p.blocks.table if self._blocks[b].ref_count == 1)
+        return sum(1 for p in self._parked.values() for b in p.blocks.table if b != DROPPED and self._blocks[b].ref_count == 1)
 
     def block_table(self, request_id: str) -> list[int]:
         return self._requests[request_id].table
@@ -126,6 +133,8 @@ class BlockManager:
             parent = entry.hashes[-1] if entry.hashes else b""
             block_hash = _hash_block(parent, token_ids[index * self.block_size : (index + 1) * self.block_size])
             entry.hashes.append(block_hash)
+            if entry.table[index] == DROPPED:
+                continue
             block = self._blocks[entry.table[index]]
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
@@ -158,6 +167,17 @@ class BlockManager:
         while len(entry.table) > keep:
             self._release(entry.table.pop())
 
+    def release_before(self, request_id: str, num_tokens: int) -> None:
+        """Hand back the request's blocks that hold only tokens before ``num_tokens`` (no query will see them again:
+        they left every layer's window); a cached one stays reusable until evicted."""
+        entry = self._requests.get(request_id)
+        if entry is None:
+            return
+        for index in range(min(num_tokens // self.block_size, len(entry.table))):
+            if entry.table[index] != DROPPED:
+                self._release(entry.table[index])
+                entry.table[index] = DROPPED
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks; cached ones stay reusable until evicted."""
         entry = self._requests.pop(request_id, None)
@@ -189,6 +209,9 @@ class BlockManager:
             return None
         common = min(_common_prefix_length(parked.token_ids, token_ids), len(token_ids) - 1)
         entry, full = parked.blocks, common // self.block_size
+        if DROPPED in entry.table:  # a rollback may reach back past the window: recompute instead
+            self._release_all(entry)
+            return None
         keep, computed = full, full * self.block_size
         if common % self.block_size and full < len(entry.table) and self._blocks[entry.table[full]].ref_count == 1:
             # The block the two part in is the session's own: keep its first rows, which the request overwrites past
@@ -215,6 +238,8 @@ class BlockManager:
             self._release(block_id)
 
     def _release(self, block_id: int) -> None:
+        if block_id == DROPPED:
+            return
         block = self._blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:

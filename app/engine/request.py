@@ -41,6 +41,8 @@ _FINISH_REASONS = {
 
 
 MAX_LOGPROBS = 20
+# Integers a request may carry (seeds, counts): what torch and the wire formats hold, as OpenAI and vLLM bound them.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # A distribution over a few token ids: (ids, probabilities), the probabilities summing to 1.
 SparseProbs = tuple[list[int], list[float]]
 
@@ -93,6 +95,8 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, f"seed must be in [{INT64_MIN}, {INT64_MAX}]"),
+            (all(INT64_MIN <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids must be 64-bit integers"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
             (len(self.stop) <= 16, "at most 16 stop strings are supported"),

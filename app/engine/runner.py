@@ -63,22 +63,27 @@ class RunnerOutput:
     logprobs: list[list[TokenLogprob | None]] = field(default_factory=list)
     num_drafted: list[int] = field(default_factory=list)  # drafts verified this step, per request
     num_accepted: list[int] = field(default_factory=list)  # of which the target kept
+    errors: list[str | None] = field(default_factory=list)  # why a request failed this step alone (no tokens)
 
 
-def check_attention_supported(model_config, max_model_len: int) -> None:
-    """Paged attention here is full causal attention; refuse models whose layers attend differently."""
+def uniform_sliding_window(model_config) -> int | None:
+    """The window every attention layer of the model slides by (Mistral, Qwen2 with every layer sliding), or None
+    where some layer attends the whole history (Gemma 2/3's global layers) or none slides. The layers' own
+    arguments decide what each attends; this only lets the engine hand back blocks no layer will read again
+    (and the load-time parity check confirms that every layer attended with this window)."""
     window = getattr(model_config, "sliding_window", None)
-    if window and getattr(model_config, "use_sliding_window", True) and max_model_len > window:
-        raise ValueError(
-            f"the model uses sliding-window attention ({window} tokens), which the paged engine does not "
-            f"implement yet; set model.max_model_len to at most {window} to serve it exactly"
-        )
+    if not window or getattr(model_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(model_config, "layer_types", None)
+    if layer_types is not None and any(kind != "sliding_attention" for kind in layer_types):
+        return None
+    return int(window)
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
-        check_attention_supported(loaded.model.config, loaded.max_model_len)
         self.model = loaded.model
+        self.sliding_window = uniform_sliding_window(loaded.model.config)
         self.device = loaded.device
         self.block_size = config.block_size
         shape = KVCacheShape.of(self.model.config)
@@ -91,7 +96,8 @@ class ModelRunner:
         )
         self.kv_bytes = self.kv_pool.numel() * self.kv_pool.element_size()
         self.sampler = Sampler()
-        register_paged_attention(self.model)
+        self.step = register_paged_attention(self.model)
+        self.last_attended: dict[int, int | None] = {}  # the last step's attention layers (index -> window)
         # plain fp32 CPU Linear layers only (quantized ones run as loaded); bf16 weights where the loader chose them
         self.fast_path = install_fast_path(self.model, config, loaded.dtype, kv_dtype, loaded.weight_dtype, loaded.bf16_products)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MB)", self.num_blocks, self.block_size, self.kv_bytes / 2**20)
@@ -117,14 +123,19 @@ class ModelRunner:
                 sample_rows.extend(range(len(token_ids) - 1 - item.num_spec_tokens, len(token_ids)))
                 sampling.append(item)
         batch = PagedBatch.build(self.kv_pool, self.block_size, slices, self.fast_path.attention)
+        self.step.batch = batch
+        try:
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=torch.tensor([token_ids], device=self.device),  # [1, T]
+                    position_ids=torch.tensor([positions], device=self.device),  # [1, T]
+                    use_cache=False,
+                    logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+                )
+        finally:
+            self.step.batch = None
+            self.last_attended = batch.attended
         with torch.inference_mode():
-            out = self.model(
-                input_ids=torch.tensor([token_ids], device=self.device),  # [1, T]
-                position_ids=torch.tensor([positions], device=self.device),  # [1, T]
-                use_cache=False,
-                logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
-                paged_batch=batch,
-            )
             return self._sample(out.logits[0], sampling)  # logits: [S, V], one row per sampled position
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> RunnerOutput:
@@ -136,29 +147,44 @@ class ModelRunner:
         emitted: list[list[int]] = [[] for _ in items]
         logprobs: list[list[TokenLogprob | None] | None] = [None] * len(items)  # None: computed in _output
         accepted = [0] * len(items)
+        errors: list[str | None] = [None] * len(items)
         if plain:  # the steady state without drafts samples the logits as they are (the sampler keeps raw rows)
             rows = logits if not drafting else logits[torch.tensor([first_row[i] for i in plain], device=logits.device)]
-            tokens, token_lps = self.sampler.sample_with_logprobs(rows, [items[i].request for i in plain])
-            for i, token, lp in zip(plain, tokens, token_lps):
-                emitted[i], logprobs[i] = [token], [lp]
+            for i, sampled in zip(plain, _isolated(self._sample_plain, rows, [items[i] for i in plain])):
+                if isinstance(sampled, str):
+                    errors[i] = sampled
+                else:
+                    emitted[i], logprobs[i] = [sampled[0]], [sampled[1]]
         if drafting:
             rows = torch.cat([torch.arange(first_row[i], first_row[i + 1]) for i in drafting]).to(logits.device)
-            requests = [items[i].request for i in drafting]
-            drafts = [r.spec_token_ids[: items[i].num_spec_tokens] for i, r in zip(drafting, requests)]
-            draft_probs = [r.spec_draft_probs[: items[i].num_spec_tokens] if r.spec_draft_probs is not None else None
-                           for i, r in zip(drafting, requests)]
-            generators = [self._generator(r) for r in requests]
-            tokens, kept = verify_drafts(logits[rows], requests, drafts, generators, draft_probs)  # a copy: logits stay raw
-            for i, item_tokens, item_kept in zip(drafting, tokens, kept):
-                emitted[i], accepted[i] = item_tokens, item_kept
-        return self._output(logits, items, first_row, emitted, logprobs, accepted)
+            for i, verified in zip(drafting, _isolated(self._verify, logits[rows], [items[i] for i in drafting])):  # a copy
+                if isinstance(verified, str):
+                    errors[i] = verified
+                else:
+                    emitted[i], accepted[i] = verified
+        return self._output(logits, items, first_row, emitted, logprobs, accepted, errors)
 
-    def _output(self, logits, items, first_row, emitted, token_lps, accepted) -> RunnerOutput:
+    def _sample_plain(self, rows: torch.Tensor, items: list[ScheduledRequest]) -> list[tuple[int, TokenLogprob | None]]:
+        """rows: [n, V], one per item -> (token, its logprob) per item."""
+        tokens, token_lps = self.sampler.sample_with_logprobs(rows, [item.request for item in items])
+        return list(zip(tokens, token_lps))
+
+    def _verify(self, rows: torch.Tensor, items: list[ScheduledRequest]) -> list[tuple[list[int], int]]:
+        """rows: [sum(1 + k), V] -> (emitted tokens, drafts kept) per item (app/spec/verify.py)."""
+        requests = [item.request for item in items]
+        drafts = [r.spec_token_ids[: item.num_spec_tokens] for item, r in zip(items, requests)]
+        draft_probs = [r.spec_draft_probs[: item.num_spec_tokens] if r.spec_draft_probs is not None else None
+                       for item, r in zip(items, requests)]
+        generators = [self._generator(r) for r in requests]
+        tokens, kept = verify_drafts(rows, requests, drafts, generators, draft_probs)
+        return list(zip(tokens, kept))
+
+    def _output(self, logits, items, first_row, emitted, token_lps, accepted, errors) -> RunnerOutput:
         """The runner's answer; a drafting request's logprobs from the raw logits of its emitted rows (if asked)."""
         result = RunnerOutput()
         for i, item in enumerate(items):
             request, tokens, logprobs = item.request, emitted[i], token_lps[i]
-            if logprobs is None and request.sampling.logprobs is not None:
+            if logprobs is None and request.sampling.logprobs is not None and errors[i] is None:
                 raw = logits[first_row[i] : first_row[i] + len(tokens)].float()  # [n, V]
                 logprobs = token_logprobs(raw, tokens, [request] * len(tokens))
             elif logprobs is None:
@@ -168,14 +194,40 @@ class ModelRunner:
             result.logprobs.append(logprobs)
             result.num_drafted.append(item.num_spec_tokens)
             result.num_accepted.append(accepted[i])
+            result.errors.append(errors[i])
         return result
 
     def _generator(self, request: Request) -> torch.Generator | None:
         seeded = request.sampling.seed is not None and not request.sampling.greedy
         return self.sampler.generator_for(request, self.device) if seeded else None
 
+    def admit(self, request: Request) -> None:
+        """Per-request sampling state, made as the request is admitted (a failure here is the request's alone)."""
+        self.sampler.admit(request, self.device)
+
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
+
+
+def _isolated(batched, rows: torch.Tensor, items: list[ScheduledRequest]) -> list:
+    """``batched(rows, items)``: one result per item, from one batched call. If that call raises, each item's
+    rows again alone: the item that raises gets its error text instead of a result, and the others the result
+    they had in the batch (sampling is per row, and a seeded row draws from its own generator). One request's
+    bad parameters or a bug its input reaches never fail its batch-mates."""
+    try:
+        return batched(rows, items)
+    except Exception:  # noqa: BLE001 - re-run below, item by item
+        logger.warning("sampling a batch of %d failed; sampling its requests one at a time", len(items))
+    results, start = [], 0
+    for item in items:
+        count = 1 + item.num_spec_tokens
+        try:
+            results.extend(batched(rows[start : start + count], [item]))
+        except Exception as exc:  # noqa: BLE001 - this request's failure, reported to it alone
+            logger.exception("request %s failed while sampling", item.request.request_id)
+            results.append(f"{type(exc).__name__}: {exc}")
+        start += count
+    return results
 
 
 def _token_range(request: Request, start: int, end: int) -> list[int]:

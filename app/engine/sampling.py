@@ -35,8 +35,8 @@ class Sampler:
         self, logits: torch.Tensor, requests: Sequence[Request]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Sample, and for requests that ask, the sampled token's logprob under the model's raw distribution."""
-        logits = logits.float()  # [B, V]
-        raw = logits.clone() if any(r.sampling.logprobs is not None for r in requests) else None
+        logits = logits.float()  # [B, V]; _sample leaves it as it is
+        raw = logits if any(r.sampling.logprobs is not None for r in requests) else None
         tokens, sampled_from = self._sample(logits, requests)
         logprobs = token_logprobs(raw, tokens, requests) if raw is not None else [None] * len(requests)
         for row, (ids, probs) in sampled_from.items():  # draft calls: what the target will verify against
@@ -44,6 +44,8 @@ class Sampler:
         return tokens, logprobs
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], dict[int, SparseProbs]]:
+        if any(has_penalty(r) or r.num_output_tokens < r.sampling.min_tokens for r in requests):
+            logits = logits.clone()  # written in place below; the caller's rows stay raw (it may sample them again)
         logits = apply_penalties(logits, requests)
         logits = mask_stop_tokens_before_min(logits, requests)
         greedy_tokens = argmax_rows(logits)  # [B]
@@ -60,8 +62,14 @@ class Sampler:
                       for r in requests]
         return draw_rows(probs, generators)
 
+    def admit(self, request: Request, device: torch.device) -> None:
+        """Make a seeded request's generator as it is admitted: a seed torch refuses fails that request there,
+        never the batched step it would join."""
+        if request.sampling.seed is not None and not request.sampling.greedy:
+            self.generator_for(request, device)
+
     def generator_for(self, request: Request, device: torch.device) -> torch.Generator:
-        """The request's own generator (made from its seed on first use; for seeded requests only)."""
+        """The request's own generator (made at admission, or on first use; for seeded requests only)."""
         generator = self._generators.get(request.request_id)
         if generator is None:
             generator = torch.Generator(device=device)

@@ -28,6 +28,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     gang: bool = False  # dynamic batching: a new group is admitted only when nothing of the last one runs
+    sliding_window: int | None = None  # every attention layer sees only its last this-many keys: older blocks go back
 
 
 @dataclass
@@ -107,6 +108,8 @@ class Scheduler:
             self.blocks.cache_full_blocks(request.request_id, token_ids, request.num_computed_tokens)
             if item.num_spec_tokens > accepted:
                 self.blocks.truncate(request.request_id, request.num_computed_tokens + 1)  # + the token sampled now
+            if self.config.sliding_window:  # the next query (at num_computed_tokens) sees keys from here on
+                self.blocks.release_before(request.request_id, request.num_computed_tokens - self.config.sliding_window + 1)
 
     def _schedule_running(self, budget: int, output: SchedulerOutput) -> int:
         index = 0

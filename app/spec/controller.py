@@ -79,14 +79,21 @@ class SpeculationController:
         """Each drafter's counters under the name it is served as."""
         return {c.served_name: d.stats.to_dict() for c, d in zip(self.configs, self.drafters)}
 
-    def propose(self, decoding: Sequence[Request], target_step_s: float, now: float) -> None:
-        """Give each sequence about to decode its drafts for the next step (an empty list where it should not)."""
+    def propose(self, decoding: Sequence[Request], target_step_s: float, now: float) -> list[tuple[Request, Exception]]:
+        """Give each sequence about to decode its drafts for the next step (an empty list where it should not).
+        Returns the sequences whose drafting raised, with the exception: theirs alone, the others still draft."""
+        failed = []
         for request in decoding:
             drafter = self._drafter(request)
             if drafter is None:
                 request.set_drafts([])
                 continue
-            drafter.propose(request, self._limit(request), len(decoding), target_step_s, now)
+            try:
+                drafter.propose(request, self._limit(request), len(decoding), target_step_s, now)
+            except Exception as exc:  # noqa: BLE001 - reported to the engine, which fails this request
+                request.set_drafts([])
+                failed.append((request, exc))
+        return failed
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         drafter = self._drafter(request)

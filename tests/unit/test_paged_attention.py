@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from app.cpu import build
 from app.cpu.attention import PagedAttentionKernel
 from tests.unit.cpu.conftest import loaded_ops, needs_kernels as needs_kernel
 from app.engine.paged_attention import PagedBatch, SequenceSlice, paged_attention_forward
@@ -23,14 +24,27 @@ def _stored(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
 
 
 class Sequences:
-    """Runs steps through paged attention and keeps each sequence's whole K/V for the reference."""
+    """Runs steps through paged attention and keeps each sequence's whole K/V for the reference; ``window`` and
+    ``softcap`` are the layer's attention arguments (a sliding window, logit softcapping)."""
 
-    def __init__(self, decode_kernel=None, kv_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, decode_kernel=None, kv_dtype: torch.dtype = torch.float32, window: int | None = None,
+                 softcap: float | None = None) -> None:
         torch.manual_seed(0)
-        self.decode_kernel, self.kv_dtype = decode_kernel, kv_dtype
+        self.decode_kernel, self.kv_dtype, self.window, self.softcap = decode_kernel, kv_dtype, window, softcap
+        self.tables = {name: list(table) for name, table in TABLES.items()}
         self.pool = torch.zeros(1, 2, 8 * BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype)  # [layers, k/v, slots, Hkv, D]
         self.keys = {name: torch.empty(KV_HEADS, 0, HEAD_DIM) for name in TABLES}
         self.values = {name: torch.empty(KV_HEADS, 0, HEAD_DIM) for name in TABLES}
+
+    def hand_back_blocks_before_windows(self) -> None:
+        """As the block manager does where every layer slides: blocks wholly before the next query's window go back
+        to the pool (their table entries -1); here they are also filled with NaN, which must never be read."""
+        for name, table in self.tables.items():
+            first_needed = self.keys[name].shape[1] - self.window + 1
+            for index in range(max(0, first_needed) // BLOCK):
+                if table[index] >= 0:
+                    self.pool[:, :, table[index] * BLOCK : (table[index] + 1) * BLOCK] = float("nan")
+                    table[index] = -1
 
     def step(self, new_tokens: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
         """One packed step; returns paged output, reference output (both [T, H, D]) and the batch."""
@@ -40,23 +54,33 @@ class Sequences:
         slices, expected, start = [], [], 0
         for name, n in new_tokens.items():
             computed = self.keys[name].shape[1]
-            slices.append(SequenceSlice(start, n, computed, TABLES[name]))
+            slices.append(SequenceSlice(start, n, computed, self.tables[name]))
             self.keys[name] = torch.cat([self.keys[name], _stored(key[0, :, start : start + n], self.kv_dtype)], dim=1)
             self.values[name] = torch.cat([self.values[name], _stored(value[0, :, start : start + n], self.kv_dtype)], dim=1)
-            expected.append(_reference(query[0, :, start : start + n], self.keys[name], self.values[name], computed))
+            expected.append(_reference(query[0, :, start : start + n], self.keys[name], self.values[name], computed,
+                                       self.window, self.softcap))
             start += n
         batch = PagedBatch.build(self.pool, BLOCK, slices, self.decode_kernel)
-        out, _ = paged_attention_forward(SimpleNamespace(layer_idx=0), query, key, value, None, paged_batch=batch)
+        out, _ = paged_attention_forward(SimpleNamespace(layer_idx=0), query, key, value, None, paged_batch=batch,
+                                         sliding_window=self.window, softcap=self.softcap, position_ids=None)
         assert out.shape == (1, total, HEADS, HEAD_DIM)
         return out[0], torch.cat(expected), batch
 
 
-def _reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, computed: int) -> torch.Tensor:
-    """Causal attention of one sequence's new queries [H, n, D] over its keys [Hkv, L, D]: [n, H, D]."""
+def _reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, computed: int,
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's new queries [H, n, D] over its keys [Hkv, L, D]: [n, H, D]; with a
+    window, each query sees its last ``window`` keys (itself included), as transformers' sliding mask."""
     keys, values = keys.repeat_interleave(REPEAT, dim=0), values.repeat_interleave(REPEAT, dim=0)
     n, length = query.shape[1], keys.shape[1]
-    mask = torch.arange(length).view(1, -1) <= (computed + torch.arange(n)).view(-1, 1)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask).transpose(0, 1)
+    positions = (computed + torch.arange(n)).view(-1, 1)
+    mask = torch.arange(length).view(1, -1) <= positions
+    if window is not None:
+        mask &= torch.arange(length).view(1, -1) > positions - window
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask).transpose(0, 1)
+    scores = torch.tanh(query @ keys.transpose(1, 2) * HEAD_DIM**-0.5 / softcap) * softcap  # [H, n, L]
+    return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values).transpose(0, 1)
 
 
 @pytest.mark.parametrize(
@@ -76,6 +100,38 @@ def test_paged_attention_equals_causal_attention_over_each_sequence(steps, kv_dt
 
 
 
+WINDOW_STEPS = [{"a": 7, "c": 3}, {"a": 1, "c": 6}, {"a": 1, "c": 1}, {"b": 5, "a": 1, "c": 1}, {"a": 1, "b": 1}]
+
+
+@pytest.mark.parametrize("route", ["torch", "kernel"])
+@pytest.mark.parametrize("window, softcap", [(5, None), (None, 0.7), (6, 0.7)])
+@KV_DTYPES
+def test_sliding_windows_and_softcapping_equal_the_reference(route, window, softcap, kv_dtype):
+    """Windows shorter than the sequences, crossing prefill chunks and blocks; blocks wholly before every window
+    handed back (NaN in the pool) without a change; softcapped layers take the torch route on a kernel step too."""
+    if route == "kernel" and build.unsupported_reason() is not None:
+        pytest.skip(f"the CPU kernels cannot run here: {build.unsupported_reason()}")
+    sequences = Sequences(load_decode_attention() if route == "kernel" else None, kv_dtype, window, softcap)
+    for new_tokens in WINDOW_STEPS:
+        got, expected, batch = sequences.step(new_tokens)
+        assert batch.attended == {0: window}
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        if window is not None:
+            sequences.hand_back_blocks_before_windows()
+    if window is not None:
+        assert -1 in sequences.tables["a"]  # the last steps ran with handed-back blocks
+
+
+def test_attention_arguments_the_engine_cannot_honour_are_refused_by_name():
+    from app.engine.paged_attention import UnsupportedAttentionError, attention_options
+
+    assert attention_options({"sliding_window": 8, "softcap": 30.0, "position_ids": None, "is_causal": True}).window == 8
+    for kwargs, named in [({"s_aux": torch.zeros(2)}, "attention sinks"), ({"is_causal": False}, "non-causal"),
+                          ({"position_bias": torch.zeros(1)}, "position_bias"), ({"sliding_window": 0}, "sliding window")]:
+        with pytest.raises(UnsupportedAttentionError, match=named):
+            attention_options(dict(kwargs))
+
+
 def load_decode_attention() -> PagedAttentionKernel:
     loaded_ops()  # this machine supports the kernels: a failed build fails the test
     return PagedAttentionKernel()
@@ -90,7 +146,7 @@ def test_decode_steps_through_our_cpu_kernel_equal_causal_attention(kv_dtype):
     for new_tokens in [{"a": 6, "b": 3, "c": 9}, {"a": 1, "b": 1, "c": 1}, {"c": 1, "a": 1}, {"a": 1, "b": 2}]:
         got, expected, batch = sequences.step(new_tokens)
         decode_only = all(n == 1 for n in new_tokens.values())
-        assert (batch.decode_kernel is kernel) == decode_only
+        assert batch.kernel is kernel and (batch.kernel_decode is not None) == decode_only
         assert (batch.kernel_queries is not None) == (not decode_only)  # prefill and mixed steps: the same kernel
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

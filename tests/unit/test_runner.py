@@ -1,15 +1,15 @@
 """Runner checks that need no model."""
 
-import pytest
+from types import SimpleNamespace
+
+from app.engine.runner import uniform_sliding_window
 
 
-def test_sliding_window_models_are_refused_beyond_their_window():
-    from types import SimpleNamespace
-
-    from app.engine.runner import check_attention_supported
-
-    with pytest.raises(ValueError, match="sliding-window attention .*max_model_len to at most 4096"):
-        check_attention_supported(SimpleNamespace(sliding_window=4096), 32768)
-    check_attention_supported(SimpleNamespace(sliding_window=4096), 4096)  # within the window: exact
-    check_attention_supported(SimpleNamespace(sliding_window=4096, use_sliding_window=False), 32768)  # Qwen2-style
-    check_attention_supported(SimpleNamespace(), 8192)
+def test_uniform_sliding_window_only_where_every_layer_slides():
+    assert uniform_sliding_window(SimpleNamespace(sliding_window=4096)) == 4096  # Mistral
+    assert uniform_sliding_window(SimpleNamespace(sliding_window=4096, use_sliding_window=False)) is None  # Qwen2 off
+    both = ["sliding_attention", "full_attention"]
+    assert uniform_sliding_window(SimpleNamespace(sliding_window=64, layer_types=both)) is None  # Gemma 2/3
+    assert uniform_sliding_window(SimpleNamespace(sliding_window=64, layer_types=["sliding_attention"] * 3)) == 64
+    assert uniform_sliding_window(SimpleNamespace(sliding_window=None)) is None
+    assert uniform_sliding_window(SimpleNamespace()) is None

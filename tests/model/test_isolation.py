@@ -1,0 +1,79 @@
+"""One request's failure is its own: an exception while sampling, matching stop strings or detokenizing one request
+fails that request alone; the others of the same steps finish with all their tokens, the tokens they get alone."""
+
+import pytest
+
+from app.engine import Request, SamplingParams
+from app.engine.detokenizer import IncrementalDetokenizer
+from app.engine.sampling import Sampler
+from tests.model.conftest import make_engine
+
+pytestmark = pytest.mark.model
+
+MARK = "<<fail this request>>"  # a stop string only the bad request carries
+TOKENS = 8
+
+
+def _requests(loaded, bad: bool) -> list[Request]:
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,"]
+    samplings = [SamplingParams(max_tokens=TOKENS, min_tokens=TOKENS, temperature=0),
+                 SamplingParams(max_tokens=TOKENS, min_tokens=TOKENS, temperature=0.9, seed=7, logprobs=2),
+                 SamplingParams(max_tokens=TOKENS, min_tokens=TOKENS, temperature=0.7, top_p=0.9, seed=11,
+                                stop=(MARK,) if bad else ()),
+                 SamplingParams(max_tokens=TOKENS, min_tokens=TOKENS, temperature=0, repetition_penalty=1.3)]
+    ids = ["greedy", "seeded", "bad" if bad else "other", "penalized"]
+    return [Request(i, loaded.tokenizer.encode(p), s, loaded.eos_token_ids) for i, p, s in zip(ids, prompts, samplings)]
+
+
+def _run(engine, requests):
+    engine.add_requests(requests)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    return finals
+
+
+def _raise_for_marked(original):
+    def wrapped(self, *args, **kwargs):
+        if MARK in self._stop:
+            raise RuntimeError("injected failure")
+        return original(self, *args, **kwargs)
+    return wrapped
+
+
+def _raise_while_sampling_marked(original):
+    def wrapped(self, logits, requests):
+        if any(r.request_id == "bad" for r in requests):
+            raise RuntimeError("injected failure")
+        return original(self, logits, requests)
+    return wrapped
+
+
+@pytest.mark.parametrize("where", ["sampling", "stop matching", "detokenizing"])
+def test_an_exception_for_one_request_fails_it_alone(loaded_fp32, where, monkeypatch):
+    alone = _requests(loaded_fp32, bad=False)
+    _run(make_engine(loaded_fp32), alone)  # the same requests without the failure
+    if where == "sampling":
+        monkeypatch.setattr(Sampler, "_sample", _raise_while_sampling_marked(Sampler._sample))
+    else:
+        name = "_find_stop" if where == "stop matching" else "_decode_new"
+        monkeypatch.setattr(IncrementalDetokenizer, name, _raise_for_marked(getattr(IncrementalDetokenizer, name)))
+    requests = _requests(loaded_fp32, bad=True)
+    finals = _run(make_engine(loaded_fp32), requests)
+    assert finals["bad"].finish_reason == "error" and "injected failure" in finals["bad"].error
+    for request, reference in zip(requests, alone):
+        if request.request_id != "bad":
+            assert finals[request.request_id].finish_reason == "length"
+            assert request.output_token_ids == reference.output_token_ids  # seeded ones too: the same draws
+
+
+def test_a_seed_torch_refuses_fails_at_admission_alone(loaded_fp32):
+    engine = make_engine(loaded_fp32)
+    requests = _requests(loaded_fp32, bad=False)
+    bad = Request("bad", requests[0].prompt_token_ids, SamplingParams(max_tokens=4, temperature=1.0, seed=7), frozenset())
+    bad.sampling.seed = 2**64 + 5  # past the edge's checks (the API answers 400): the engine still fails it alone
+    finals = _run(engine, [*requests, bad])
+    assert finals["bad"].finish_reason == "error" and finals["bad"].num_output_tokens == 0
+    assert all(finals[r.request_id].finish_reason == "length" for r in requests)

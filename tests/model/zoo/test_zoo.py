@@ -1,0 +1,155 @@
+"""The model zoo: twenty tiny seeded checkpoints of transformers architectures, each served exactly as transformers
+computes it (fp32: every greedy token transformers' top choice up to a 1e-4 near-tie, every logprob within 1e-4)
+or refused at load. Prompts of 7-50 tokens in a batch of 4 (longer than the sliding windows), prefilled in
+chunks of at most 32 tokens, then one alone (the prefix cache holds its first blocks) and one that shares a
+prefix with it; with the CPU kernels on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.config import EngineConfig, ModelConfig
+from app.engine import Request, SamplingParams
+from app.engine.engine import LLMEngine
+from app.engine.kv_cache import DROPPED
+from app.engine.parity import ParityError, check_parity
+from app.models import load_model
+from tests.model.zoo.checkpoints import ARCHITECTURES, WINDOW, build_checkpoint
+
+pytestmark = pytest.mark.model
+
+TOLERANCE = 1e-4
+NEW_TOKENS = 6
+PROMPT_LENGTHS = (7, 20, 41, 50)
+# Architectures the engine refuses, with what the refusal names.
+REFUSED = {"falcon": "did not take the paged attention path"}
+SERVED = [name for name in ARCHITECTURES if name not in REFUSED]
+
+
+@pytest.fixture(scope="session")
+def zoo_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("zoo")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from app.models.registry import prepare_builtin
+
+    return AutoTokenizer.from_pretrained(prepare_builtin("smollm2-135m-instruct"))
+
+
+def _engine(path, **engine_fields):
+    loaded = load_model(ModelConfig(source=str(path), dtype="float32", max_model_len=256))
+    fields = {"num_kv_blocks": 64, "max_num_batched_tokens": 32, **engine_fields}
+    return loaded, LLMEngine(loaded, EngineConfig(**fields))
+
+
+def _reference_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _prompts(tokenizer, vocab: int) -> list[list[int]]:
+    text = "In the beginning the engine read every key once, and the cache kept blocks of sixteen tokens each. " * 4
+    ids = [t for t in tokenizer.encode(text) if t < vocab]
+    return [ids[:n] for n in PROMPT_LENGTHS]
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], tag: str) -> list[Request]:
+    sampling = SamplingParams(max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, temperature=0, logprobs=1)
+    requests = [Request(f"{tag}-{i}", prompt, sampling, frozenset()) for i, prompt in enumerate(prompts)]
+    engine.add_requests(requests)
+    logprobs = {r.request_id: [] for r in requests}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.error is None, output.error
+            logprobs[output.request_id] += output.logprobs or []
+    for request in requests:
+        request.logprobs = logprobs[request.request_id]
+    return requests
+
+
+def _assert_matches_transformers(reference, requests: list[Request]) -> None:
+    for request in requests:
+        assert request.num_output_tokens == NEW_TOKENS and len(request.logprobs) == NEW_TOKENS
+        ids = torch.tensor([request.prompt_token_ids + request.output_token_ids])
+        with torch.inference_mode():
+            rows = reference(ids).logits[0].float().log_softmax(-1)  # [L, V]
+        for step, lp in enumerate(request.logprobs):
+            row = rows[request.num_prompt_tokens - 1 + step]
+            assert abs(lp.logprob - float(row[lp.token_id])) <= TOLERANCE, (request.request_id, step)
+            assert float(row[lp.token_id]) >= float(row.max()) - TOLERANCE, (request.request_id, step)
+
+
+@pytest.mark.parametrize("kernels", ["kernels on", "kernels off"])
+@pytest.mark.parametrize("name", SERVED)
+def test_served_exactly(name, kernels, zoo_dir, tokenizer, request):
+    if kernels == "kernels off":
+        request.getfixturevalue("kernels_off")
+    path = build_checkpoint(name, zoo_dir, tokenizer)
+    loaded, engine = _engine(path)
+    check_parity(engine, loaded)
+    reference = _reference_model(path)
+    prompts = _prompts(tokenizer, loaded.model.config.vocab_size)
+    batched = _run(engine, prompts, "batch")
+    alone = _run(engine, prompts[2:3], "alone")  # its first two blocks come from the prefix cache
+    shared = _run(engine, [prompts[2][:35] + prompts[1][:9]], "shared")  # two cached blocks, then its own tokens
+    assert engine.blocks.prefix_stats.hit_tokens >= 64
+    assert alone[0].output_token_ids == batched[2].output_token_ids
+    _assert_matches_transformers(reference, batched + alone + shared)
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_at_load_by_name(name, zoo_dir, tokenizer):
+    loaded, engine = _engine(build_checkpoint(name, zoo_dir, tokenizer))
+    with pytest.raises(ParityError, match=REFUSED[name]) as refusal:
+        check_parity(engine, loaded)
+    assert loaded.model.config.architectures[0] in str(refusal.value)
+
+
+def test_sliding_window_blocks_stay_bounded(zoo_dir, tokenizer):
+    """Mistral (every layer slides): a long generation holds the blocks of its window (and the step's tokens),
+    not of its history; its tokens stay transformers' own."""
+    path = build_checkpoint("mistral", zoo_dir, tokenizer)
+    loaded, engine = _engine(path, block_size=8)
+    assert engine.scheduler.config.sliding_window == WINDOW
+    prompt = _prompts(tokenizer, loaded.model.config.vocab_size)[3]
+    sampling = SamplingParams(max_tokens=150, min_tokens=150, temperature=0)
+    request = Request("long", prompt, sampling, frozenset())
+    engine.add_request(request)
+    most_live = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.has_unfinished_requests():
+            most_live = max(most_live, sum(1 for b in engine.blocks.block_table("long") if b != DROPPED))
+    bound = -(-(WINDOW + 32) // 8) + 1  # the window and one step's chunk, plus a partial block
+    assert 0 < most_live <= bound
+    assert request.num_output_tokens == 150
+    with torch.inference_mode():
+        rows = _reference_model(path)(torch.tensor([prompt + request.output_token_ids])).logits[0]  # [L, V]
+    chosen = rows[len(prompt) - 1 : -1].gather(1, torch.tensor(request.output_token_ids).unsqueeze(1)).squeeze(1)
+    assert bool((chosen >= rows[len(prompt) - 1 : -1].max(dim=-1).values - TOLERANCE).all())
+
+
+def test_parity_check_refuses_a_layer_off_the_paged_path(zoo_dir, tokenizer):
+    from app.engine.paged_attention import PagedStep
+
+    loaded, engine = _engine(build_checkpoint("llama", zoo_dir, tokenizer))
+    loaded.model.model.layers[1].self_attn.paged_step = PagedStep()  # never set: this layer attends the packed row
+    with pytest.raises(ParityError, match="attention layers 1 did not take the paged attention path"):
+        check_parity(engine, loaded)
+
+
+def test_parity_check_refuses_a_dropped_softcap(zoo_dir, tokenizer, monkeypatch):
+    from app.engine import paged_attention
+
+    loaded, engine = _engine(build_checkpoint("gemma2", zoo_dir, tokenizer))
+    options = paged_attention.attention_options
+    monkeypatch.setattr(paged_attention, "attention_options",
+                        lambda kwargs: paged_attention.AttentionOptions(options(kwargs).window, None))
+    with pytest.raises(ParityError, match="Gemma2ForCausalLM cannot be served exactly: at generated token"):
+        check_parity(engine, loaded)
