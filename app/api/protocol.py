@@ -83,7 +83,7 @@ class _SamplingFields(_Strict):
                 logprobs=self.num_logprobs(),
             )
         except ValueError as exc:  # a combination the per-field checks cannot see (min_tokens > max_tokens, ...)
-            raise APIError(400, str(exc)) from exc
+            raise APIError(400, str(exc), param=getattr(exc, "param", None)) from exc
 
     def num_logprobs(self) -> int | None:
         """How many alternatives per token the client asked for (None: no logprobs)."""

@@ -147,8 +147,9 @@ def select_kernel(choice: str, weight_dtype: torch.dtype = torch.float32, bf16_p
             raise ValueError(f"engine.cpu_linear_kernel is avx512-bf16, but {why}; use auto or onednn-bf16")
         return AVX512BF16Kernel()
     if choice == "onednn-bf16":
-        if not onednn_supported():
-            raise ValueError("engine.cpu_linear_kernel is onednn-bf16, but this torch build has no oneDNN; use auto")
+        if not onednn_bf16_supported():
+            raise ValueError("engine.cpu_linear_kernel is onednn-bf16, but oneDNN has no bf16 path on this CPU "
+                             "(it needs avx512bw/vl/dq or avx_ne_convert) or in this torch build; use auto")
         return OneDNNBF16Kernel()
     if choice in ("auto", "avx2"):
         if available():
@@ -266,6 +267,19 @@ def bf16_exact(weight: torch.Tensor) -> bool:
 
 def onednn_supported() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+@functools.cache
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU (it needs avx512bw/vl/dq or avx_ne_convert: an AVX2-only
+    CPU has neither). Asked of oneDNN itself, once, on a tiny weight."""
+    if not onednn_supported():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), _BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_cpu_linears(model: nn.Module, kernel: str = "auto", weight_dtype: torch.dtype = torch.float32,

@@ -34,12 +34,15 @@ _NEW_TOKENS = 4
 
 # Tolerance on a log-probability (nats). In fp32 the engine and transformers differ only in the order of their
 # sums (attention over a paged pool or by our kernel; the same Linear modules): about 1e-6 relative per
-# operation, ~1e-5 nats measured on the embedded model. A 16-bit KV cache or 16-bit activations round each
+# operation, 3e-5 nats measured on the embedded model. A 16-bit KV cache or 16-bit activations round each
 # key, value and activation to 8 mantissa bits (2**-9 relative) where transformers' fp32 eager attention does
-# not, or where its eager attention rounds in another order: up to ~0.05 nats measured. A path that computes
-# something else (a dropped softcap, keys from the wrong sequence, a missing history) differs by whole nats.
+# not, or where its eager attention rounds in another order; quantized layers (GPTQ, bitsandbytes) compute in
+# 16 bits inside, along paths that depend on how many rows a call has (a 16-token chunk here, the whole prompt
+# there): 0.04 nats measured on the embedded model with a bf16 KV cache, 0.09 for its GPTQ build (AVX2 CPU).
+# A path that computes something else (a dropped softcap, keys from the wrong sequence, a missing history)
+# differs by whole nats (12.7 for StableLM's layers when they kept the step from their attention).
 FP32_TOLERANCE = 1e-3
-HALF_TOLERANCE = 0.25
+HALF_TOLERANCE = 0.5
 
 
 class ParityError(RuntimeError):
@@ -53,9 +56,9 @@ class ParityReport:
     seconds: float
 
 
-def parity_tolerance(activation_dtype: torch.dtype, kv_dtype: torch.dtype, bf16_products: bool) -> float:
+def parity_tolerance(activation_dtype: torch.dtype, kv_dtype: torch.dtype, bf16_products: bool, quantized: bool) -> float:
     """The tolerance argued above for the least exact part in use."""
-    exact = activation_dtype == torch.float32 and kv_dtype == torch.float32 and not bf16_products
+    exact = activation_dtype == torch.float32 and kv_dtype == torch.float32 and not bf16_products and not quantized
     return FP32_TOLERANCE if exact else HALF_TOLERANCE
 
 
@@ -68,7 +71,8 @@ def check_parity(engine, loaded) -> ParityReport:
                         loaded.eos_token_ids)
                 for i, (text, length) in enumerate(zip(_TEXTS, _LENGTHS))]
     logprobs = _run_engine(engine, requests, arch)
-    tolerance = parity_tolerance(loaded.dtype, engine.runner.kv_pool.dtype, loaded.bf16_products)
+    quantized = getattr(loaded.model.config, "quantization_config", None) is not None
+    tolerance = parity_tolerance(loaded.dtype, engine.runner.kv_pool.dtype, loaded.bf16_products, quantized)
     gap = 0.0
     for request in requests:
         reference = _reference_logprobs(loaded.model, request.prompt_token_ids, request.output_token_ids)  # [n, V]

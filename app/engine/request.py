@@ -58,6 +58,14 @@ class TokenLogprob:
     sampled_from: SparseProbs | None = None
 
 
+class SamplingParamsError(ValueError):
+    """A sampling parameter out of range; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling; ``temperature == 0`` means greedy. Validated at construction."""
@@ -86,26 +94,26 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids or ())
         if self.top_k == -1:
             self.top_k = 0
-        checks = [
-            (self.max_tokens >= 1, "max_tokens must be at least 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be >= 0 (0 or -1 disables it)"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, f"seed must be in [{INT64_MIN}, {INT64_MAX}]"),
-            (all(INT64_MIN <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids must be 64-bit integers"),
-            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
-            (len(self.stop) <= 16, "at most 16 stop strings are supported"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
-            (self.draft_top_n >= 0, "draft_top_n must be >= 0"),
+        checks = [  # (holds, the field, what it must be)
+            (self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
+            (self.temperature >= 0, "temperature", "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "top_k must be >= 0 (0 or -1 disables it)"),
+            (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0"),
+            (self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed", f"seed must be in [{INT64_MIN}, {INT64_MAX}]"),
+            (all(INT64_MIN <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be 64-bit integers"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "min_tokens must be in [0, max_tokens]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty"),
+            (len(self.stop) <= 16, "stop", "at most 16 stop strings are supported"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.draft_top_n >= 0, "draft_top_n", "draft_top_n must be >= 0"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise SamplingParamsError(message, param)
 
     @property
     def greedy(self) -> bool:

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from app.config import ModelConfig
-from app.cpu.linear import OneDNNBF16Kernel, onednn_supported, select_kernel
+from app.cpu.linear import OneDNNBF16Kernel, onednn_bf16_supported, select_kernel
 from app.engine import Request
 from app.models.loader import load_model
 from tests.model.conftest import PROMPTS, greedy, make_engine, run_engine
 
-pytestmark = pytest.mark.skipif(not onednn_supported(), reason="this torch build has no oneDNN")
+pytestmark = pytest.mark.skipif(not onednn_bf16_supported(),
+                                reason="oneDNN has no bf16 path on this CPU (avx512bw/vl/dq or avx_ne_convert) or torch build")
 
 
 def test_the_product_is_the_bf16_rounded_product_with_fp32_sums_and_the_bias_added():

@@ -87,3 +87,25 @@ def test_bad_stream_request_gets_status_not_stream(client):
     response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 10**7})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("seed", [2**64 + 5, -(2**63) - 1])
+def test_a_seed_out_of_range_is_a_400_beside_three_ordinary_requests(serve_app, seed):
+    """Out of int64, a seed is refused at the edge, naming it; the sampled requests beside it finish in full."""
+    import asyncio
+
+    import httpx
+
+    from tests.serve.conftest import BASE
+
+    ordinary = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "min_tokens": 12, "temperature": 0.8}
+
+    async def send_all():
+        async with httpx.AsyncClient(base_url=BASE, timeout=120) as http:
+            bodies = [{**ordinary, "seed": seed}] + [{**ordinary, "seed": i} for i in range(3)]
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for body in bodies))
+
+    bad, *good = asyncio.run(send_all())
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "seed", bad.text
+    assert [r.status_code for r in good] == [200] * 3
+    assert [r.json()["usage"]["completion_tokens"] for r in good] == [12] * 3
