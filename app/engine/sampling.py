@@ -35,8 +35,8 @@ class Sampler:
         self, logits: torch.Tensor, requests: Sequence[Request]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Sample, and for requests that ask, the sampled token's logprob under the model's raw distribution."""
-        logits = logits.float()  # [B, V]; _sample leaves it as it is
-        raw = logits if any(r.sampling.logprobs is not None for r in requests) else None
+        logits = logits.float()  # [B, V]
+        raw = logits.clone() if any(r.sampling.logprobs is not None for r in requests) else None
         tokens, sampled_from = self._sample(logits, requests)
         logprobs = token_logprobs(raw, tokens, requests) if raw is not None else [None] * len(requests)
         for row, (ids, probs) in sampled_from.items():  # draft calls: what the target will verify against
@@ -44,8 +44,11 @@ class Sampler:
         return tokens, logprobs
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], dict[int, SparseProbs]]:
-        if any(has_penalty(r) or r.num_output_tokens < r.sampling.min_tokens for r in requests):
-            logits = logits.clone()  # written in place below; the caller's rows stay raw (it may sample them again)
+        # Penalties are written in place: on a copy, so that rows sampled again alone (runner._isolated) are not
+        # penalized twice. The min_tokens mask is written in place on the caller's rows (setting -inf twice is
+        # the same; a copy of every row each step of a min_tokens request is not free).
+        if any(has_penalty(r) for r in requests):
+            logits = logits.clone()
         logits = apply_penalties(logits, requests)
         logits = mask_stop_tokens_before_min(logits, requests)
         greedy_tokens = argmax_rows(logits)  # [B]
