@@ -99,6 +99,10 @@ class PagedBatch:
     _groups: list[AttentionGroup] | None = None
     _windowed: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # one query per sequence, in packed order (the steady state): torch attends the queries where they lie
+        self.decode_only = all(s.num_queries == 1 for s in self.slices)
+
     @classmethod
     def build(
         cls, kv_pool: torch.Tensor, block_size: int, slices: Sequence[SequenceSlice],
@@ -114,11 +118,6 @@ class PagedBatch:
         slot_mapping = torch.empty(sum(s.num_queries for s in slices), dtype=torch.long)  # filled by _torch_groups
         groups = _torch_groups(slices, block_size, device, slot_mapping)
         return cls(kv_pool, block_size, slices, slot_mapping.to(device), _groups=groups)
-
-    @property
-    def decode_only(self) -> bool:
-        """One query per sequence, in packed order (the steady state): torch attends the queries where they lie."""
-        return all(s.num_queries == 1 for s in self.slices)
 
     def torch_groups(self) -> list[AttentionGroup]:
         if self._groups is None:  # a kernel step with a layer torch must attend

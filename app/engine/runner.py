@@ -21,7 +21,7 @@ from app.cpu import install_fast_path
 from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import PagedBatch, SequenceSlice, register_paged_attention
 from app.engine.request import Request, TokenLogprob
-from app.engine.sampling import Sampler, token_logprobs
+from app.engine.sampling import Sampler, has_penalty, token_logprobs
 from app.engine.scheduler import ScheduledRequest, SchedulerOutput
 from app.models import LoadedModel
 from app.spec.verify import verify_drafts
@@ -176,6 +176,8 @@ class ModelRunner:
         draft_probs = [r.spec_draft_probs[: item.num_spec_tokens] if r.spec_draft_probs is not None else None
                        for item, r in zip(items, requests)]
         generators = [self._generator(r) for r in requests]
+        if any(has_penalty(r) for r in requests):  # penalized in place: rows verified again alone stay raw
+            rows = rows.clone()
         tokens, kept = verify_drafts(rows, requests, drafts, generators, draft_probs)
         return list(zip(tokens, kept))
 
