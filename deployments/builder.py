@@ -21,7 +21,6 @@ from app.config import AppConfig, ServedModelConfig
 from deployments.autoscaling import POLICY_PATH
 from deployments.drafting import INGRESS_DEPLOYMENT
 from deployments.ingress import OpenAIIngress
-from deployments.routing import SEQUENCE_AFFINITY_ROUTER
 from deployments.replica import LLMServer
 
 DEFAULT_AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16}
@@ -53,6 +52,10 @@ def drafts(config: AppConfig, served: ServedModelConfig, local: ServedModelConfi
         for index, spec in enumerate(served.engine.drafters) if spec.drafter == "model"
     }
     return {"draft_deployments": deployments} if deployments else {}
+
+
+# By import path: Serve imports the router (deployments/routing.py) only for a deployment configured with it.
+SEQUENCE_AFFINITY_ROUTER = "deployments.routing:SequenceAffinityRouter"
 
 
 def affinity(config: AppConfig, served: ServedModelConfig) -> dict[str, Any]:

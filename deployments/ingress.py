@@ -19,7 +19,6 @@ import functools
 import json
 import logging
 import time
-import uuid
 from typing import Any, AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
@@ -37,6 +36,7 @@ from app.spec.remote import DraftCall, DraftResult
 from deployments.admission import HostedModel, ServerFactory
 from deployments.autoscaling import engine_queue_depth
 from deployments.lifecycle import GracefulShutdown
+from deployments.ray_compat import serve_request_id
 from deployments.ray_metrics import RAY_METRICS_INTERVAL_S, RayMetricsExporter
 from deployments.replica import MODEL_REPLICA_OPTIONS
 from deployments.routes import LocalModel, Relayed, RemoteModel
@@ -52,10 +52,10 @@ RETRY_AFTER_S = 1  # the Retry-After of 429 and 503 answers
 
 # Helpers come before the deployment class: Serve pickles the class by value when it is decorated,
 # and names defined after that point would be missing on the replica.
-def _request_id() -> str:
-    """Serve's id for the request being served: its proxy returns it to HTTP clients as the
-    x-request-id header and its log lines carry it (a fresh id where there is none)."""
-    return serve.context._get_serve_request_context().request_id or uuid.uuid4().hex
+def _request_id(raw: Request | None = None) -> str:
+    """Serve's id for the request being served: its proxy returns it to HTTP clients as the x-request-id header
+    and its log lines carry it (else the request's own header, else a fresh id: ``ray_compat.py``)."""
+    return serve_request_id(raw.headers if raw is not None else None)
 
 
 def _reported(exc: BaseException, request_id: str) -> APIError:
@@ -213,17 +213,17 @@ class OpenAIIngress:
     # ---- HTTP ---------------------------------------------------------------------------
     @api.post("/v1/completions")
     async def http_completions(self, raw: Request):
-        request_id = _request_id()
+        request_id = _request_id(raw)
         return await _guarded(self._respond(raw, CompletionRequest, "completion", request_id), request_id)
 
     @api.post("/v1/chat/completions")
     async def http_chat(self, raw: Request):
-        request_id = _request_id()
+        request_id = _request_id(raw)
         return await _guarded(self._respond(raw, ChatCompletionRequest, "chat", request_id), request_id)
 
     @api.post("/v1/generate")
     async def http_generate(self, raw: Request):
-        request_id = _request_id()
+        request_id = _request_id(raw)
         return await _guarded(self._respond_generate(raw, request_id), request_id)
 
     @api.get("/v1/models")

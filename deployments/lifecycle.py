@@ -9,11 +9,12 @@ then calls the user's ``__del__`` (``async def`` allowed, run on the replica's e
 hook exists: ``__del__`` comes after the drain, and a stream still running at the deadline is cut by
 the kill, its HTTP response ending without a word.
 
-So each model-hosting replica watches for the stop itself (``GracefulShutdown``): Serve marks its
-replica object ``_shutting_down`` when the stop arrives, read here every half second. From then on
+So each model-hosting replica watches for the stop itself (``GracefulShutdown``): Serve flags its
+replica object as shutting down when the stop arrives, read here every half second. From then on
 the replica admits nothing new (503 with Retry-After), lets what is in flight finish, and ends what is
 still running shortly before the kill with an explicit error (an SSE error event, a 503), so Serve's
-own drain completes in time. ``__del__`` then only releases the engine.
+own drain completes in time. ``__del__`` then only releases the engine. (Both the flag and the replica's
+live grace period are Ray internals: ``ray_compat.py``.)
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import asyncio
 import logging
 import time
 from typing import Awaitable, Callable
+
+from deployments.ray_compat import check_ray_internals, replica_drain_settings, replica_stop_requested
 
 logger = logging.getLogger(__name__)
 
@@ -32,25 +35,12 @@ _MARGIN_S = 1.5
 
 def stop_requested() -> bool:
     """Whether Serve began stopping this replica (False outside a replica, or where Serve keeps no such flag)."""
-    try:
-        from ray._private import worker
-
-        actor = worker.global_worker.actors.get(worker.global_worker.actor_id)
-        return bool(getattr(getattr(actor, "_replica_impl", None), "_shutting_down", False))
-    except Exception:  # noqa: BLE001 - not in a Serve replica, or another Ray: __del__ still drains
-        return False
+    return replica_stop_requested()
 
 
 def drain_budget_s(default_timeout_s: float, default_wait_loop_s: float) -> float:
     """How long requests in flight may run once the stop arrived, so that they end before the kill."""
-    timeout_s, wait_loop_s = default_timeout_s, default_wait_loop_s
-    try:
-        from ray import serve
-
-        config = serve.get_replica_context()._deployment_config
-        timeout_s, wait_loop_s = config.graceful_shutdown_timeout_s, config.graceful_shutdown_wait_loop_s
-    except Exception:  # noqa: BLE001 - outside a replica: the deployment's declared values
-        pass
+    timeout_s, wait_loop_s = replica_drain_settings() or (default_timeout_s, default_wait_loop_s)
     return max(0.0, timeout_s - wait_loop_s - _MARGIN_S)
 
 
@@ -66,6 +56,7 @@ class GracefulShutdown:
         self._defaults = (timeout_s, wait_loop_s)
         self._running: asyncio.Future | None = None
         self.started_at: float | None = None
+        check_ray_internals()  # warns, naming what degrades, where this Ray lacks one
         self._watch = asyncio.get_running_loop().create_task(self._watch_for_stop())
 
     @property

@@ -5,7 +5,8 @@ replica that answered the sequence's last call still holds its KV (parked for th
 the sequence's calls to the same replica saves recomputing them. This router ranks replicas for a draft call by
 rendezvous hashing of (sequence id, replica id): every sequence has a stable first choice, which changes
 only for sequences whose replica went away when replicas come and go. Every other request (HTTP traffic,
-whole completions) is routed as Serve routes by default: power of two choices on queue length.
+whole completions) is routed as Serve routes by default: power of two choices on queue length. (That router
+is a Ray internal, ``ray_compat.py``; the builder imports this module only when a model drafts for another.)
 """
 
 from __future__ import annotations
@@ -13,18 +14,22 @@ from __future__ import annotations
 import hashlib
 from typing import List, Optional
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import PendingRequest, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-SEQUENCE_AFFINITY_ROUTER = "deployments.routing:SequenceAffinityRouter"
+from deployments.ray_compat import power_of_two_router_class
+
+# Serve's default router where this Ray has it where we look (an internal); else the public base class.
+_BASE = power_of_two_router_class() or RequestRouter
 
 
-class SequenceAffinityRouter(PowerOfTwoChoicesRequestRouter):
+class SequenceAffinityRouter(_BASE):
     async def choose_replicas(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> List[List[RunningReplica]]:
         sequence_id = _sequence_id(pending_request)
         if sequence_id is None or len(candidate_replicas) < 2:
+            if _BASE is RequestRouter:  # the public base has no policy of its own: any of them
+                return [list(candidate_replicas)]
             return await super().choose_replicas(candidate_replicas, pending_request)
         return [[replica] for replica in rank(sequence_id, candidate_replicas)]  # the first choice, then the next if full
 
