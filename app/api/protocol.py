@@ -57,9 +57,13 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # metadata only
+    # OpenAI fields that change nothing in generation: accepted and ignored (docs/api.md)
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     n: int = 1  # only 1 is honoured (see _reject_unsupported)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias in [-100, 100]
 
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Fields the client left unset take the model's configured defaults, then OpenAI's."""
@@ -81,6 +85,7 @@ class _SamplingFields(_Strict):
                 ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens,
                 logprobs=self.num_logprobs(),
+                logit_bias=_token_biases(self.logit_bias),
             )
         except ValueError as exc:  # a combination the per-field checks cannot see (min_tokens > max_tokens, ...)
             raise APIError(400, str(exc), param=getattr(exc, "param", None)) from exc
@@ -96,13 +101,19 @@ class _SamplingFields(_Strict):
     def _reject_unsupported(self) -> None:
         unsupported = {
             "n": (self.n != 1, "only n=1 is supported; send separate requests for more choices"),
-            "logit_bias": (bool(self.logit_bias), "logit_bias is not supported yet"),
         }
         for param, (bad, message) in unsupported.items():
             if bad:
                 raise APIError(400, message, param=param, code="unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    try:
+        return {int(token): value for token, value in (logit_bias or {}).items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers, as strings)", param="logit_bias") from None
 
 
 class CompletionRequest(_SamplingFields):
@@ -150,6 +161,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # ignored without tools (tools are refused)
     response_format: dict[str, Any] | None = None
 
     def _reject_unsupported(self) -> None:

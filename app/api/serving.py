@@ -74,9 +74,15 @@ class OpenAIServing:
     # ---- chat ---------------------------------------------------------------------------
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
         prepared = self._prepare("chatcmpl", self._chat_prompt(request), request, request.requested_max_tokens)
-        role_chunk = self._chunk(prepared, "chat.completion.chunk", _chat_choice("", None, first=True))
-        yield role_chunk
-        async for chunk in self._chunks(prepared, request, _chat_choice, "chat.completion.chunk"):
+        chunks = self._chunks(prepared, request, _chat_choice, "chat.completion.chunk")
+        # The role chunk goes out with the first content chunk, once the request is in the engine: before the
+        # first byte, a full queue, a draining replica or a queue timeout is still an HTTP status (503), as for
+        # completions, not an error event inside a 200 stream.
+        first = await anext(chunks, None)
+        yield self._chunk(prepared, "chat.completion.chunk", _chat_choice("", None, first=True))
+        if first is not None:
+            yield first
+        async for chunk in chunks:
             yield chunk
 
     async def chat(self, request: ChatCompletionRequest) -> dict:
@@ -108,9 +114,10 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         sampling = request.sampling_params(max_tokens or room, self.default_sampling)
-        outside = [t for t in sampling.stop_token_ids if not 0 <= t < self.vocab_size]
-        if outside:
-            raise APIError(400, f"stop_token_ids must be in [0, {self.vocab_size}); got {outside[0]}", param="stop_token_ids")
+        for param, ids in (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", [t for t, _ in sampling.logit_bias])):
+            outside = [t for t in ids if not 0 <= t < self.vocab_size]
+            if outside:
+                raise APIError(400, f"{param} token ids must be in [0, {self.vocab_size}); got {outside[0]}", param=param)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         model = request.model or self.model_name
         return _Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model))

@@ -85,6 +85,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's plus the n most likely
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), as OpenAI's logit_bias
     # Draft calls only (a draft model sampling for a target, app/spec/remote.py): sample from the n most likely
     # tokens of the processed distribution, renormalized, and return that distribution with each token.
     draft_top_n: int = 0
@@ -92,6 +93,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop = tuple([self.stop] if isinstance(self.stop, str) else self.stop or ())
         self.stop_token_ids = tuple(self.stop_token_ids or ())
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        self.logit_bias = tuple(sorted((int(token), float(value)) for token, value in bias))
         if self.top_k == -1:
             self.top_k = 0
         checks = [  # (holds, the field, what it must be)
@@ -110,6 +113,8 @@ class SamplingParams:
             (len(self.stop) <= 16, "stop", "at most 16 stop strings are supported"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]"),
             (self.draft_top_n >= 0, "draft_top_n", "draft_top_n must be >= 0"),
+            (all(INT64_MIN <= t <= INT64_MAX and -100 <= v <= 100 for t, v in self.logit_bias), "logit_bias",
+             "logit_bias maps token ids to biases in [-100, 100]"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -131,17 +131,23 @@ def token_logprobs(raw: torch.Tensor, tokens: list[int], requests: Sequence[Requ
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """OpenAI presence/frequency penalties over output tokens; HF repetition penalty over all tokens."""
+    """OpenAI logit_bias, then presence/frequency penalties over output tokens; HF repetition penalty over all
+    tokens. In place, on the rows that ask."""
     rows = [i for i, r in enumerate(requests) if has_penalty(r)]
     if not rows:
         return logits
     vocab = logits.shape[-1]
     for row in rows:  # penalties are rare; a loop keeps the common path free of [B, V] count tensors
         params = requests[row].sampling
-        output = torch.tensor(requests[row].output_token_ids, dtype=torch.long, device=logits.device)
-        output = output[output < vocab]
-        counts = torch.bincount(output, minlength=vocab).to(logits.dtype)  # [V]
-        logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+        bias = [(token, value) for token, value in params.logit_bias if 0 <= token < vocab]
+        if bias:
+            ids, values = zip(*bias)
+            logits[row, list(ids)] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+        if params.frequency_penalty or params.presence_penalty:
+            output = torch.tensor(requests[row].output_token_ids, dtype=torch.long, device=logits.device)
+            output = output[output < vocab]
+            counts = torch.bincount(output, minlength=vocab).to(logits.dtype)  # [V]
+            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(requests[row].all_token_ids)), dtype=torch.long, device=logits.device)
             seen = seen[seen < vocab]
@@ -152,8 +158,9 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
 
 
 def has_penalty(request: Request) -> bool:
+    """Whether the request's logits are changed before sampling (a bias or a penalty)."""
     p = request.sampling
-    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0 or bool(p.logit_bias)
 
 
 def mask_stop_tokens_before_min(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

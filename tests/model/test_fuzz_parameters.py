@@ -28,6 +28,7 @@ CHOICES = {
     "stop_token_ids": [[0], [VOCAB - 1], [VOCAB], [-1], [2**63]],
     "min_tokens": [0, 1, 8, 2**63],
     "logprobs": [0, 5, 20, 21],
+    "logit_bias": [{"0": 100}, {str(VOCAB - 1): -100, "5": 3.5}, {str(VOCAB): 1}, {"x": 1}, {"5": 101}],
     "ignore_eos": [True, False],
     "skip_special_tokens": [True, False],
 }

@@ -117,3 +117,31 @@ def test_values_of_the_right_type_still_parse():
     assert completion.prompt == [1, 2, 3] and completion.ignore_eos
     generate = parse_body(json.dumps({"prompt": "x", "max_new_tokens": 3, "temperature": 0}), GenerateRequest)
     assert generate.to_completion().max_tokens == 3 and generate.to_completion().temperature == 0.0
+
+
+def test_fields_that_change_nothing_in_generation_are_accepted():
+    ignored = {"user": "u-1", "store": False, "metadata": {"team": "search"}, "service_tier": "auto"}
+    chat = parse_body(json.dumps({**CHAT, **ignored, "parallel_tool_calls": True}), ChatCompletionRequest)
+    assert chat.sampling_params(4) == parse_body(json.dumps(CHAT), ChatCompletionRequest).sampling_params(4)
+    parse_body(json.dumps({"prompt": "x", **ignored}), CompletionRequest)
+    with pytest.raises(APIError, match="tool calling"):  # with tools, parallel_tool_calls is no help: tools are refused
+        parse_body(json.dumps({**CHAT, "tools": [{"type": "function"}], "parallel_tool_calls": True}), ChatCompletionRequest)
+
+
+@pytest.mark.parametrize("field, value", [("seed", 2**64 + 5), ("seed", -(2**63) - 1), ("top_k", 2**63),
+                                          ("min_tokens", 2**63), ("max_tokens", 2**63), ("repetition_penalty", 101)])
+def test_numbers_past_what_openai_and_vllm_take_are_a_400_naming_the_field(field, value):
+    with pytest.raises(APIError) as info:
+        parse_body(json.dumps({"prompt": "x", field: value}), CompletionRequest)
+    assert (info.value.status, info.value.param) == (400, field)
+
+
+def test_logit_bias_keys_must_be_token_ids():
+    request = parse_body(json.dumps({"prompt": "x", "logit_bias": {"42": -100, "7": 5.5}}), CompletionRequest)
+    assert request.sampling_params(4).logit_bias == ((7, 5.5), (42, -100.0))
+    with pytest.raises(APIError) as info:
+        parse_body(json.dumps({"prompt": "x", "logit_bias": {"hello": 1}}), CompletionRequest).sampling_params(4)
+    assert (info.value.status, info.value.param) == (400, "logit_bias")
+    with pytest.raises(APIError) as info:
+        parse_body(json.dumps({"prompt": "x", "logit_bias": {"3": 200}}), CompletionRequest).sampling_params(4)
+    assert (info.value.status, info.value.param) == (400, "logit_bias")

@@ -103,3 +103,21 @@ def test_draw_rows_draws_in_proportion_to_unnormalized_weights_and_never_a_zero_
     assert abs(float(counts[3]) - 0.75) < 0.02  # 10 standard deviations of 40k draws: a real failure, not noise
     seeded = [torch.Generator().manual_seed(5) for _ in range(2)]
     assert draw_rows(weights[:1], seeded[:1]).item() == draw_rows(weights[:3], [None, seeded[1], None])[1].item()
+
+
+def test_logit_bias_moves_the_choice_and_logprobs_stay_the_models():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    biased = _req("biased", temperature=0, logit_bias={"2": 10.0, "1": -100}, logprobs=0)  # as the API passes it
+    plain = _req("plain", temperature=0, logprobs=0)
+    tokens, logprobs = Sampler().sample_with_logprobs(logits.clone(), [biased, plain])
+    assert tokens == [2, 1]
+    raw = logits[0].log_softmax(-1)
+    assert abs(logprobs[0].logprob - float(raw[2])) < 1e-6  # the model's own distribution, as OpenAI reports it
+    assert biased.sampling.logit_bias == ((1, -100.0), (2, 10.0))
+
+
+def test_logit_bias_out_of_range_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 101.0})
