@@ -17,6 +17,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.errors import APIError
+from app.api.fanout import MAX_CHOICES
 from app.engine.request import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 
@@ -62,7 +63,7 @@ class _SamplingFields(_Strict):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    n: int = 1  # only 1 is honoured (see _reject_unsupported)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices (each its own engine request: app/api/fanout.py)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias in [-100, 100]
 
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -99,12 +100,6 @@ class _SamplingFields(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _reject_unsupported(self) -> None:
-        unsupported = {
-            "n": (self.n != 1, "only n=1 is supported; send separate requests for more choices"),
-        }
-        for param, (bad, message) in unsupported.items():
-            if bad:
-                raise APIError(400, message, param=param, code="unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
@@ -122,7 +117,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # legacy completions: the number of alternatives
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # candidates per prompt; the n most likely are returned
 
     def _reject_unsupported(self) -> None:
         super()._reject_unsupported()
@@ -130,8 +125,10 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, "echo is not supported yet", param="echo", code="unsupported_parameter")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "only best_of=1 is supported", param="best_of", code="unsupported_parameter")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.stream and (self.best_of or self.n) > self.n:
+            raise APIError(400, "best_of cannot be streamed: the best candidates are known only at the end", param="best_of")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs

@@ -1,13 +1,15 @@
 """OpenAI completions and chat over an AsyncEngine: tokenize, validate, stream chunks, aggregate.
 
 Pure Python (no ray): the model replica deployment hosts one OpenAIServing per model. Streaming
-methods are async generators that yield OpenAI chunk dicts; validation happens before the first
-yield, so a bad request fails on the first ``__anext__`` and the caller can still answer with a
-proper HTTP status.
+methods are async generators that yield OpenAI chunk dicts; validation and admission to the engine happen
+before the first yield, so a bad request or a full queue fails on the first ``__anext__`` and the caller can
+still answer with a proper HTTP status. An OpenAI request with several prompts or choices is several engine
+requests (``fanout.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import uuid
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from app.api.errors import APIError
+from app.api.fanout import MAX_CHOICES, choice_seed, gather_or_cancel, merged
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
 from app.engine.request import TokenLogprob
@@ -24,12 +27,21 @@ from app.metrics import RequestMetrics, RequestTiming
 
 @dataclass
 class _Prepared:
+    """One engine request of an OpenAI request (one choice, or one candidate of ``best_of``)."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     created: int
     model: str  # the name the client asked for (answers carry it)
     drafter: int | None  # which of the engine's drafters drafts for it (None: none)
+    response_id: str = ""  # the OpenAI response's id (the first engine request's)
+    index: int = 0  # its choice index: prompt_index * n + j
+    prompt_index: int = 0
+    last: RequestOutput | None = None  # its last output, once it has one
+
+    def __post_init__(self) -> None:
+        self.response_id = self.response_id or self.request_id
 
 
 class OpenAIServing:
@@ -61,36 +73,85 @@ class OpenAIServing:
 
     # ---- completions --------------------------------------------------------------------
     async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[dict]:
-        prepared = self._prepare("cmpl", self._completion_prompt(request.prompt), request, request.max_tokens)
-        async for chunk in self._chunks(prepared, request, _completion_choice, "text_completion"):
+        plans = self._completion_plans(request)
+        async for chunk in self._streamed(plans, request, _completion_choice, "text_completion"):
             yield chunk
 
     async def completion(self, request: CompletionRequest) -> dict:
-        prepared = self._prepare("cmpl", self._completion_prompt(request.prompt), request, request.max_tokens)
-        text, last, logprobs = await self._collect(prepared)
-        choice = _completion_choice(text, last.finish_reason, self._completion_logprobs(logprobs))
-        return self._response(prepared, "text_completion", choice, last)
+        plans = self._completion_plans(request)
+        results = await gather_or_cancel([self._collect(p) for p in plans])
+        ranked = len(plans) > request.n * _num_prompts(plans)
+        kept = _best(plans, results, request.n) if ranked else list(zip(plans, results))
+        shown = request.logprobs is not None  # best_of computed them for ranking only
+        choices = [_completion_choice(text, last.finish_reason, self._completion_logprobs(lps) if shown else None, index)
+                   for index, (_, (text, last, lps)) in enumerate(kept)]
+        return self._response(plans, "text_completion", choices)
 
     # ---- chat ---------------------------------------------------------------------------
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
-        prepared = self._prepare("chatcmpl", self._chat_prompt(request), request, request.requested_max_tokens)
-        chunks = self._chunks(prepared, request, _chat_choice, "chat.completion.chunk")
-        # The role chunk goes out with the first content chunk, once the request is in the engine: before the
-        # first byte, a full queue, a draining replica or a queue timeout is still an HTTP status (503), as for
-        # completions, not an error event inside a 200 stream.
-        first = await anext(chunks, None)
-        yield self._chunk(prepared, "chat.completion.chunk", _chat_choice("", None, first=True))
-        if first is not None:
-            yield first
-        async for chunk in chunks:
+        async for chunk in self._streamed(self._chat_plans(request), request, _chat_choice, "chat.completion.chunk"):
             yield chunk
 
     async def chat(self, request: ChatCompletionRequest) -> dict:
-        prepared = self._prepare("chatcmpl", self._chat_prompt(request), request, request.requested_max_tokens)
-        text, last, logprobs = await self._collect(prepared)
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": self._chat_logprobs(logprobs), "finish_reason": last.finish_reason}
-        return self._response(prepared, "chat.completion", choice, last)
+        plans = self._chat_plans(request)
+        results = await gather_or_cancel([self._collect(p) for p in plans])
+        choices = [{"index": p.index, "message": {"role": "assistant", "content": text}, "logprobs": self._chat_logprobs(lps),
+                    "finish_reason": last.finish_reason} for p, (text, last, lps) in zip(plans, results)]
+        return self._response(plans, "chat.completion", choices)
+
+    # ---- one OpenAI request, several engine requests (app/api/fanout.py) -------------------
+    def _chat_plans(self, request: ChatCompletionRequest) -> list[_Prepared]:
+        return self._fan_out([self._prepare("chatcmpl", self._chat_prompt(request), request, request.requested_max_tokens)],
+                             request.n)
+
+    def _completion_plans(self, request: CompletionRequest) -> list[_Prepared]:
+        prompts = self._completion_prompts(request.prompt)
+        candidates = request.best_of or request.n
+        if len(prompts) * candidates > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x {candidates} choices is more than {MAX_CHOICES} generations; "
+                           "send fewer at once", param="n")
+        prepared = [self._prepare("cmpl", ids, request, request.max_tokens) for ids in prompts]
+        if candidates > request.n:  # best_of ranks candidates by their tokens' log-probability
+            prepared = [dataclasses.replace(p, sampling=dataclasses.replace(p.sampling, logprobs=p.sampling.logprobs or 0))
+                        for p in prepared]
+        return self._fan_out(prepared, candidates, request.n)
+
+    def _fan_out(self, prepared: list[_Prepared], count: int, n: int | None = None) -> list[_Prepared]:
+        """``count`` engine requests per prompt (choice j: seed + j), indexed prompt_index * n + j."""
+        if len(prepared) == 1 and count == 1:
+            return prepared
+        n, base = n or count, prepared[0].request_id
+        plans: list[_Prepared] = []
+        for prompt_index, p in enumerate(prepared):
+            for j in range(count):
+                sampling = dataclasses.replace(p.sampling, seed=choice_seed(p.sampling.seed, j))
+                plans.append(dataclasses.replace(p, request_id=f"{base}-{len(plans)}", sampling=sampling, response_id=base,
+                                                 created=prepared[0].created, index=prompt_index * n + j,
+                                                 prompt_index=prompt_index))
+        return plans
+
+    async def _streamed(self, plans: list[_Prepared], request: _SamplingFields, make_choice, kind: str) -> AsyncIterator[dict]:
+        """Every choice's chunks as they come, then the usage chunk (if asked). Nothing is sent before the engine
+        has the request: a full queue, a draining replica or a queue timeout is still an HTTP status (503), as for
+        completions, not an error event inside a 200 stream. A chat stream's role chunks go out with the first
+        content chunk."""
+        if len(plans) == 1:
+            chunks = self._chunks(plans[0], make_choice, kind)
+        else:
+            chunks = (chunk async for _, chunk in merged([self._chunks(p, make_choice, kind) for p in plans]))
+        try:
+            first = await anext(chunks, None)
+            if kind.startswith("chat"):
+                for p in plans:
+                    yield self._chunk(p, kind, _chat_choice("", None, first=True, index=p.index))
+            if first is not None:
+                yield first
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            await chunks.aclose()  # a client gone: its engine requests are aborted now, not when collected
+        if request.include_usage:
+            yield {**self._chunk(plans[0], kind, None), "usage": _usage(plans)}
 
     # ---- shared -------------------------------------------------------------------------
     def _prepare(self, prefix: str, prompt_ids: list[int], request: _SamplingFields, max_tokens: int | None) -> _Prepared:
@@ -135,6 +196,7 @@ class OpenAIServing:
         timing = RequestTiming(time.monotonic(), len(prepared.prompt_token_ids))  # ends as "abort" unless told
         try:
             async for output in self.engine.generate(request, self.admit):
+                prepared.last = output
                 timing.tokens(time.monotonic(), len(output.new_token_ids))
                 if output.finished:
                     timing.finish_reason = output.finish_reason or "stop"
@@ -156,17 +218,13 @@ class OpenAIServing:
                 logprobs = (logprobs or []) + output.logprobs
         return "".join(parts), last, logprobs
 
-    async def _chunks(self, prepared: _Prepared, request: _SamplingFields, make_choice, kind: str) -> AsyncIterator[dict]:
-        last = None
+    async def _chunks(self, prepared: _Prepared, make_choice, kind: str) -> AsyncIterator[dict]:
         as_logprobs = self._chat_logprobs if kind.startswith("chat") else self._completion_logprobs
         async for output in self._generate(prepared):
-            last = output
             # A held-back or partial character has nothing to show yet, unless its logprobs must go out.
             if output.new_text or output.finished or output.logprobs:
-                choice = make_choice(output.new_text, output.finish_reason, as_logprobs(output.logprobs))
+                choice = make_choice(output.new_text, output.finish_reason, as_logprobs(output.logprobs), index=prepared.index)
                 yield self._chunk(prepared, kind, choice)
-        if request.include_usage and last is not None:
-            yield {**self._chunk(prepared, kind, None), "choices": [], "usage": _usage(last)}
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -196,20 +254,22 @@ class OpenAIServing:
         }
 
     def _chunk(self, prepared: _Prepared, kind: str, choice: dict | None) -> dict:
-        chunk = {"id": prepared.request_id, "object": kind, "created": prepared.created, "model": prepared.model}
+        chunk = {"id": prepared.response_id, "object": kind, "created": prepared.created, "model": prepared.model}
         chunk["choices"] = [choice] if choice is not None else []
         return chunk
 
-    def _response(self, prepared: _Prepared, kind: str, choice: dict, last: RequestOutput) -> dict:
-        response = self._chunk(prepared, kind, choice)
-        response["usage"] = _usage(last)
+    def _response(self, plans: list[_Prepared], kind: str, choices: list[dict]) -> dict:
+        response = self._chunk(plans[0], kind, None)
+        response["choices"], response["usage"] = choices, _usage(plans)
         return response
 
-    def _completion_prompt(self, prompt) -> list[int]:
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        """One or several prompts (text, or token ids), each as token ids."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "send one prompt per request (batched prompt lists are not supported yet)", param="prompt")
-            prompt = prompt[0]
+            return [self._completion_prompt(p) for p in prompt]
+        return [self._completion_prompt(prompt)]
+
+    def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
@@ -229,20 +289,35 @@ class OpenAIServing:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _completion_choice(text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def _completion_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, index: int = 0) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def _chat_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, first: bool = False) -> dict:
+def _chat_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, first: bool = False,
+                 index: int = 0) -> dict:
     delta = {"role": "assistant", "content": ""} if first else {"content": text}
     if finish_reason is not None and not text:
         delta = {}
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def _usage(last: RequestOutput) -> dict:
-    return {
-        "prompt_tokens": last.num_prompt_tokens,
-        "completion_tokens": last.num_output_tokens,
-        "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
-    }
+def _usage(plans: list[_Prepared]) -> dict:
+    """Each prompt counted once; every generated token (best_of's candidates too: they were computed)."""
+    prompt = sum({p.prompt_index: len(p.prompt_token_ids) for p in plans}.values())
+    completion = sum(p.last.num_output_tokens for p in plans if p.last is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _best(plans: list[_Prepared], results: list, n: int) -> list:
+    """best_of: each prompt's ``n`` candidates with the highest log-probability (sum over their tokens), best first,
+    prompt after prompt."""
+    kept = []
+    for prompt_index in sorted({p.prompt_index for p in plans}):
+        candidates = [(p, r) for p, r in zip(plans, results) if p.prompt_index == prompt_index]
+        candidates.sort(key=lambda pr: -sum(lp.logprob for lp in pr[1][2] or []))
+        kept.extend(candidates[:n])
+    return kept
+
+
+def _num_prompts(plans: list[_Prepared]) -> int:
+    return len({p.prompt_index for p in plans})

@@ -66,7 +66,7 @@ BAD = [
     ("huge max_tokens", {**CAPITAL, "max_tokens": 10**7}, 400),
     ("temperature < 0", {**CAPITAL, "temperature": -1}, 400),
     ("too long prompt", {**CAPITAL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400),
-    ("unsupported n", {**CAPITAL, "n": 3}, 400),
+    ("n past 128", {**CAPITAL, "n": 129}, 400),
     ("unknown field", {**CAPITAL, "frobnicate": True}, 400),
     ("body too large", {**CAPITAL, "messages": [{"role": "user", "content": "x" * 5_000_000}]}, 413),
 ]

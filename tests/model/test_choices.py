@@ -1,0 +1,77 @@
+"""One OpenAI request, several choices (app/api/fanout.py) on the real model: lists of prompts, n, best_of,
+streamed and not; choice index = prompt_index * n + j; choice j of a seeded request draws from seed + j."""
+
+import pytest
+
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+
+pytestmark = pytest.mark.model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Water boils at"]
+
+
+async def _complete(server, **body):
+    return await server.serving.completion(parse_body({"max_tokens": 8, **body}, CompletionRequest))
+
+
+async def _stream(server, cls, **body):
+    method = server.serving.completion_stream if cls is CompletionRequest else server.serving.chat_stream
+    return [chunk async for chunk in method(parse_body({"max_tokens": 8, "stream": True, **body}, cls))]
+
+
+def _texts(response) -> list[str]:
+    return [c.get("text", c.get("message", {}).get("content")) for c in sorted(response["choices"], key=lambda c: c["index"])]
+
+
+async def test_a_list_of_prompts_answers_each_in_order_as_it_would_alone(server_fp32):
+    together = await _complete(server_fp32, prompt=PROMPTS, temperature=0)
+    alone = [(await _complete(server_fp32, prompt=p, temperature=0))["choices"][0]["text"] for p in PROMPTS]
+    assert [c["index"] for c in together["choices"]] == [0, 1, 2, 3] and _texts(together) == alone
+    ids = [server_fp32.info.tokenizer.encode(p) for p in PROMPTS[:2]]
+    by_ids = await _complete(server_fp32, prompt=ids, temperature=0)  # lists of token-id lists too
+    assert _texts(by_ids) == alone[:2]
+    assert together["usage"]["prompt_tokens"] == sum(len(server_fp32.info.tokenizer.encode(p)) for p in PROMPTS)
+    assert together["usage"]["completion_tokens"] == 4 * 8
+
+
+async def test_n_choices_differ_and_come_back_with_the_same_seed(server_fp32):
+    body = dict(prompt="Once upon a time", n=3, temperature=1.0, seed=5, min_tokens=8)
+    first, again = await _complete(server_fp32, **body), await _complete(server_fp32, **body)
+    assert len(set(_texts(first))) == 3 and _texts(first) == _texts(again)
+    alone = await _complete(server_fp32, prompt="Once upon a time", temperature=1.0, seed=6, min_tokens=8)
+    assert _texts(first)[1] == alone["choices"][0]["text"]  # choice 1 draws from seed + 1
+
+
+async def test_prompts_times_n_are_indexed_prompt_after_prompt(server_fp32):
+    response = await _complete(server_fp32, prompt=PROMPTS[:2], n=2, temperature=0)
+    texts = _texts(response)
+    assert [c["index"] for c in response["choices"]] == [0, 1, 2, 3]
+    assert texts[0] == texts[1] != texts[2] == texts[3]  # greedy: a prompt's choices agree
+
+
+async def test_best_of_returns_the_most_likely_candidates(server_fp32):
+    body = dict(prompt="Once upon a time", temperature=1.0, seed=11, min_tokens=8)
+    every = await _complete(server_fp32, n=4, logprobs=0, **body)
+    ranked = sorted(every["choices"], key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+    best = await _complete(server_fp32, n=2, best_of=4, **body)
+    assert _texts(best) == [c["text"] for c in ranked[:2]]
+    assert all(c["logprobs"] is None for c in best["choices"])  # computed to rank them, not asked for
+
+
+@pytest.mark.parametrize("cls", [CompletionRequest, ChatCompletionRequest])
+async def test_streamed_choices_assemble_to_the_non_streamed_ones(server_fp32, cls):
+    if cls is CompletionRequest:
+        body = dict(prompt="Once upon a time", n=2, temperature=0.9, seed=3, min_tokens=8)
+        expected = _texts(await _complete(server_fp32, **body))
+    else:
+        body = dict(messages=[{"role": "user", "content": "Tell me a story."}], n=2, temperature=0.9, seed=3, min_tokens=8)
+        expected = _texts(await server_fp32.serving.chat(parse_body({"max_tokens": 8, **body}, cls)))
+    chunks = await _stream(server_fp32, cls, stream_options={"include_usage": True}, **body)
+    texts = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice.get("text") or choice.get("delta", {}).get("content") or ""
+    assert [texts[0], texts[1]] == expected
+    assert chunks[-1]["usage"]["completion_tokens"] == 16 and len({c["id"] for c in chunks}) == 1
+    if cls is ChatCompletionRequest:  # a role chunk per choice, before their content
+        assert [c["choices"][0]["delta"].get("role") for c in chunks[:2]] == ["assistant", "assistant"]
