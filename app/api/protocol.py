@@ -86,6 +86,7 @@ class _SamplingFields(_Strict):
                 ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens,
                 logprobs=self.num_logprobs(),
+                prompt_logprobs=self.num_prompt_logprobs(),
                 logit_bias=_token_biases(self.logit_bias),
             )
         except ValueError as exc:  # a combination the per-field checks cannot see (min_tokens > max_tokens, ...)
@@ -93,6 +94,10 @@ class _SamplingFields(_Strict):
 
     def num_logprobs(self) -> int | None:
         """How many alternatives per token the client asked for (None: no logprobs)."""
+        return None
+
+    def num_prompt_logprobs(self) -> int | None:
+        """How many alternatives per prompt token (None: no prompt logprobs)."""
         return None
 
     @property
@@ -121,8 +126,6 @@ class CompletionRequest(_SamplingFields):
 
     def _reject_unsupported(self) -> None:
         super()._reject_unsupported()
-        if self.echo:
-            raise APIError(400, "echo is not supported yet", param="echo", code="unsupported_parameter")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
         if self.best_of is not None and self.best_of < self.n:
@@ -132,6 +135,10 @@ class CompletionRequest(_SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs: the prompt's tokens come back with theirs (eval harnesses' loglikelihood requests)."""
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(_Strict):

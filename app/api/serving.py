@@ -38,7 +38,9 @@ class _Prepared:
     response_id: str = ""  # the OpenAI response's id (the first engine request's)
     index: int = 0  # its choice index: prompt_index * n + j
     prompt_index: int = 0
+    echo: str | None = None  # completions with echo: the prompt's text, sent before the answer
     last: RequestOutput | None = None  # its last output, once it has one
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # sampling.prompt_logprobs: from its first output
 
     def __post_init__(self) -> None:
         self.response_id = self.response_id or self.request_id
@@ -83,8 +85,9 @@ class OpenAIServing:
         ranked = len(plans) > request.n * _num_prompts(plans)
         kept = _best(plans, results, request.n) if ranked else list(zip(plans, results))
         shown = request.logprobs is not None  # best_of computed them for ranking only
-        choices = [_completion_choice(text, last.finish_reason, self._completion_logprobs(lps) if shown else None, index)
-                   for index, (_, (text, last, lps)) in enumerate(kept)]
+        choices = [_completion_choice((p.echo or "") + text, last.finish_reason,
+                                      self._completion_logprobs(lps, p) if shown else None, index)
+                   for index, (p, (text, last, lps)) in enumerate(kept)]
         return self._response(plans, "text_completion", choices)
 
     # ---- chat ---------------------------------------------------------------------------
@@ -111,6 +114,10 @@ class OpenAIServing:
             raise APIError(400, f"{len(prompts)} prompts x {candidates} choices is more than {MAX_CHOICES} generations; "
                            "send fewer at once", param="n")
         prepared = [self._prepare("cmpl", ids, request, request.max_tokens) for ids in prompts]
+        if request.echo:
+            texts = request.prompt if isinstance(request.prompt, list) and isinstance(request.prompt[0], str) else (
+                [request.prompt] if isinstance(request.prompt, str) else [self.tokenizer.decode(ids) for ids in prompts])
+            prepared = [dataclasses.replace(p, echo=text) for p, text in zip(prepared, texts)]
         if candidates > request.n:  # best_of ranks candidates by their tokens' log-probability
             prepared = [dataclasses.replace(p, sampling=dataclasses.replace(p.sampling, logprobs=p.sampling.logprobs or 0))
                         for p in prepared]
@@ -197,6 +204,7 @@ class OpenAIServing:
         try:
             async for output in self.engine.generate(request, self.admit):
                 prepared.last = output
+                prepared.prompt_logprobs = prepared.prompt_logprobs or output.prompt_logprobs
                 timing.tokens(time.monotonic(), len(output.new_token_ids))
                 if output.finished:
                     timing.finish_reason = output.finish_reason or "stop"
@@ -220,10 +228,13 @@ class OpenAIServing:
 
     async def _chunks(self, prepared: _Prepared, make_choice, kind: str) -> AsyncIterator[dict]:
         as_logprobs = self._chat_logprobs if kind.startswith("chat") else self._completion_logprobs
+        echo = prepared.echo  # the first chunk carries the prompt (and its logprobs) before the answer
         async for output in self._generate(prepared):
             # A held-back or partial character has nothing to show yet, unless its logprobs must go out.
-            if output.new_text or output.finished or output.logprobs:
-                choice = make_choice(output.new_text, output.finish_reason, as_logprobs(output.logprobs), index=prepared.index)
+            if output.new_text or output.finished or output.logprobs or echo is not None:
+                logprobs = self._completion_logprobs(output.logprobs, prepared) if echo is not None else as_logprobs(output.logprobs)
+                choice = make_choice((echo or "") + output.new_text, output.finish_reason, logprobs, index=prepared.index)
+                echo = None
                 yield self._chunk(prepared, kind, choice)
 
     def _token_text(self, token_id: int) -> str:
@@ -240,16 +251,23 @@ class OpenAIServing:
 
         return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
 
-    def _completion_logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
-        """Legacy completions format: parallel lists of tokens, their logprobs and top alternatives."""
+    def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, echoed: _Prepared | None = None) -> dict | None:
+        """Legacy completions format: parallel lists of tokens, their logprobs and top alternatives; with echo, the
+        prompt's tokens first (the first one's logprob and alternatives null, as OpenAI and vLLM return it)."""
         if logprobs is None:
             return None
-        tokens = [self._token_text(lp.token_id) for lp in logprobs]
+        entries: list[tuple[int, float | None, list]] = []
+        if echoed is not None and echoed.prompt_logprobs is not None:
+            first, *rest = echoed.prompt_logprobs
+            entries.append((echoed.prompt_token_ids[0], None, None))
+            entries.extend((lp.token_id, lp.logprob, lp.top) for lp in rest)
+        entries.extend((lp.token_id, lp.logprob, lp.top) for lp in logprobs)
+        tokens = [self._token_text(token) for token, _, _ in entries]
         offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{self._token_text(t): v for t, v in lp.top} for lp in logprobs],
+            "token_logprobs": [value for _, value, _ in entries],
+            "top_logprobs": [None if top is None else {self._token_text(t): v for t, v in top} for _, _, top in entries],
             "text_offset": offsets,
         }
 

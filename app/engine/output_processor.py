@@ -42,6 +42,8 @@ class OutputProcessor:
             self.forget(request.request_id)
         output = _output(request, [token_id], text)
         output.logprobs = [logprob] if logprob is not None else None
+        if request.num_output_tokens == 1 and request.sampling.prompt_logprobs is not None:
+            output.prompt_logprobs = list(request.prompt_logprobs)
         return output
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> RequestOutput:

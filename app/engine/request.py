@@ -86,6 +86,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's plus the n most likely
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), as OpenAI's logit_bias
+    # None: none; n >= 0: each prompt token's logprob (the first has none) and the n most likely alternatives.
+    # The whole prompt is computed for it (no prefix-cache hit), as vLLM's prompt_logprobs.
+    prompt_logprobs: int | None = None
     # Draft calls only (a draft model sampling for a target, app/spec/remote.py): sample from the n most likely
     # tokens of the processed distribution, renormalized, and return that distribution with each token.
     draft_top_n: int = 0
@@ -112,6 +115,8 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings are supported"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "logprobs",
+             f"prompt logprobs must be in [0, {MAX_LOGPROBS}]"),
             (self.draft_top_n >= 0, "draft_top_n", "draft_top_n must be >= 0"),
             (all(INT64_MIN <= t <= INT64_MAX and -100 <= v <= 100 for t, v in self.logit_bias), "logit_bias",
              "logit_bias maps token ids to biases in [-100, 100]"),
@@ -155,6 +160,8 @@ class Request:
     # keeps what it shares with the last and recomputes only the rest (kv_cache.py: sessions).
     session_id: str | None = None
     first_scheduled_s: float | None = None  # monotonic: first admitted to a step (the end of its queue time)
+    # sampling.prompt_logprobs: the logprob of each prompt token computed so far (the first token's is None)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     first_token_s: float | None = None  # monotonic: its first token was sampled (the end of its prefill)
 
     def phase_times(self, now: float) -> dict[str, float]:
@@ -203,11 +210,13 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when the request asked for them
     phase_times: dict[str, float] | None = None  # on the finishing output: Request.phase_times
 
     def followed_by(self, later: "RequestOutput") -> "RequestOutput":
         """This delta and the request's next one as one delta: both deltas' tokens, the later one's totals and status."""
         logprobs = (self.logprobs or []) + (later.logprobs or []) if self.logprobs or later.logprobs else None
         return dataclasses.replace(
-            later, new_token_ids=self.new_token_ids + later.new_token_ids, new_text=self.new_text + later.new_text, logprobs=logprobs
+            later, new_token_ids=self.new_token_ids + later.new_token_ids, new_text=self.new_text + later.new_text, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
         )

@@ -112,10 +112,15 @@ class ModelRunner:
         slices: list[SequenceSlice] = []
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
+        prompt_rows: list[int] = []  # rows whose logits give prompt tokens' logprobs (sampling.prompt_logprobs)
+        prompt_requests: list[tuple[Request, range]] = []
         for item in output.scheduled:
             request, start = item.request, item.request.num_computed_tokens
             end = start + item.num_new_tokens
             slices.append(SequenceSlice(len(token_ids), item.num_new_tokens, start, blocks.block_table(request.request_id)))
+            if (wanted := _prompt_logprob_positions(request, start, end)):
+                prompt_rows.extend(len(token_ids) + p - start for p in wanted)
+                prompt_requests.append((request, wanted))
             token_ids.extend(_token_range(request, start, end - item.num_spec_tokens))
             token_ids.extend(request.spec_token_ids[: item.num_spec_tokens])
             positions.extend(range(start, end))
@@ -130,13 +135,15 @@ class ModelRunner:
                     input_ids=torch.tensor([token_ids], device=self.device),  # [1, T]
                     position_ids=torch.tensor([positions], device=self.device),  # [1, T]
                     use_cache=False,
-                    logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+                    logits_to_keep=torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=self.device),
                 )
         finally:
             self.step.batch = None
             self.last_attended = batch.attended
         with torch.inference_mode():
-            return self._sample(out.logits[0], sampling)  # logits: [S, V], one row per sampled position
+            if prompt_requests:
+                _record_prompt_logprobs(out.logits[0, len(sample_rows) :], prompt_requests)
+            return self._sample(out.logits[0, : len(sample_rows)], sampling)  # [S, V], one row per sampled position
 
     def _sample(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> RunnerOutput:
         """logits: [S, V], ``1 + num_spec_tokens`` rows per item. One token per plain request; a drafting
@@ -230,6 +237,29 @@ def _isolated(batched, rows: torch.Tensor, items: list[ScheduledRequest]) -> lis
             results.append(f"{type(exc).__name__}: {exc}")
         start += count
     return results
+
+
+def _prompt_logprob_positions(request: Request, start: int, end: int) -> range:
+    """Positions of this step whose logits give a prompt token's logprob not yet recorded (position p: token p + 1)."""
+    if request.sampling.prompt_logprobs is None:
+        return range(0)
+    return range(max(start, len(request.prompt_logprobs) - 1), min(end, request.num_prompt_tokens - 1))
+
+
+def _record_prompt_logprobs(logits: torch.Tensor, wanted: list[tuple[Request, range]]) -> None:
+    """logits: [R, V], the rows of ``wanted``'s positions in order: each prompt token's logprob under the model's raw
+    distribution, with the request's number of most likely alternatives, appended to ``request.prompt_logprobs``."""
+    logprobs = logits.float().log_softmax(dim=-1)  # [R, V]
+    row = 0
+    for request, positions in wanted:
+        targets = torch.tensor(request.prompt_token_ids[positions.start + 1 : positions.stop + 1], device=logits.device)
+        rows = logprobs[row : row + len(positions)]  # [n, V]
+        chosen = rows.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        count = request.sampling.prompt_logprobs
+        top_values, top_ids = rows.topk(count, dim=-1) if count else (rows[:, :0], rows[:, :0].long())
+        for token, value, ids, values in zip(targets.tolist(), chosen, top_ids.tolist(), top_values.tolist()):
+            request.prompt_logprobs.append(TokenLogprob(token, value, list(zip(ids, values))))
+        row += len(positions)
 
 
 def _token_range(request: Request, start: int, end: int) -> list[int]:

@@ -169,7 +169,7 @@ class Scheduler:
         cached = None
         if request.session_id is not None and request.status is RequestStatus.WAITING:
             cached = self.blocks.resume(request.request_id, request.session_id, token_ids)  # its session's KV
-        if not cached:
+        if not cached and request.sampling.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
             cached = self.blocks.find_cached_prefix(request.request_id, token_ids)
         num_new = min(len(token_ids) - cached, budget)
         if not self.blocks.allocate(request.request_id, cached + num_new):

@@ -75,3 +75,27 @@ async def test_streamed_choices_assemble_to_the_non_streamed_ones(server_fp32, c
     assert chunks[-1]["usage"]["completion_tokens"] == 16 and len({c["id"] for c in chunks}) == 1
     if cls is ChatCompletionRequest:  # a role chunk per choice, before their content
         assert [c["choices"][0]["delta"].get("role") for c in chunks[:2]] == ["assistant", "assistant"]
+
+
+async def test_echo_with_logprobs_gives_every_prompt_tokens_logprob_as_transformers(server_fp32, loaded_fp32):
+    """lm-evaluation-harness' loglikelihood request: echo, logprobs: 1, max_tokens: 1. The prompt's blocks are in
+    the prefix cache the second time (a plain request sent it first): every prompt token still gets its logprob."""
+    import torch
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4 + "Then it"
+    ids = loaded_fp32.tokenizer.encode(prompt)
+    with torch.inference_mode():
+        reference = loaded_fp32.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [P, V]
+    for attempt in range(2):
+        response = await _complete(server_fp32, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
+        choice = response["choices"][0]
+        lps = choice["logprobs"]
+        assert choice["text"].startswith(prompt) and len(lps["tokens"]) == len(ids) + 1
+        assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+        for i in range(1, len(ids)):
+            assert abs(lps["token_logprobs"][i] - float(reference[i - 1, ids[i]])) < 1e-4, (attempt, i)
+            assert len(lps["top_logprobs"][i]) >= 1
+        await _complete(server_fp32, prompt=prompt, max_tokens=1, temperature=0)  # caches the prompt's blocks
+    streamed = await _stream(server_fp32, CompletionRequest, prompt=prompt, echo=True, logprobs=1, max_tokens=2)
+    first = streamed[0]["choices"][0]
+    assert first["text"].startswith(prompt) and first["logprobs"]["token_logprobs"][0] is None
