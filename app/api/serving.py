@@ -10,7 +10,6 @@ requests (``fanout.py``).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import AsyncIterator
 
 from app.api.errors import APIError
 from app.api.fanout import MAX_CHOICES, choice_seed, gather_or_cancel, merged
+from app.api.logprobs import LogprobFormatter
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
 from app.engine.request import TokenLogprob
@@ -72,6 +72,7 @@ class OpenAIServing:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.default_sampling = dict(default_sampling or {})
+        self.logprob_format = LogprobFormatter(tokenizer)
 
     # ---- completions --------------------------------------------------------------------
     async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[dict]:
@@ -98,7 +99,7 @@ class OpenAIServing:
     async def chat(self, request: ChatCompletionRequest) -> dict:
         plans = self._chat_plans(request)
         results = await gather_or_cancel([self._collect(p) for p in plans])
-        choices = [{"index": p.index, "message": {"role": "assistant", "content": text}, "logprobs": self._chat_logprobs(lps),
+        choices = [{"index": p.index, "message": {"role": "assistant", "content": text}, "logprobs": self.logprob_format.chat(lps),
                     "finish_reason": last.finish_reason} for p, (text, last, lps) in zip(plans, results)]
         return self._response(plans, "chat.completion", choices)
 
@@ -227,7 +228,7 @@ class OpenAIServing:
         return "".join(parts), last, logprobs
 
     async def _chunks(self, prepared: _Prepared, make_choice, kind: str) -> AsyncIterator[dict]:
-        as_logprobs = self._chat_logprobs if kind.startswith("chat") else self._completion_logprobs
+        as_logprobs = self.logprob_format.chat if kind.startswith("chat") else self._completion_logprobs
         echo = prepared.echo  # the first chunk carries the prompt (and its logprobs) before the answer
         async for output in self._generate(prepared):
             # A held-back or partial character has nothing to show yet, unless its logprobs must go out.
@@ -237,39 +238,10 @@ class OpenAIServing:
                 echo = None
                 yield self._chunk(prepared, kind, choice)
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def _chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
-        """OpenAI chat format: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
-        if logprobs is None:
-            return None
-
-        def entry(token_id: int, logprob: float) -> dict:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
-
     def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, echoed: _Prepared | None = None) -> dict | None:
-        """Legacy completions format: parallel lists of tokens, their logprobs and top alternatives; with echo, the
-        prompt's tokens first (the first one's logprob and alternatives null, as OpenAI and vLLM return it)."""
-        if logprobs is None:
-            return None
-        entries: list[tuple[int, float | None, list]] = []
-        if echoed is not None and echoed.prompt_logprobs is not None:
-            first, *rest = echoed.prompt_logprobs
-            entries.append((echoed.prompt_token_ids[0], None, None))
-            entries.extend((lp.token_id, lp.logprob, lp.top) for lp in rest)
-        entries.extend((lp.token_id, lp.logprob, lp.top) for lp in logprobs)
-        tokens = [self._token_text(token) for token, _, _ in entries]
-        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
-        return {
-            "tokens": tokens,
-            "token_logprobs": [value for _, value, _ in entries],
-            "top_logprobs": [None if top is None else {self._token_text(t): v for t, v in top} for _, _, top in entries],
-            "text_offset": offsets,
-        }
+        if echoed is None:
+            return self.logprob_format.completion(logprobs)
+        return self.logprob_format.completion(logprobs, echoed.prompt_token_ids, echoed.prompt_logprobs)
 
     def _chunk(self, prepared: _Prepared, kind: str, choice: dict | None) -> dict:
         chunk = {"id": prepared.response_id, "object": kind, "created": prepared.created, "model": prepared.model}

@@ -1,0 +1,46 @@
+"""Logprobs in OpenAI's two formats: chat (``{"content": [{token, logprob, bytes, top_logprobs}]}``) and legacy
+completions (parallel lists of tokens, logprobs, alternatives and text offsets; with echo, the prompt's tokens
+first, the first one's logprob and alternatives null, as OpenAI and vLLM return them)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from app.engine.request import TokenLogprob
+
+
+class LogprobFormatter:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def chat(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+        if logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
+
+    def completion(self, logprobs: list[TokenLogprob] | None, prompt_ids: Sequence[int] | None = None,
+                   prompt_logprobs: list[TokenLogprob | None] | None = None) -> dict | None:
+        """``prompt_logprobs`` (echo): one per prompt token, the first None."""
+        if logprobs is None:
+            return None
+        entries: list[tuple[int, float | None, list | None]] = []
+        if prompt_ids and prompt_logprobs is not None:
+            entries.append((prompt_ids[0], None, None))
+            entries.extend((lp.token_id, lp.logprob, lp.top) for lp in prompt_logprobs[1:])
+        entries.extend((lp.token_id, lp.logprob, lp.top) for lp in logprobs)
+        tokens = [self.token_text(token) for token, _, _ in entries]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [value for _, value, _ in entries],
+            "top_logprobs": [None if top is None else {self.token_text(t): v for t, v in top} for _, _, top in entries],
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)),
+        }
