@@ -169,8 +169,9 @@ class Scheduler:
         cached = None
         if request.session_id is not None and request.status is RequestStatus.WAITING:
             cached = self.blocks.resume(request.request_id, request.session_id, token_ids)  # its session's KV
-        if not cached and request.sampling.prompt_logprobs is None:  # prompt logprobs need every prompt row computed
-            cached = self.blocks.find_cached_prefix(request.request_id, token_ids)
+        if not cached:  # (prompt logprobs need every prompt row computed: no cached prefix for them)
+            wants_prompt = request.sampling.prompt_logprobs is not None
+            cached = 0 if wants_prompt else self.blocks.find_cached_prefix(request.request_id, token_ids)
         num_new = min(len(token_ids) - cached, budget)
         if not self.blocks.allocate(request.request_id, cached + num_new):
             self.blocks.free(request.request_id)  # give back the prefix blocks it took
