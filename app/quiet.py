@@ -7,11 +7,13 @@ start shows our own lines: imported first by ``app`` (every process that serves 
   said of torchao's own registrations, once per enum at import.
 - bitsandbytes' CPU backend: "Failed to load CPU gemm_4bit_forward from kernels-community": an optional kernel
   fetched from the hub, which this machine cannot reach; bitsandbytes falls back to its own.
+- transformers' FutureWarning "`is_gradient_checkpointing` is deprecated", raised as GPTQModel loads a model.
 
 Errors from these loggers still show.
 """
 
 import logging
+import warnings
 
 NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.ops")
 
@@ -19,3 +21,4 @@ NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.op
 def silence_known_noise() -> None:
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
