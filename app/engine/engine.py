@@ -229,7 +229,7 @@ class LLMEngine:
         outputs = []
         for item in scheduled.scheduled:
             self._release(item.request)
-            outputs.append(self.outputs.finish(item.request, RequestStatus.FAILED, error))
+            outputs.append(self._fail_one(item.request, error))
         return outputs
 
     def _count(self, scheduled: SchedulerOutput, num_sampled: int) -> None:  # num_sampled: tokens emitted

@@ -49,6 +49,7 @@ class PrefixCacheStats:
 class _RequestBlocks:
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # hashes of its full blocks, in order
+    num_dropped: int = 0  # its leading table entries handed back (release_before): DROPPED
 
 
 @dataclass
@@ -173,10 +174,10 @@ class BlockManager:
         entry = self._requests.get(request_id)
         if entry is None:
             return
-        for index in range(min(num_tokens // self.block_size, len(entry.table))):
-            if entry.table[index] != DROPPED:
-                self._release(entry.table[index])
-                entry.table[index] = DROPPED
+        while entry.num_dropped < min(num_tokens // self.block_size, len(entry.table)):  # from the last one on
+            self._release(entry.table[entry.num_dropped])
+            entry.table[entry.num_dropped] = DROPPED
+            entry.num_dropped += 1
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks; cached ones stay reusable until evicted."""
