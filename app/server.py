@@ -19,7 +19,7 @@ from app.engine import AsyncEngine, Request, SamplingParams, build_engine_core
 from app.engine.async_engine import Admit
 from app.engine.draft_calls import DraftClient
 from app.engine.host_memory import keep_freed_memory
-from app.engine.core_process import CoreInfo, ProcessCore
+from app.engine.core_process import CoreInfo, ProcessCore, ThreadCore
 from app.spec.remote import DraftCall, DraftResult, draft_sampling
 
 if TYPE_CHECKING:  # loading a model needs torch and transformers; a replica that hosts no model never imports them
@@ -47,19 +47,10 @@ class ModelServer:
         self.config = config
         started = time.monotonic()
         build = functools.partial(build_core or build_model_core, config)
-        if config.engine.separate_process:
-            process_core = ProcessCore(build)  # returns once the child has loaded and warmed up
-            self.info = process_core.info
-            self.engine = AsyncEngine(lambda: process_core, draft_client=draft_client, **_front_options(config))
-        else:
-            built: dict = {}
-
-            def build_here():  # runs on the engine thread: loading, warm-up and steps share one OpenMP team
-                core, built["info"] = build()
-                return core
-
-            self.engine = AsyncEngine(build_here, draft_client=draft_client, **_front_options(config))
-            self.info = built["info"]
+        # Returns once the core has loaded and warmed up, in its own process or on an engine thread of this one.
+        host = (ProcessCore if config.engine.separate_process else ThreadCore)(build)
+        self.info = host.info
+        self.engine = AsyncEngine(host, draft_client=draft_client, **_front_options(config))
         self.serving = OpenAIServing(
             self.engine,
             self.info.tokenizer,

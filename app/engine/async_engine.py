@@ -1,39 +1,28 @@
 """The async front of an engine: ``generate`` streams outputs, ``abort`` stops a request.
 
-The engine core is not thread-safe and does blocking torch work, so it lives on one dedicated
-thread. asyncio callers talk to it through an inbox (adds, aborts) and receive outputs through a
-per-request asyncio.Queue fed with ``call_soon_threadsafe``; the event loop never blocks on torch.
+The engine core runs elsewhere (its own process, or a thread: app/engine/core_process.py) and talks
+over one connection. The serving event loop reads that connection itself (``add_reader``): each
+report of a step is fanned out to the per-request asyncio queues in the same callback, and commands
+(adds, aborts, draft results) are written straight to the connection. No thread of the front sits
+between the loop and the core, and the loop never blocks on torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from typing import AsyncIterator, Awaitable, Callable
 
-from app.engine.draft_calls import DraftCallSender, DraftClient, core_idle_wait_s
+from app.engine.core_process import CoreInfo, EngineCore, ProcessCore, ThreadCore  # noqa: F401 - re-exported
+from app.engine.draft_calls import DraftCallSender, DraftClient
 from app.engine.request import Request, RequestOutput
 
 logger = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 0.05
-
-
-class EngineCore(Protocol):
-    """What every batching mode implements; driven from a single thread."""
-
-    num_running: int
-    num_waiting: int
-
-    def add_requests(self, requests: list[Request]) -> None: ...
-    def abort_request(self, request_id: str) -> RequestOutput | None: ...
-    def has_unfinished_requests(self) -> bool: ...
-    def step(self) -> list[RequestOutput]: ...
-    def stats(self) -> dict[str, float]: ...
+CoreHost = ProcessCore | ThreadCore
+_MAX_REPORTS_PER_READ = 16
 
 
 class EngineOverloadedError(RuntimeError):
@@ -45,7 +34,7 @@ class EngineQueueTimeoutError(EngineOverloadedError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped after an unrecoverable error; the replica must be replaced."""
+    """The engine core stopped after an unrecoverable error; the replica must be replaced."""
 
 
 class RequestFailedError(RuntimeError):
@@ -57,11 +46,6 @@ class EngineShutdownError(RuntimeError):
 
 
 Admit = Callable[[Request], Awaitable[None]]
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for target, output in items:
-        target.put_nowait(output)
 
 
 def _merge_ready(first, pending: asyncio.Queue) -> tuple[RequestOutput | BaseException, BaseException | None]:
@@ -81,23 +65,13 @@ def _merge_ready(first, pending: asyncio.Queue) -> tuple[RequestOutput | BaseExc
     return merged, None
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
 class AsyncEngine:
-    """Runs an engine core on its own thread; ``build_core`` is called on that thread.
-
-    All torch work (loading, warm-up, every step) happens on that one thread: OpenMP keeps a thread
-    team per calling thread, and a core driven from a different thread than the one that loaded it
-    ran ~2x slower per step on a 2-core machine (measured), as two teams compete for the cores.
-    """
+    """Streams a running core's outputs to asyncio callers. Every method but ``shutdown`` runs on the serving
+    event loop; the loop that first calls ``generate`` (or ``drain``) reads the core's reports."""
 
     def __init__(
         self,
-        build_core: Callable[[], EngineCore],
+        host: CoreHost,
         max_queued_requests: int = 1024,
         stream_interval_s: float = 0.0,
         max_stream_chunks_per_s: float = 0.0,
@@ -105,37 +79,32 @@ class AsyncEngine:
         draft_client: DraftClient | None = None,
         step_timeout_s: float = 60.0,
     ) -> None:
-        """``step_timeout_s``: how long the engine may go without completing a step while requests wait
-        before ``is_healthy`` reports it wedged (a step that never returns, an engine process that stopped
-        answering)."""
-        self._drafts = DraftCallSender(draft_client, lambda results: self._post(("drafts", results)))
+        """``step_timeout_s``: how long the core may go without reporting a step while requests wait before
+        ``is_healthy`` reports it wedged (a step that never returns, an engine process that stopped answering)."""
+        self._host = host
+        self._conn = host.connection
+        self._send_lock = threading.Lock()  # shutdown may send from another thread than the loop
+        self._drafts = DraftCallSender(draft_client, lambda results: self._send(("drafts", results)))
         self._step_timeout_s = step_timeout_s
-        self._last_progress = time.monotonic()  # the engine thread's heartbeat (see _beat)
-        self._draining = False
         self._max_queued = max_queued_requests
         self._max_queue_time_s = max_queue_time_s  # > 0: the deadline of a request's first token
         self._stream_interval_s = stream_interval_s
         self._max_chunk_rate = max_stream_chunks_per_s
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that reads the core's reports
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._in_core: set[str] = set()  # requests the core holds (added, not yet finished or aborted)
+        self._core_stats: dict[str, float] = dict(host.initial_stats)  # until its first report
+        self._last_progress = time.monotonic()  # the last report, or when the core last became busy
+        self._draining = False
+        self._stopping = False
         self._dead_reason: str | None = None
-        self._core: EngineCore | None = None
-        self._started = threading.Event()
-        self._startup_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(build_core,), name="engine-loop", daemon=True)
-        self._thread.start()
-        self._started.wait()
-        if self._startup_error is not None:
-            raise self._startup_error
         self.started_at = time.time()
 
     @property
-    def core(self) -> EngineCore:
-        return self._core
+    def info(self) -> CoreInfo:
+        return self._host.info
 
-    # ---- asyncio side -------------------------------------------------------------------
+    # ---- requests -----------------------------------------------------------------------------
     async def generate(self, request: Request, admit: Admit | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of ``request``; leaving the loop early (cancel, disconnect) aborts it.
 
@@ -146,12 +115,11 @@ class AsyncEngine:
         """
         arrived = time.monotonic()
         self._check_accepting()
-        self._drafts.bind_loop(asyncio.get_running_loop())
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            if request.request_id in self._streams:
-                raise ValueError(f"request id {request.request_id!r} is already running")
-            self._streams[request.request_id] = stream
+        self._attach()
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = outputs
         finished = False
         try:
             if admit is None:
@@ -161,9 +129,9 @@ class AsyncEngine:
             carry = None  # an exception read while merging, raised on the next turn
             deadline = arrived + self._max_queue_time_s if self._max_queue_time_s > 0 else None
             while not finished:
-                item = carry if carry is not None else await self._next_output(stream.queue, deadline)
+                item = carry if carry is not None else await self._next_output(outputs, deadline)
                 deadline = None  # only the first token has a deadline: from then on the request is in the batch
-                item, carry = _merge_ready(item, stream.queue)
+                item, carry = _merge_ready(item, outputs)
                 if isinstance(item, BaseException):
                     raise item
                 if item.finish_reason == "error":
@@ -174,8 +142,7 @@ class AsyncEngine:
                 if pause and not finished:
                     await asyncio.sleep(pause)
         finally:
-            with self._lock:
-                self._streams.pop(request.request_id, None)
+            self._streams.pop(request.request_id, None)
             if not finished:
                 self.abort(request.request_id)
 
@@ -198,70 +165,127 @@ class AsyncEngine:
         small machines. ``max_stream_chunks_per_s`` caps all streams together, so the pause grows
         with the number of running requests; ``stream_interval_s`` is a floor per stream.
         """
-        running = self._core.num_running
+        running = self.num_running
         if running <= 1:
             return 0.0
         by_rate = running / self._max_chunk_rate if self._max_chunk_rate else 0.0
         return max(self._stream_interval_s, by_rate)
 
     def add_group(self, requests: list[Request]) -> None:
-        """Hand requests whose streams are open to the engine as one group (thread-safe, returns at once)."""
-        self._post(("add", list(requests)))
+        """Hand requests whose streams are open to the core as one group (returns at once)."""
+        live = [request for request in requests if request.request_id in self._streams]  # not cancelled meanwhile
+        if not live:
+            return
+        if not self._in_core:
+            self._last_progress = time.monotonic()  # the core becomes busy: its heartbeat counts from now
+        self._in_core.update(request.request_id for request in live)
+        self._send(("add", live))
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; its KV memory is freed on the engine's next iteration."""
-        self._post(("abort", request_id))
+        """Stop a request; its KV memory is freed on the core's next iteration."""
+        if request_id in self._in_core:
+            self._in_core.discard(request_id)  # whatever the core still sends for it has no reader
+            self._send(("abort", request_id))
 
-    def _post(self, command: tuple) -> None:
-        self._inbox.put(command)
-        self._wake_core()
+    def _send(self, command: tuple) -> None:
+        if self._dead_reason is not None or self._stopping:
+            return  # nobody reads it: every request was already ended with an error
+        try:
+            with self._send_lock:
+                self._conn.send(command)
+        except OSError as exc:
+            self._declare_dead(f"the engine core stopped ({self._host.describe_exit()}): {exc}")
 
-    def _wake_core(self) -> None:
-        """A core in another process makes the loop wait for its outputs; end that wait so the command goes now."""
-        wakeup = getattr(self._core, "wakeup", None)
-        if wakeup is not None:
-            wakeup()
+    # ---- the core's reports, read on the serving loop ------------------------------------------
+    def _attach(self) -> None:
+        """Read the core's reports on the running loop (once; again if that loop was closed, as between tests)."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop or self._dead_reason is not None:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            raise RuntimeError("an AsyncEngine serves one event loop at a time")
+        self._loop = loop
+        loop.add_reader(self._conn.fileno(), self._read_reports)
 
+    def _read_reports(self) -> None:
+        try:
+            for _ in range(_MAX_REPORTS_PER_READ):  # then the loop's other work: a core faster than its reader
+                if not self._conn.poll():           # must not starve the streams it feeds
+                    break
+                kind, *payload = self._conn.recv()
+                if kind == "outputs":
+                    self._deliver(*payload)
+                elif kind == "died":
+                    raise _CoreDied(payload[0])
+        except (EOFError, OSError, _CoreDied) as exc:
+            self._detach()
+            if not self._stopping:
+                reason = str(exc) if isinstance(exc, _CoreDied) else self._host.describe_exit()
+                self._declare_dead(reason)
+
+    def _deliver(self, outputs: list[RequestOutput], stats: dict[str, float], draft_calls: list) -> None:
+        self._core_stats = stats
+        self._last_progress = time.monotonic()
+        for output in outputs:
+            if output.finished:
+                self._in_core.discard(output.request_id)
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put_nowait(output)
+        self._drafts.send(draft_calls)
+
+    def _detach(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._conn.fileno())
+
+    # ---- health and counters -----------------------------------------------------------------
     @property
     def num_unfinished(self) -> int:
-        with self._lock:
-            return len(self._streams)
+        return len(self._streams)
+
+    @property
+    def num_running(self) -> int:
+        return int(self._core_stats.get("num_running", 0))
+
+    @property
+    def num_waiting(self) -> int:
+        return int(self._core_stats.get("num_waiting", 0))
+
+    def stats(self) -> dict[str, float]:
+        return {"num_requests": self.num_unfinished, **self._core_stats}
 
     def is_healthy(self) -> bool:
-        """The loop runs, and has completed a step within ``step_timeout_s`` or has nothing to do.
+        """The core runs, and has reported a step within ``step_timeout_s`` or has nothing to do.
 
-        A wedged engine (a step that never returns while requests wait, or an engine process that
+        A wedged core (a step that never returns while requests wait, or an engine process that
         stopped answering) is declared dead here: its requests end with EngineDeadError at once,
         and the replica's health check fails so Serve replaces it.
         """
-        if self._dead_reason is None and self._thread.is_alive():
-            stalled_s = self.stalled_s
-            if stalled_s > self._step_timeout_s:
-                self._declare_dead(f"no engine step completed in {stalled_s:.1f} s (engine.step_timeout_s: "
-                                   f"{self._step_timeout_s:g}) with {self.num_unfinished} request(s) waiting")
-        return self._dead_reason is None and self._thread.is_alive()
+        if self._dead_reason is None and not self._host.is_alive() and not self._stopping:
+            self._declare_dead(self._host.describe_exit())
+        if self._dead_reason is None and self.stalled_s > self._step_timeout_s:
+            self._declare_dead(f"no engine step completed in {self.stalled_s:.1f} s (engine.step_timeout_s: "
+                               f"{self._step_timeout_s:g}) with {self.num_unfinished} request(s) waiting")
+        return self._dead_reason is None
 
     @property
     def stalled_s(self) -> float:
-        """Seconds since the engine last made progress (completed a step) or was idle."""
-        return time.monotonic() - self._last_progress
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
-    def _declare_dead(self, reason: str) -> None:
-        logger.error("engine declared dead: %s", reason)
-        self._dead_reason = reason
-        self._fail_all(EngineDeadError(f"engine stopped: {reason}"))
+        """Seconds since the core last reported while it holds requests (0 while it holds none)."""
+        return time.monotonic() - self._last_progress if self._in_core else 0.0
 
     @property
     def dead_reason(self) -> str | None:
         return self._dead_reason
 
-    def stats(self) -> dict[str, float]:
-        # Read from another thread without a lock: each figure is a plain int read, possibly one step old.
-        return {"num_requests": self.num_unfinished, **self._core.stats()}
+    def _declare_dead(self, reason: str) -> None:
+        logger.error("engine declared dead: %s", reason)
+        self._dead_reason = reason
+        self._end_all(EngineDeadError(f"engine stopped: {reason}"))
+
+    # ---- drain and shutdown ------------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     def begin_drain(self) -> None:
         """Admit nothing more (new requests: EngineOverloadedError, a 503 telling to retry elsewhere)."""
@@ -277,34 +301,45 @@ class AsyncEngine:
         return self._end_remaining()
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Let the requests in flight finish (up to ``timeout_s``), end the rest with an error, then stop the loop."""
+        """Let the requests in flight finish (up to ``timeout_s``, when the serving loop runs on another thread),
+        end the rest with an error, then stop the core. Callable from any thread."""
         self.begin_drain()
         deadline = time.monotonic() + timeout_s
         while self.num_unfinished and time.monotonic() < deadline and self.is_healthy():
             time.sleep(0.05)
         self._end_remaining()
         healthy = self.is_healthy()
-        self._stopping.set()
-        self._wake_core()
-        self._thread.join(timeout=5 if healthy else 0.5)
-        close = getattr(self._core, "close", None)  # a core in another process stops it
-        if close is not None:
-            close(timeout_s=10.0 if healthy else 1.0)  # a wedged engine process will not stop by itself
+        self._stopping = True
+        self._on_loop(self._detach)
+        self._host.close(timeout_s=10.0 if healthy else 1.0)  # a wedged engine process is killed
 
     def _end_remaining(self) -> int:
-        with self._lock:
-            streams = list(self._streams.values())
-        if streams:
-            logger.warning("ending %d request(s) still running at shutdown", len(streams))
-        error = EngineShutdownError("the replica shut down before this request finished")
-        for stream in streams:  # each stream raises it, and its generator aborts the request in the core
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
-        return len(streams)
+        count = len(self._streams)
+        if count:
+            logger.warning("ending %d request(s) still running at shutdown", count)
+        self._end_all(EngineShutdownError("the replica shut down before this request finished"))
+        return count
+
+    def _end_all(self, error: BaseException) -> None:
+        """Every open stream raises ``error`` next (and its generator aborts the request in the core)."""
+        def put() -> None:
+            for stream in list(self._streams.values()):
+                stream.put_nowait(error)
+
+        self._on_loop(put)
+
+    def _on_loop(self, call: Callable[[], None]) -> None:
+        """Run ``call`` on the serving loop: now if this is its thread (or no loop runs), else as its next callback."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or _running_loop() is loop or not loop.is_running():
+            call()
+        else:
+            loop.call_soon_threadsafe(call)
 
     def _check_accepting(self) -> None:
         if self._dead_reason is not None:
             raise EngineDeadError(f"engine stopped: {self._dead_reason}")
-        if self._draining or self._stopping.is_set():
+        if self._draining or self._stopping:
             raise EngineOverloadedError("the replica is shutting down; retry on another replica")
         if self.num_unfinished >= self._max_queued:
             raise EngineOverloadedError(
@@ -312,80 +347,13 @@ class AsyncEngine:
                 "(engine.max_num_seqs + engine.max_queued_requests); retry later"
             )
 
-    # ---- engine thread ------------------------------------------------------------------
-    def _run(self, build_core: Callable[[], EngineCore]) -> None:
-        try:
-            self._core = build_core()
-        except BaseException as exc:  # noqa: BLE001 - reported to the constructor's caller
-            self._startup_error = exc
-            return
-        finally:
-            self._started.set()
-        try:
-            while not self._stopping.is_set():
-                busy = self._core.has_unfinished_requests()
-                if not busy:
-                    self._last_progress = time.monotonic()  # idle: nothing waits on the core
-                self._drain_inbox(timeout=self._idle_wait_s() if busy else _IDLE_POLL_S)
-                if self._core.has_unfinished_requests():
-                    outputs = self._core.step()
-                    self._beat()
-                    self._deliver(outputs)
-                self._send_draft_calls()
-        except BaseException as exc:  # noqa: BLE001 - anything here ends the loop, so tell every caller
-            logger.exception("engine loop died")
-            self._dead_reason = f"{type(exc).__name__}: {exc}"
-            self._fail_all(EngineDeadError(f"engine stopped: {self._dead_reason}"))
 
-    def _beat(self) -> None:
-        """A step returned: progress, unless the core only waited for another process that sent nothing
-        (a core in another process says when it last heard from it)."""
-        heard = getattr(self._core, "last_progress", None)
-        self._last_progress = time.monotonic() if heard is None else max(self._last_progress, heard)
+class _CoreDied(Exception):
+    """The core's loop failed and said why."""
 
-    def _idle_wait_s(self) -> float:
-        """0 while the core has a step to run; longer while all its sequences wait for drafts (a command wakes it)."""
-        return min(core_idle_wait_s(self._core), _IDLE_POLL_S)
 
-    def _drain_inbox(self, timeout: float) -> None:
-        try:
-            command = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
-            while True:
-                self._apply(command)
-                command = self._inbox.get_nowait()
-        except queue.Empty:
-            return
-
-    def _apply(self, command: tuple) -> None:
-        kind, payload = command
-        if kind == "add":
-            with self._lock:  # a request cancelled before it reached us is dropped here
-                live = [request for request in payload if request.request_id in self._streams]
-            if live:
-                self._core.add_requests(live)
-        elif kind == "abort":
-            self._core.abort_request(payload)
-        elif kind == "drafts":
-            self._core.add_draft_results(payload)
-
-    def _send_draft_calls(self) -> None:
-        take = getattr(self._core, "take_draft_calls", None)  # engine.speculative drafter: model
-        self._drafts.send(take() if take is not None else [])
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        # One wake-up per event loop per step, not one per request: at batch 32 the difference is
-        # 32 self-pipe writes and loop iterations every step.
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        with self._lock:
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream.queue, output))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._lock:
-            streams = list(self._streams.values())
-        for stream in streams:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

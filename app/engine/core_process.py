@@ -1,46 +1,60 @@
-"""The engine core in its own process, behind the same core contract (add / abort / step).
+"""Where the engine core runs: its own process (``ProcessCore``) or a thread of the serving process
+(``ThreadCore``), behind one connection that the serving event loop reads (app/engine/async_engine.py).
 
 Why a process: the core's step is mostly Python driving torch (the transformers modules), so it
 holds the GIL for much of every step. In one process with the server's event loop (and, under Ray
 Serve, the replica's own threads), each streamed token made the core wait for the GIL while the
 threads that held it waited for a CPU the core's OpenMP threads were using: single-stream decode
 ran at ~60% of the core's own speed (measured on this 2-core machine). vLLM v1 runs its EngineCore
-in a separate process for the same reason.
+in a separate process for the same reason. The thread is for tests and ``separate_process: false``.
 
-The child builds the core (load, warm-up), then loops: apply commands, step, send the step's
-outputs together with fresh statistics. The parent side (:class:`ProcessCore`) is driven by
-``AsyncEngine``'s thread exactly like an in-process core. If the parent goes away, the child sees
-the pipe close and exits; if the child dies, the parent's next read fails and the engine is
-reported dead (the replica's health check then fails and Serve replaces it). If the child stops
-answering (a step that never returns), the parent's steps keep returning nothing: the time of the
-child's last report is the heartbeat that ``AsyncEngine`` holds against ``engine.step_timeout_s``.
+Both run the same loop (``serve_core``) over a socket pair: apply the commands that arrived, step,
+send the step's outputs with fresh statistics and the draft calls it queued. The serving side only
+sends commands and reads reports; it never calls the core itself, so it needs no thread of its own.
+
+Messages, front to core: ``("add", [Request])``, ``("abort", request_id)``, ``("drafts", [DraftResult])``,
+``("stop", None)``. Core to front: ``("ready", CoreInfo, stats)`` or ``("failed", message)`` once at start, then
+``("outputs", [RequestOutput], stats, [DraftCall])`` after every step (also a step with no output: that is
+the heartbeat the front holds against ``engine.step_timeout_s``) and after commands, and ``("died",
+message)`` if the loop fails. If the front goes away the core sees its connection close and stops; if the
+core's process dies the front reads end-of-file and reports the engine dead.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
+import socket
 import threading
-import time
 from dataclasses import dataclass
-from multiprocessing.connection import wait
-from typing import Any, Callable
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Protocol
 
-from app.engine.draft_calls import core_idle_wait_s
 from app.engine.request import Request, RequestOutput
 
 logger = logging.getLogger(__name__)
 
-# The parent's wait for outputs ends when they arrive or when ``wakeup`` says a command is queued;
-# this is only the longest wait with neither. (It used to poll every 2 ms: 500 wake-ups a second
-# on the serving side, which cost a one-sequence stream ~3 ms a token on the 2-core machine.)
-_STEP_WAIT_S = 0.5
-_IDLE_POLL_S = 0.5  # the idle child's wait for a command (it wakes at once when one arrives)
+_IDLE_POLL_S = 0.5  # the idle core's wait for a command (it wakes at once when one arrives)
+# Room for a burst of commands (a batch of long prompts) while the core is inside a step: the front's
+# sends then never wait for the core to read.
+_SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+
+
+class EngineCore(Protocol):
+    """Every call ``serve_core`` makes on a core (every batching mode implements it); one thread drives it."""
+
+    def add_requests(self, requests: list[Request]) -> None: ...
+    def abort_request(self, request_id: str) -> RequestOutput | None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[RequestOutput]: ...
+    def stats(self) -> dict[str, float]: ...
+    def take_draft_calls(self) -> list: ...
+    def add_draft_results(self, results: list) -> None: ...
+    def idle_wait_s(self) -> float: ...  # how long it may wait for a command: 0 while it has a step to run
 
 
 class EngineStartupError(RuntimeError):
-    """The engine process could not build its core (the message carries the child's error)."""
+    """The engine core could not be built (the message carries the core's error)."""
 
 
 @dataclass
@@ -55,128 +69,133 @@ class CoreInfo:
     warmup_s: float
 
 
-class ProcessCore:
-    """Parent-side handle implementing the engine-core contract over a pipe."""
+CoreBuild = Callable[[], "tuple[EngineCore, Any]"]  # builds the core; returns it and what it says about itself
 
-    def __init__(self, build: Callable[[], tuple[Any, CoreInfo]]) -> None:
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited threads or locks
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_child_main, args=(build, child_conn), name="llm-engine-core", daemon=True)
-        self._process.start()
-        child_conn.close()
+
+class _CoreHost:
+    """The serving side's end of a running core: ``connection`` and ``info``, ``is_alive``, ``close``."""
+
+    def __init__(self, build: CoreBuild) -> None:
+        self.connection, core_end = multiprocessing.get_context("spawn").Pipe()  # duplex: a Unix socket pair
+        for end in (self.connection, core_end):
+            _widen_buffers(end)
+        self._start(build, core_end)
         try:
-            kind, payload = self._conn.recv()
+            kind, payload, *stats = self.connection.recv()  # returns once the core is built and warmed up
         except EOFError:
-            raise EngineStartupError(f"the engine process exited with code {self._process.exitcode} while starting") from None
+            raise EngineStartupError(f"the engine core stopped while starting ({self.describe_exit()})") from None
         if kind != "ready":
-            self._process.join(timeout=5)
+            self._join(5)
             raise EngineStartupError(payload)
-        self.info: CoreInfo = payload
-        self._live: set[str] = set()
-        self._stats: dict[str, float] = {}
-        self._draft_calls: list = []  # the child's draft calls, until the driver takes them
-        # When the child last reported (it does after every step): the engine's heartbeat while requests run.
-        self.last_progress = time.monotonic()
-        self._wake_r, self._wake_w = os.pipe()  # a byte here ends the step's wait (see wakeup)
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._wake_lock = threading.Lock()  # close() must not free the fd number while a wakeup writes to it
+        self.info = payload
+        self.initial_stats: dict[str, float] = stats[0]
 
-    def wakeup(self) -> None:
-        """Make a ``step`` waiting for outputs return now (thread-safe): the driver has commands to send."""
-        with self._wake_lock:
-            if self._wake_w < 0:
-                return  # closed: a late abort after shutdown has nothing to wake
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:
-                pass  # the pipe is full: a wake-up is pending anyway
+    def _start(self, build: CoreBuild, core_end: Connection) -> None:
+        raise NotImplementedError
 
-    def add_requests(self, requests: list[Request]) -> None:
-        self._conn.send(("add", requests))
-        self._live.update(r.request_id for r in requests)
+    def is_alive(self) -> bool:
+        raise NotImplementedError
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        if request_id in self._live:
-            self._conn.send(("abort", request_id))
-            self._live.discard(request_id)  # whatever the child still sends for it has no reader
-        return None
+    def describe_exit(self) -> str:
+        raise NotImplementedError
 
-    def take_draft_calls(self) -> list:
-        calls, self._draft_calls = self._draft_calls, []
-        return calls
-
-    def add_draft_results(self, results: list) -> None:
-        self._conn.send(("drafts", results))
-
-    def has_unfinished_requests(self) -> bool:
-        # Unread messages count too: the last statistics after an abort must still be read.
-        return bool(self._live) or self._conn.poll(0)
-
-    def step(self) -> list[RequestOutput]:
-        ready = wait([self._conn, self._wake_r], timeout=_STEP_WAIT_S)
-        if self._wake_r in ready:
-            try:
-                os.read(self._wake_r, 4096)
-            except BlockingIOError:
-                pass
-        if self._conn not in ready:
-            return []  # woken for a command (or the safety-net timeout): the driver sends it, then steps again
-        _, outputs, self._stats, calls = self._conn.recv()  # EOFError if the child died: the engine loop reports it
-        self.last_progress = time.monotonic()
-        self._draft_calls.extend(calls)
-        for output in outputs:
-            if output.finished:
-                self._live.discard(output.request_id)
-        return outputs
-
-    @property
-    def num_running(self) -> int:
-        return int(self._stats.get("num_running", 0))
-
-    @property
-    def num_waiting(self) -> int:
-        return int(self._stats.get("num_waiting", 0))
-
-    def stats(self) -> dict[str, float]:
-        return dict(self._stats)
+    def _join(self, timeout_s: float) -> None:
+        raise NotImplementedError
 
     def close(self, timeout_s: float = 10.0) -> None:
-        if self._process.is_alive():
+        """Ask the core to stop, wait up to ``timeout_s``, then close the connection."""
+        if self.is_alive():
             try:
-                self._conn.send(("stop", None))
-            except (BrokenPipeError, OSError):
-                pass
-            self._process.join(timeout=timeout_s)
+                self.connection.send(("stop", None))
+            except OSError:
+                pass  # already gone
+            self._join(timeout_s)
+        self.connection.close()
+
+
+class ProcessCore(_CoreHost):
+    """The core in a spawned process: a fresh interpreter, no inherited threads or locks."""
+
+    def _start(self, build: CoreBuild, core_end: Connection) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._process = context.Process(target=_process_main, args=(build, core_end), name="llm-engine-core", daemon=True)
+        self._process.start()
+        core_end.close()
+
+    def is_alive(self) -> bool:
+        return self._process.is_alive()
+
+    def describe_exit(self) -> str:
+        return f"the engine process exited with code {self._process.exitcode}"
+
+    def _join(self, timeout_s: float) -> None:
+        self._process.join(timeout=timeout_s)
         if self._process.is_alive():
-            self._process.kill()
-        self._conn.close()
-        with self._wake_lock:
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_w = -1
+            self._process.kill()  # a wedged step will not end by itself
+            self._process.join(timeout=5)
 
 
-# ---- the child process ------------------------------------------------------------------------
-def _child_main(build: Callable[[], tuple[Any, CoreInfo]], conn) -> None:
+class ThreadCore(_CoreHost):
+    """The core on a thread of this process. Loading, warm-up and every step run on that one thread: OpenMP
+    keeps a thread team per calling thread, and a core driven from another thread than the one that loaded
+    it ran ~2x slower per step on a 2-core machine (measured), as two teams competed for the cores."""
+
+    def _start(self, build: CoreBuild, core_end: Connection) -> None:
+        self._thread = threading.Thread(target=_host, args=(build, core_end), name="engine-core", daemon=True)
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def describe_exit(self) -> str:
+        return "the engine thread ended"
+
+    def _join(self, timeout_s: float) -> None:
+        self._thread.join(timeout=timeout_s)  # a wedged step keeps the (daemon) thread: nothing can stop it
+
+
+def _widen_buffers(connection: Connection) -> None:
+    sock = socket.socket(fileno=connection.fileno())
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER_BYTES)
+    finally:
+        sock.detach()  # the descriptor stays the connection's
+
+
+# ---- the core's side ------------------------------------------------------------------------------
+def _process_main(build: CoreBuild, conn: Connection) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s [engine-core]: %(message)s")
-    try:
-        core, info = build()
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready", info))
-    try:
-        _serve(core, conn)
-    except (EOFError, BrokenPipeError):
-        pass  # the parent is gone: nobody to serve
+    _host(build, conn)
 
 
-def _serve(core, conn) -> None:
+def _host(build: CoreBuild, conn: Connection) -> None:
+    """Build the core, say so, then serve commands until told to stop or the front goes away."""
+    try:
+        try:
+            core, info = build()
+        except BaseException as exc:  # noqa: BLE001 - reported to the front, which raises it
+            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+            return
+        conn.send(("ready", info, core.stats()))
+        serve_core(core, conn)
+    except (EOFError, OSError):
+        pass  # the front is gone: nobody to serve
+    except BaseException as exc:  # noqa: BLE001 - the loop failed: every request of this core is lost
+        logger.exception("engine core loop died")
+        try:
+            conn.send(("died", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+    finally:
+        conn.close()
+
+
+def serve_core(core: EngineCore, conn: Connection) -> None:
     while True:
         pending: list[RequestOutput] = []
         changed = False  # commands change the statistics even when they produce no output
-        wait = min(core_idle_wait_s(core), _IDLE_POLL_S) if core.has_unfinished_requests() else _IDLE_POLL_S
+        wait = min(core.idle_wait_s(), _IDLE_POLL_S) if core.has_unfinished_requests() else _IDLE_POLL_S
         while conn.poll(wait):
             changed = True
             kind, payload = conn.recv()
@@ -194,7 +213,6 @@ def _serve(core, conn) -> None:
         stepped = core.has_unfinished_requests()
         if stepped:
             pending.extend(core.step())
-        calls = core.take_draft_calls() if hasattr(core, "take_draft_calls") else []
-        # After every step, even one without outputs (a prefill chunk): the parent reads it as the heartbeat.
+        calls = core.take_draft_calls()
         if pending or changed or calls or stepped:
             conn.send(("outputs", pending, core.stats(), calls))

@@ -1,8 +1,9 @@
 """Draft calls of an engine whose drafter is a draft model elsewhere (app/spec/remote.py), sent from its front.
 
-The engine core runs on its own thread (or process) and only queues ``DraftCall`` s; this sends each one on
-the serving event loop through the ``DraftClient`` the replica gave (a Serve handle to the draft model's
-deployment) and posts the ``DraftResult`` back to the core as a command. A failed or lost call comes back as
+The engine core (in its own process or on a thread) only queues ``DraftCall`` s, which come to the front
+with its step reports; this sends each one on the serving event loop through the ``DraftClient`` the
+replica gave (a Serve handle to the draft model's deployment) and posts the ``DraftResult`` back to the core
+as a command. A failed or lost call comes back as
 a result with an error: it costs speed (the drafter stands down for a while), never output.
 """
 
@@ -24,21 +25,21 @@ DRAFT_CALL_TIMEOUT_S = 30.0
 class DraftCallSender:
     def __init__(self, client: DraftClient | None, post_results: Callable[[list], None]) -> None:
         self._client = client
-        self._post_results = post_results  # thread-safe: hands results to the engine core
-        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, where calls are awaited
-
-    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = self._loop or loop
+        self._post_results = post_results  # hands results to the engine core
+        self._in_flight: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
 
     def send(self, calls: list) -> None:
-        """Send calls from any thread; each result is posted back when it arrives."""
+        """Send calls (on the serving loop); each result is posted back when it arrives."""
         if not calls:
             return
-        if self._client is None or self._loop is None:
+        if self._client is None:
             self._post_results([_failed(call, "no draft model is reachable from this replica") for call in calls])
             return
+        loop = asyncio.get_running_loop()
         for call in calls:
-            asyncio.run_coroutine_threadsafe(self._send_one(call), self._loop)
+            task = loop.create_task(self._send_one(call))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
 
     async def _send_one(self, call) -> None:
         started = time.monotonic()
@@ -49,13 +50,6 @@ class DraftCallSender:
             logger.warning("draft call for %s failed: %s: %s", call.sequence_id, type(exc).__name__, exc)
             result = _failed(call, f"{type(exc).__name__}: {exc}")
         self._post_results([result])
-
-
-def core_idle_wait_s(core) -> float:
-    """How long a core's driver may wait for a command: 0 while the core has a step to run; while all its
-    sequences wait for drafts, until the first stops waiting (a core without drafts: always 0)."""
-    idle_wait = getattr(core, "idle_wait_s", None)
-    return idle_wait() if idle_wait is not None else 0.0
 
 
 def _failed(call, error: str):

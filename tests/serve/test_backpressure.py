@@ -9,6 +9,7 @@ handle) runs 1 at a time and gives a waiting request 0.5 s.
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -102,10 +103,9 @@ def test_a_request_with_no_place_in_time_ends_with_a_clear_error_and_the_running
     thread.start()
     try:
         # wait until the long request holds the engine's only place
-        for _ in range(100):
-            stats = serve.get_app_handle(APP).model_stats.remote(DEADLINE).result()
-            if stats["num_running"] == 1:
-                break
+        deadline = time.monotonic() + 30
+        while serve.get_app_handle(APP).model_stats.remote(DEADLINE).result()["num_running"] != 1:
+            assert time.monotonic() < deadline, "the long request never reached the engine's batch"
             threading.Event().wait(0.02)
         # no token yet: the HTTP status says it
         response, [body] = _stream(client, "/v1/completions", {"model": DEADLINE, "prompt": "late", "max_tokens": 5})

@@ -31,6 +31,15 @@ class CountingCore:
     def has_unfinished_requests(self):
         return bool(self.requests)
 
+    def idle_wait_s(self):
+        return 0.0
+
+    def take_draft_calls(self):
+        return []
+
+    def add_draft_results(self, results):
+        raise AssertionError("this core sends no draft calls")
+
     def step(self):
         outputs = []
         for rid, request in list(self.requests.items()):
@@ -53,12 +62,41 @@ class DyingCore(CountingCore):
         os._exit(3)
 
 
+class RaisingCore(CountingCore):
+    """A core whose step raises (a bug in the engine loop itself, outside any one request)."""
+
+    def step(self):
+        raise ValueError("step broke")
+
+
 def build_counting_core():
     return CountingCore(), "counting-core-info"
 
 
 def build_dying_core():
     return DyingCore(), "dying-core-info"
+
+
+def build_raising_core():
+    return RaisingCore(), "raising-core-info"
+
+
+def in_thread(make_core=CountingCore):
+    """A core built by ``make_core`` on an engine thread of this process, as ``separate_process: false`` runs it."""
+    from app.engine.core_process import ThreadCore
+
+    return ThreadCore(lambda: (make_core(), None))
+
+
+async def until(condition, timeout_s=10.0):
+    """Wait until ``condition()`` holds (checked between event-loop turns); fail after ``timeout_s``."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
 
 
 def build_broken_core():

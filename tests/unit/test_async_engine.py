@@ -1,11 +1,13 @@
-"""AsyncEngine with a small fake core: streaming, abort on early exit, overload, failures."""
+"""AsyncEngine with a small fake core on an engine thread: streaming, abort on early exit, overload, failures,
+and how streams pace their chunks under load."""
 
 import asyncio
 
 import pytest
 
 from app.engine import AsyncEngine, EngineOverloadedError, Request, RequestFailedError, SamplingParams
-from tests.unit.fakes import CountingCore
+from app.engine.core_process import EngineStartupError
+from tests.unit.fakes import CountingCore, SlowCountingCore, in_thread, until
 
 
 def _request(rid, max_tokens=3):
@@ -13,7 +15,7 @@ def _request(rid, max_tokens=3):
 
 
 async def test_streams_until_finished():
-    engine = AsyncEngine(CountingCore)
+    engine = AsyncEngine(in_thread())
     outputs = [o async for o in engine.generate(_request("a"))]
     # Outputs that queue up while the consumer is busy arrive merged into one delta.
     assert [t for o in outputs for t in o.new_token_ids] == [0, 1, 2]
@@ -23,19 +25,16 @@ async def test_streams_until_finished():
 
 async def test_leaving_early_aborts_in_the_core():
     core = CountingCore()
-    engine = AsyncEngine(lambda: core)
+    engine = AsyncEngine(in_thread(lambda: core))
     async for _ in engine.generate(_request("b", max_tokens=10_000)):
         break
-    for _ in range(100):
-        if "b" in core.aborted:
-            break
-        await asyncio.sleep(0.01)
-    assert "b" in core.aborted and not core.requests
+    await until(lambda: "b" in core.aborted)
+    assert not core.requests
     engine.shutdown(1)
 
 
 async def test_failed_request_raises_and_others_continue():
-    engine = AsyncEngine(CountingCore)
+    engine = AsyncEngine(in_thread())
 
     async def run(rid):
         return [o async for o in engine.generate(_request(rid))]
@@ -46,7 +45,7 @@ async def test_failed_request_raises_and_others_continue():
 
 
 async def test_full_queue_is_overloaded():
-    engine = AsyncEngine(CountingCore, max_queued_requests=1)
+    engine = AsyncEngine(in_thread(), max_queued_requests=1)
     first = engine.generate(_request("c", max_tokens=10_000))
     await first.__anext__()
     with pytest.raises(EngineOverloadedError):
@@ -59,69 +58,43 @@ def test_a_core_that_fails_to_build_fails_the_constructor():
     def broken():
         raise RuntimeError("weights missing")
 
-    with pytest.raises(RuntimeError, match="weights missing"):
-        AsyncEngine(broken)
+    with pytest.raises(EngineStartupError, match="RuntimeError: weights missing"):
+        in_thread(broken)
 
 
-async def test_stream_interval_sends_fewer_larger_chunks_under_load():
-    from tests.unit.fakes import SlowCountingCore
-
-    async def chunks(interval_s):
-        engine = AsyncEngine(SlowCountingCore, stream_interval_s=interval_s)
-        async def collect(rid):
-            return [o async for o in engine.generate(_request(rid, max_tokens=40))]
-
-        outputs = await asyncio.gather(collect("r0"), collect("r1"))  # two running: under load
-        engine.shutdown(1)
-        return outputs[0]
-
-    every_token, gathered = await chunks(0.0), await chunks(0.05)
-    assert [t for o in gathered for t in o.new_token_ids] == [t for o in every_token for t in o.new_token_ids]
-    assert len(gathered) < len(every_token) / 3
+def _paced(running: int, **options) -> float:
+    """The pause a stream takes after a chunk while ``running`` requests run in the core."""
+    engine = AsyncEngine(in_thread(), **options)
+    engine._core_stats = {"num_running": running}  # as the core's last report said
+    try:
+        return engine._chunk_pause_s()
+    finally:
+        engine.shutdown(0)
 
 
-async def test_chunk_rate_cap_grows_the_pause_with_the_number_of_streams():
-    from tests.unit.fakes import SlowCountingCore
-
-    async def chunks_per_stream(streams, rate):
-        engine = AsyncEngine(SlowCountingCore, max_stream_chunks_per_s=rate)
-        async def collect(rid):
-            return [o async for o in engine.generate(_request(rid, max_tokens=40))]
-
-        outputs = await asyncio.gather(*(collect(f"r{i}") for i in range(streams)))
-        engine.shutdown(1)
-        assert all(sum(len(o.new_token_ids) for o in out) == 40 for out in outputs)  # nothing dropped
-        return max(len(out) for out in outputs)
-
-    uncapped, two, four = await chunks_per_stream(2, 0), await chunks_per_stream(2, 40), await chunks_per_stream(4, 40)
-    assert two < uncapped / 2
-    assert four < two  # twice the streams under the same cap: each waits twice as long
+def test_stream_interval_is_a_floor_per_stream_under_load_and_nothing_alone():
+    assert _paced(1, stream_interval_s=0.05) == 0.0  # a lone request gets every token at once
+    assert _paced(2, stream_interval_s=0.05) == 0.05
 
 
-async def test_a_lone_stream_is_never_held_back_by_the_chunk_rate_cap():
-    from tests.unit.fakes import SlowCountingCore
+def test_the_chunk_rate_cap_grows_the_pause_with_the_number_of_streams():
+    assert _paced(1, max_stream_chunks_per_s=1) == 0.0  # never held back alone
+    assert _paced(2, max_stream_chunks_per_s=40) == pytest.approx(2 / 40)
+    assert _paced(4, max_stream_chunks_per_s=40) == pytest.approx(4 / 40)  # all streams together keep the cap
+    assert _paced(4, max_stream_chunks_per_s=40, stream_interval_s=0.5) == 0.5
+    assert _paced(8) == 0.0  # neither set: every token as it comes
 
-    engine = AsyncEngine(SlowCountingCore, max_stream_chunks_per_s=1)
-    outputs = [o async for o in engine.generate(_request("alone", max_tokens=10))]
+
+async def test_paced_streams_merge_tokens_into_fewer_chunks_and_drop_none():
+    engine = AsyncEngine(in_thread(SlowCountingCore), max_stream_chunks_per_s=40)
+
+    async def collect(rid):
+        return [o async for o in engine.generate(_request(rid, max_tokens=40))]
+
+    outputs = await asyncio.gather(*(collect(f"r{i}") for i in range(4)))
     engine.shutdown(1)
-    assert sum(len(o.new_token_ids) for o in outputs) == 10
-    assert len(outputs) >= 5  # tokens come as made (merged only if the reader lags), not one per second
-
-
-def test_tokens_queued_before_a_failure_go_out_before_it():
-    from app.engine.async_engine import _merge_ready
-    from app.engine.request import RequestOutput
-
-    pending = asyncio.Queue()
-    pending.put_nowait(RequestOutput("r", [8], " b", 1, 2))
-    failure = RequestOutput("r", [], "", 1, 2, finished=True, finish_reason="error", error="step failed")
-    pending.put_nowait(failure)
-    pending.put_nowait(RequestOutput("r", [9], " c", 1, 3))  # never read: the failure ends the request
-    merged, carry = _merge_ready(RequestOutput("r", [7], " a", 1, 1), pending)
-    assert merged.new_token_ids == [7, 8] and merged.new_text == " a b" and not merged.finished
-    assert carry is failure
-    # an exception read while merging is handed back the same way
-    pending = asyncio.Queue()
-    pending.put_nowait(RuntimeError("engine died"))
-    merged, carry = _merge_ready(RequestOutput("r", [7], " a", 1, 1), pending)
-    assert merged.new_token_ids == [7] and isinstance(carry, RuntimeError)
+    for chunks in outputs:
+        assert [t for o in chunks for t in o.new_token_ids] == list(range(40))  # every token, in order
+        assert sum(o.finished for o in chunks) == 1 and chunks[-1].finished
+    # 40 tokens of 5 ms steps take 0.2 s; paced at 0.1 s a chunk, a stream cannot have sent one chunk per token
+    assert min(len(chunks) for chunks in outputs) < 40

@@ -11,7 +11,7 @@ from app.api.protocol import CompletionRequest, parse_body
 from app.config import ServedModelConfig
 from app.engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineShutdownError, Request, SamplingParams
 from tests.serve.fake_model import WEDGE_RELEASE, fake_model_server
-from tests.unit.fakes import CountingCore
+from tests.unit.fakes import CountingCore, in_thread, until
 
 BOUND_S = 1.0  # engine.step_timeout_s in these tests
 
@@ -81,7 +81,7 @@ class _SlowSteps(CountingCore):
 
 
 async def test_slow_steps_within_the_bound_stay_healthy():
-    engine = AsyncEngine(_SlowSteps, step_timeout_s=BOUND_S)
+    engine = AsyncEngine(in_thread(_SlowSteps), step_timeout_s=BOUND_S)
     outputs = [o async for o in engine.generate(Request("slow", [1], SamplingParams(max_tokens=8)))]  # ~2.4 s
     assert outputs[-1].finished and engine.is_healthy()
     engine.shutdown(1)
@@ -109,8 +109,7 @@ def build_quiet_core():
 async def test_an_engine_process_stepping_without_outputs_is_not_wedged():
     from app.engine.core_process import ProcessCore
 
-    process_core = ProcessCore(build_quiet_core)
-    engine = AsyncEngine(lambda: process_core, step_timeout_s=BOUND_S)
+    engine = AsyncEngine(ProcessCore(build_quiet_core), step_timeout_s=BOUND_S)
     try:
         generating = asyncio.ensure_future(_collect(engine, Request("quiet", [1], SamplingParams(max_tokens=2))))
         while not generating.done():  # 2 s without an output, at most 0.2 s between reports of the child
@@ -128,12 +127,12 @@ async def _collect(engine, request):
 async def test_drain_refuses_new_requests_lets_short_ones_finish_and_ends_the_rest_explicitly():
     from tests.unit.fakes import SlowCountingCore
 
-    engine = AsyncEngine(SlowCountingCore)
+    engine = AsyncEngine(in_thread(SlowCountingCore))
     short = asyncio.ensure_future(_collect(engine, Request("short", [1], SamplingParams(max_tokens=20))))  # ~0.1 s
     long = asyncio.ensure_future(_collect(engine, Request("long", [1], SamplingParams(max_tokens=100_000))))
-    await asyncio.sleep(0.05)
+    await until(lambda: engine.num_running == 2)  # both in the core's batch
     draining = asyncio.ensure_future(engine.drain(timeout_s=0.5))
-    await asyncio.sleep(0.01)
+    await until(lambda: engine.draining)
     with pytest.raises(EngineOverloadedError, match="shutting down"):  # a 503 with Retry-After for its client
         await _collect(engine, Request("late", [1], SamplingParams(max_tokens=2)))
     assert await draining == 1  # one request was still running at the deadline
@@ -142,11 +141,7 @@ async def test_drain_refuses_new_requests_lets_short_ones_finish_and_ends_the_re
         await long
     error = to_api_error(long.exception(), "req-1")
     assert error.status == 503 and error.code == "replica_unavailable" and "retry" in error.message
-    for _ in range(100):  # the ended request is aborted in the core: its KV is freed
-        if engine.stats()["num_running"] == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert engine.stats()["num_running"] == 0
+    await until(lambda: engine.stats()["num_running"] == 0)  # the ended request is aborted in the core: its KV is freed
     engine.shutdown(1)
 
 

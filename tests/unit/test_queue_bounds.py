@@ -9,7 +9,7 @@ from app.api.errors import to_api_error
 from app.config import EngineConfig, ReplicaConfig, ServedModelConfig
 from app.engine import AsyncEngine, EngineOverloadedError, Request, SamplingParams
 from app.engine.async_engine import EngineQueueTimeoutError
-from tests.unit.fakes import QueueingCore
+from tests.unit.fakes import QueueingCore, in_thread, until
 
 
 def _request(rid, max_tokens=3):
@@ -22,23 +22,20 @@ async def _collect(engine, rid, max_tokens):
 
 async def test_a_request_without_a_place_in_time_ends_with_a_queue_timeout_and_leaves_the_engine():
     core = QueueingCore(max_running=1)
-    engine = AsyncEngine(lambda: core, max_queue_time_s=0.2)
+    engine = AsyncEngine(in_thread(lambda: core), max_queue_time_s=0.2)
     running = asyncio.ensure_future(_collect(engine, "long", max_tokens=100))  # ~0.5 s alone in the batch
-    await asyncio.sleep(0.05)
+    await until(lambda: engine.num_running == 1)
     waiting = engine.generate(_request("late"))
     with pytest.raises(EngineQueueTimeoutError, match="engine.max_queue_time_s"):
         await waiting.__anext__()
-    for _ in range(100):
-        if "late" in core.aborted:
-            break
-        await asyncio.sleep(0.01)
-    assert "late" in core.aborted and "late" not in core.requests
+    await until(lambda: "late" in core.aborted)
+    assert "late" not in core.requests
     assert await running == list(range(100))  # the running request is untouched and complete
     engine.shutdown(1)
 
 
 async def test_a_request_past_its_first_token_is_never_timed_out():
-    engine = AsyncEngine(lambda: QueueingCore(max_running=1), max_queue_time_s=0.05)
+    engine = AsyncEngine(in_thread(lambda: QueueingCore(max_running=1)), max_queue_time_s=0.05)
     assert await _collect(engine, "slow", max_tokens=60) == list(range(60))  # ~0.3 s, six deadlines long
     engine.shutdown(1)
 
@@ -49,9 +46,9 @@ async def test_a_replica_holds_its_batch_and_its_queue_and_refuses_one_more():
     config = ServedModelConfig(engine=EngineConfig(max_num_seqs=2, max_queued_requests=2, max_batch_size=2))
     options = _front_options(config)
     assert options["max_queued_requests"] == 4  # 2 running + 2 waiting for a place
-    engine = AsyncEngine(lambda: QueueingCore(max_running=2), max_queued_requests=options["max_queued_requests"])
+    engine = AsyncEngine(in_thread(lambda: QueueingCore(max_running=2)), max_queued_requests=options["max_queued_requests"])
     admitted = [asyncio.ensure_future(_collect(engine, f"r{i}", max_tokens=40)) for i in range(4)]  # a burst: all at once
-    await asyncio.sleep(0.05)
+    await until(lambda: engine.num_unfinished == 4)
     with pytest.raises(EngineOverloadedError, match="engine.max_queued_requests"):
         await engine.generate(_request("one-too-many")).__anext__()
     assert [len(tokens) for tokens in await asyncio.gather(*admitted)] == [40] * 4  # every admitted one completes
