@@ -29,6 +29,14 @@ def resolve_factory(factory: str | ServerFactory) -> ServerFactory:
     return getattr(importlib.import_module(module_name), attribute)
 
 
+def admission_wait_s(config: ServedModelConfig) -> float:
+    """How long the window waits for batch-mates: ``batch_wait_timeout_s`` where a group runs as one static
+    batch (``dynamic``); none in ``continuous``, whose engine merges every arrival into the running batch at
+    its next step anyway (a wait there only delays the first token). Arrivals within one event-loop turn
+    still form one group."""
+    return config.engine.batch_wait_timeout_s if config.engine.batching == "dynamic" else 0.0
+
+
 class HostedModel:
     """One model served in this process: loads it (returns after a real warm-up generation) and admits requests.
 
@@ -46,7 +54,7 @@ class HostedModel:
         extra = {"draft_client": HandleDraftClient(draft_deployments)} if draft_deployments else {}
         self.server = resolve_factory(server_factory)(config, admit=self._admit if batching else None, **extra)
         self._admit_window.set_max_batch_size(config.engine.max_batch_size)
-        self._admit_window.set_batch_wait_timeout_s(config.engine.batch_wait_timeout_s)
+        self._admit_window.set_batch_wait_timeout_s(admission_wait_s(config))
 
     async def _admit(self, request: Request) -> None:
         """Hand one request to the engine, through the batch window unless it is alone."""

@@ -101,7 +101,7 @@ class EngineConfig:
 
     batching: str = "continuous"
     max_batch_size: int = 32  # @serve.batch window: requests admitted together
-    batch_wait_timeout_s: float = 0.01  # how long the window waits for batch-mates (never for a lone request)
+    batch_wait_timeout_s: float = 0.01  # dynamic: how long the window waits for batch-mates (a lone request never)
     max_num_seqs: int = 64  # sequences in one step's batch
     max_num_batched_tokens: int = 2048  # tokens in one step (decodes first, then chunks of prefills; vLLM CPU's default)
     block_size: int = 16  # tokens per KV block

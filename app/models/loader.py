@@ -104,6 +104,19 @@ def resolve_source(source: str) -> tuple[str, str | None]:
     return source, None  # a hub id; from_pretrained reports if it cannot be fetched
 
 
+def _hide_the_weight_loading_bar() -> None:
+    """transformers draws a "Loading weights" progress bar at every start, done within a second; a quiet start
+    shows our own log lines only. Download bars (a hub model fetched the first time) stay."""
+    from transformers.utils import logging as hf_logging
+
+    def hook(factory, args, kwargs):
+        if kwargs.get("desc") == "Loading weights":
+            kwargs = {**kwargs, "disable": True}
+        return factory(*args, **kwargs)
+
+    hf_logging.set_tqdm_hook(hook)
+
+
 def load_model(config: ModelConfig) -> LoadedModel:
     """Load weights and tokenizer; errors name the model and the cause."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -119,6 +132,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     common = {"revision": config.revision, "trust_remote_code": config.trust_remote_code}
     if gguf_file:
         common["gguf_file"] = gguf_file
+    _hide_the_weight_loading_bar()
     try:
         quantization = _quantization_kwargs(config, path, gguf_file, dtype, device, common)
         tokenizer = AutoTokenizer.from_pretrained(path, **common)

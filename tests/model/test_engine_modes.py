@@ -7,7 +7,7 @@ from tests.model.conftest import PROMPTS, greedy, hf_greedy, make_engine, run_en
 
 pytestmark = pytest.mark.model
 
-MAX_TOKENS = 20
+MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Each quantization on the real model: loads as quantized layers, runs through the engine's paged path
 exactly as transformers runs the same quantized model, and stays fluent and close to the original."""
 
+import functools
 import subprocess
 import sys
 
@@ -48,9 +49,15 @@ def _load(method: str, dtype: str = "float32"):
     return load_model(ModelConfig(source=GPTQ if method == "gptq" else BASE, quantization=method, dtype=dtype))
 
 
+@functools.cache
+def _loaded(method: str):
+    """Each quantized model in fp32, loaded once for the module's tests."""
+    return _load(method)
+
+
 @pytest.fixture(scope="module", params=["bnb-int8", "bnb-nf4", "gptq"])
 def quantized(request):
-    return request.param, _load(request.param)
+    return request.param, _loaded(request.param)
 
 
 def test_loads_as_quantized_layers(quantized):
@@ -82,15 +89,25 @@ def test_quantized_output_is_fluent(quantized, loaded_fp32):
         assert ppl < 8, (method, text, ppl)
 
 
-def test_gptq_is_small_and_close_to_bf16():
-    """The issue's bars: GPTQ weights <= 40% of the bf16 bytes of the quantized layers; held-out
-    perplexity within 15% of bf16."""
-    gptq = _load("gptq", dtype="bfloat16")
+def test_gptq_is_small_and_close_to_full_precision(loaded_fp32):
+    """GPTQ weights <= 40% of the bf16 bytes of the quantized layers; held-out perplexity within 15% of the
+    full-precision model's."""
+    gptq = _loaded("gptq")
     stored, bf16 = quantized_linear_bytes(gptq.model)
     assert stored <= 0.40 * bf16, (stored, bf16)
     text = heldout_text()
-    bf16_model = _load("none", dtype="bfloat16")
-    assert perplexity(gptq, text) <= 1.15 * perplexity(bf16_model, text)
+    with torch.inference_mode():
+        assert perplexity(gptq, text) <= 1.15 * perplexity(loaded_fp32, text)
+
+
+def test_the_gptq_model_passes_the_load_time_parity_check():
+    """What a served GPTQ model proves at start (engine.parity_check), run here once for every test app that
+    starts it with the check off."""
+    from app.engine.parity import check_parity
+
+    loaded = _loaded("gptq")
+    report = check_parity(make_engine(loaded), loaded)
+    assert report.max_gap < report.tolerance, report
 
 
 @pytest.mark.skipif(not bf16_products_available(), reason="our int4 kernel needs the CPU kernels and avx512_bf16")
@@ -128,7 +145,7 @@ print(list(run_engine(make_engine(loaded), requests).values()))
 def test_a_gptq_checkpoint_reloads_in_a_new_process_with_identical_greedy_output():
     """The cached built-in is what `python -m app quantize` writes (same code path, same settings)."""
     path = str(prepare_builtin(GPTQ))
-    loaded = load_model(ModelConfig(source=path, quantization="gptq", dtype="float32"))
+    loaded = _loaded("gptq")  # loaded from that path
     requests = [Request(str(i), loaded.tokenizer.encode(p), greedy(16), loaded.eos_token_ids) for i, p in enumerate(PROMPTS)]
     from tests.model.conftest import run_engine
 

@@ -16,6 +16,10 @@ A prompt can ask for trouble, to test what failures look like to clients:
   lets a test's own process go on).
 
 A model whose name contains ``slow-warmup`` takes ``SLOW_WARMUP_S`` to load and warm up (readiness tests).
+
+A model with a ``drafter: model`` (``DraftingEchoCore``) asks its draft model, another fake, for proposals
+through the real path (the front's draft calls, Serve handles, the draft replica's ``propose``) and emits
+those that match its own next bytes: its text never depends on the drafts, only how many steps it takes.
 """
 
 import os
@@ -26,6 +30,7 @@ from app.config import ServedModelConfig
 from app.engine.core_process import CoreInfo
 from app.engine.request import RequestOutput
 from app.server import ModelServer
+from app.spec.remote import DraftCall
 from tests.unit.fakes import CountingCore
 
 STEP_S = 0.005  # a (very fast) model's step; long answers stay cancellable without busy CPU
@@ -35,6 +40,7 @@ SECRET = "secret internal detail"  # an exception's text, which must never reach
 TROUBLE_AFTER_TOKENS = 2
 WEDGE_RELEASE = threading.Event()  # set: a wedged step returns (only within this process)
 SLOW_WARMUP_S = 8.0
+MAX_DRAFT_WAIT_S = 0.5  # how long a drafting sequence waits for its draft model's answer
 
 
 def echo(prompt: str, max_tokens: int) -> str:
@@ -123,11 +129,102 @@ class EchoCore(CountingCore):
         )
 
 
+class DraftingEchoCore(EchoCore):
+    """EchoCore whose sequences ask a draft model for ``num_tokens`` proposals after their output (one call in
+    flight per sequence) and emit, beside the step's own byte, the proposals that are their next bytes. As the
+    real engine, a sequence waits for its call up to ``MAX_DRAFT_WAIT_S``, then steps on without it: a lost
+    call costs time, never a byte."""
+
+    def __init__(self, max_running: int, drafters: dict[int, int]) -> None:
+        super().__init__(max_running)
+        self.drafters = drafters  # drafter index -> proposals per call, for each ``drafter: model``
+        self.calls: list[DraftCall] = []  # for the front to send
+        self.asked: dict[str, tuple[int, float]] = {}  # sequence id -> (output length assumed, when asked)
+        self.proposals: dict[str, tuple[int, list[int]]] = {}  # sequence id -> (first position, proposals)
+        self.num_calls = 0
+        self.spec = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_failed_calls": 0}
+
+    def stats(self) -> dict:
+        return {**super().stats(), **{f"spec_{key}": value for key, value in self.spec.items()}}
+
+    def take_draft_calls(self) -> list:
+        calls, self.calls = self.calls, []
+        return calls
+
+    def add_draft_results(self, results: list) -> None:
+        for result in results:
+            assumed, _ = self.asked.pop(result.sequence_id, (None, 0.0))
+            if result.error is not None:
+                self.spec["num_failed_calls"] += 1
+            elif assumed is not None and result.sequence_id in self.requests:
+                self.spec["num_drafts"] += 1
+                self.spec["num_draft_tokens"] += len(result.token_ids)
+                self.proposals[result.sequence_id] = (assumed, list(result.token_ids))
+
+    def idle_wait_s(self) -> float:
+        """While every running sequence waits for its draft: until the first one's wait runs out."""
+        waits = [self._wait_left_s(request) for request in self._running()]
+        return min(waits) if waits and min(waits) > 0 else 0.0
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(STEP_S)
+        outputs = []
+        for request in self._running():
+            if self._wait_left_s(request) > 0:
+                continue
+            output = self._next_byte(request)
+            while request.request_id in self.requests and self._next_is_proposed(request):
+                output = output.followed_by(self._next_byte(request))  # a verified proposal: one more byte now
+                self.spec["num_accepted_tokens"] += 1
+            if request.request_id in self.requests:
+                self._ask(request)
+            outputs.append(output)
+        return outputs
+
+    def _running(self) -> list:
+        return list(self.requests.values())[:self.max_running]
+
+    def _wait_left_s(self, request) -> float:
+        asked = self.asked.get(request.request_id)
+        return 0.0 if asked is None else asked[1] + MAX_DRAFT_WAIT_S - time.monotonic()
+
+    def _next_is_proposed(self, request) -> bool:
+        """Whether the draft proposed this sequence's next byte (proposals for positions it went past while the
+        call was out are stale)."""
+        first, proposals = self.proposals.get(request.request_id, (0, []))
+        position = request.num_output_tokens
+        if not first <= position < first + len(proposals):
+            self.proposals.pop(request.request_id, None)
+            return False
+        if proposals[position - first] == request.prompt_token_ids[position % len(request.prompt_token_ids)]:
+            return True
+        self.proposals.pop(request.request_id)  # the later proposals followed the rejected one
+        return False
+
+    def _ask(self, request) -> None:
+        num_tokens = self.drafters.get(request.drafter)
+        if num_tokens is None or request.request_id in self.asked or request.request_id in self.proposals:
+            return
+        self.num_calls += 1
+        self.asked[request.request_id] = (request.num_output_tokens, time.monotonic())
+        self.calls.append(DraftCall(self.num_calls, request.drafter, request.request_id, list(request.prompt_token_ids),
+                                    list(request.output_token_ids), num_tokens, request.sampling))
+
+    def abort_request(self, request_id):
+        self.asked.pop(request_id, None)
+        self.proposals.pop(request_id, None)
+        return super().abort_request(request_id)
+
+
 def build_fake_core(config: ServedModelConfig) -> tuple[EchoCore, CoreInfo]:
     if "slow-warmup" in config.model.name:
         time.sleep(SLOW_WARMUP_S)  # as loading weights and the warm-up generation take time
     tokenizer = ByteTokenizer()
-    return EchoCore(config.engine.max_num_seqs), CoreInfo(config.model.name, tokenizer, MAX_MODEL_LEN, frozenset({EOS_TOKEN_ID}), 256, 0.0)
+    info = CoreInfo(config.model.name, tokenizer, MAX_MODEL_LEN, frozenset({EOS_TOKEN_ID}), 256, 0.0)
+    drafters = {i: spec.num_speculative_tokens for i, spec in enumerate(config.engine.drafters) if spec.drafter == "model"}
+    if drafters:
+        return DraftingEchoCore(config.engine.max_num_seqs, drafters), info
+    return EchoCore(config.engine.max_num_seqs), info
 
 
 def fake_model_server(config: ServedModelConfig, admit=None, draft_client=None) -> ModelServer:

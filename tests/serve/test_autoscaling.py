@@ -55,6 +55,17 @@ def _wait_for(replicas: int, timeout_s: float) -> float:
     raise AssertionError(f"not {replicas} replica(s) of each model within {timeout_s} s: {_running_replicas()}")
 
 
+def _until_both_report_a_queue(timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reported = [serve.get_app_handle(APP).record_autoscaling_stats.remote().result(),
+                    serve.get_deployment_handle(DEPLOYMENTS[SEPARATE], APP).record_autoscaling_stats.remote().result()]
+        if all(report["engine_queue_depth"] > 0 for report in reported):
+            return
+        assert time.monotonic() < deadline, f"no queue depth reported under load: {reported}"
+        time.sleep(0.1)
+
+
 class Load:
     """Client threads, each sending streamed completions one after another and checking every answer whole."""
 
@@ -112,19 +123,15 @@ def test_queue_depth_scales_each_model_up_under_load_and_back_down_without_faili
     load = Load(client)
     try:
         heavy = [load.start(model, STREAMS, max_tokens=300) for model in DEPLOYMENTS]  # 1.5 s answers, back to back
-        time.sleep(1)
-        reported = [serve.get_app_handle(APP).record_autoscaling_stats.remote().result(),
-                    serve.get_deployment_handle(DEPLOYMENTS[SEPARATE], APP).record_autoscaling_stats.remote().result()]
-        assert all(report["engine_queue_depth"] > 0 for report in reported), reported  # what Serve reads
+        _until_both_report_a_queue()  # what Serve reads
         up_s = _wait_for(2, timeout_s=40)
         for stop in heavy:
             stop.set()
         for model in DEPLOYMENTS:  # a trickle, below the target: one replica is enough, and it keeps being served
             load.start(model, 1, max_tokens=40)
         down_s = _wait_for(1, timeout_s=40)
-        time.sleep(1)  # requests in flight on the replica that left have finished
     finally:
-        load.join()
+        load.join()  # each client finishes the request it has in flight, those on the replica that left too
     print(f"1 -> 2 replicas in {up_s:.1f} s under load, 2 -> 1 in {down_s:.1f} s; {load.completed} answers")
     assert not load.failures, load.failures[:5]
     assert load.completed >= 2 * STREAMS

@@ -188,8 +188,7 @@ async def test_a_draining_ingress_ends_relayed_streams_with_an_explicit_error():
     relayed = Relayed()
     chunks = RemoteModel(_Handle(), relayed).stream("completion", object())
     waiting = asyncio.ensure_future(chunks.__anext__())
-    await asyncio.sleep(0.01)
-    assert len(relayed) == 1
+    await until(lambda: len(relayed) == 1)
     assert relayed.cut_all() == 1
     with pytest.raises(EngineShutdownError):
         await waiting
@@ -207,10 +206,10 @@ async def test_graceful_shutdown_drains_once_when_serve_begins_stopping_the_repl
         budgets.append(budget_s)
 
     shutdown = lifecycle.GracefulShutdown(drain, timeout_s=60, wait_loop_s=2)
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # five looks at the flag, none of which may start a drain
     assert not shutdown.started and not budgets
     stopping = True
-    await asyncio.sleep(0.05)
+    await until(lambda: budgets)
     assert shutdown.started and budgets == [60 - 2 - lifecycle._MARGIN_S]  # ends before Serve's kill
     await shutdown.run()  # what __del__ does afterwards: the same drain, not a second one
     assert len(budgets) == 1
