@@ -8,17 +8,31 @@ start shows our own lines: imported first by ``app`` (every process that serves 
 - bitsandbytes' CPU backend: "Failed to load CPU gemm_4bit_forward from kernels-community": an optional kernel
   fetched from the hub, which this machine cannot reach; bitsandbytes falls back to its own.
 - transformers' FutureWarning "`is_gradient_checkpointing` is deprecated", raised as GPTQModel loads a model.
+- GPTQModel (any process that loads a GPTQ checkpoint imports it): "Python GIL is enabled: Multi-gpu quant
+  acceleration ... sub-optimal" (its own switch, ``GPTQMODEL_DISABLE_GIL_WARNING``), and at INFO its startup
+  banner (an ASCII logo and version table) and progress lines, through its ``logbar`` logger
+  (``quiet_gptqmodel``, called before a GPTQ model loads).
 
-Errors from these loggers still show.
+Errors from these loggers still show (warnings too, for GPTQModel).
 """
 
 import logging
+import os
 import warnings
 
 NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.ops")
 
 
 def silence_known_noise() -> None:
+    os.environ.setdefault("GPTQMODEL_DISABLE_GIL_WARNING", "1")  # read as gptqmodel imports, here or in a child
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+def quiet_gptqmodel() -> None:
+    """GPTQModel's logger at WARNING before GPTQModel first logs: ``LogBar.shared()`` sets INFO only when it
+    creates the shared logger, so creating it here first makes the level stick."""
+    from logbar import LogBar
+
+    LogBar.shared().setLevel(logging.WARNING)

@@ -11,6 +11,7 @@ import torch
 
 from app.config import ModelConfig
 from app.models.quantization import QuantizationError, from_pretrained_kwargs
+from app.quiet import quiet_gptqmodel
 from app.models.registry import BUILTIN_MODELS, prepare_builtin
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if gguf_file:
         common["gguf_file"] = gguf_file
     _hide_the_weight_loading_bar()
+    if config.quantization == "gptq":
+        quiet_gptqmodel()
     try:
         quantization = _quantization_kwargs(config, path, gguf_file, dtype, device, common)
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
