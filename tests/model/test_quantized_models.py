@@ -95,7 +95,7 @@ def test_gptq_is_small_and_close_to_full_precision(loaded_fp32):
     gptq = _loaded("gptq")
     stored, bf16 = quantized_linear_bytes(gptq.model)
     assert stored <= 0.40 * bf16, (stored, bf16)
-    text = heldout_text()
+    text = heldout_text()[:4000]  # ~900 tokens: two of the perplexity's 512-token windows
     with torch.inference_mode():
         assert perplexity(gptq, text) <= 1.15 * perplexity(loaded_fp32, text)
 

@@ -175,13 +175,13 @@ def test_the_draft_engine_hands_each_sequences_kv_from_call_to_call(loaded_fp32,
     for sessions in (True, False):
         target = make_engine(loaded_fp32, max_model_len=512, speculative=DRAFT_MODEL)
         draft_engine = make_engine(loaded_fp32, max_model_len=512)
-        requests = _requests(loaded_fp32, PROMPTS[:4], "p", logprobs=0)
+        requests = _requests(loaded_fp32, PROMPTS[:2], "p", logprobs=0)
         got = _run_with_draft_model(target, draft_engine, requests, loaded_fp32.eos_token_ids, corrupt_every=4, sessions=sessions)
         assert [[t for t, _ in got[k]] for k in got] == [[t for t, _ in plain[k]] for k in got]
         stats = draft_engine.stats()
         computed[sessions] = stats["mean_tokens_per_step"] * stats["num_steps"]
         assert stats["kv_blocks_used"] == 0 and (stats["kv_blocks_parked"] > 0) == sessions  # kept, reclaimable
-    assert computed[True] < 0.5 * computed[False], computed  # measured 227 against 759
+    assert computed[True] < 0.5 * computed[False], computed
 
 
 def test_a_request_resuming_its_sessions_kv_computes_what_a_fresh_engine_does(loaded_fp32):
