@@ -77,7 +77,7 @@ def crd_bytes() -> bytes:
 
 @pytest.fixture(scope="module")
 def validator(crd_bytes) -> jsonschema.protocols.Validator:
-    crd = yaml.safe_load(crd_bytes)
+    crd = yaml.load(crd_bytes, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml: ~10x faster on 1 MB
     assert crd["kind"] == "CustomResourceDefinition" and crd["spec"]["names"]["kind"] == "RayService"
     (v1,) = [version for version in crd["spec"]["versions"] if version["name"] == "v1"]
     schema = kube_schema(v1["schema"]["openAPIV3Schema"])
