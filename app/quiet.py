@@ -13,6 +13,9 @@ start shows our own lines: imported first by ``app`` (every process that serves 
   banner (an ASCII logo and version table) and progress lines, through its ``logbar`` logger
   (``quiet_gptqmodel``, called before a GPTQ model loads).
 
+- transformers' "`loss_type=None` was set in the config but it is unrecognized", as GPTQModel reads a model's
+  ``loss_function``: a training loss, which serving never computes (that one message only).
+
 Errors from these loggers still show (warnings too, for GPTQModel).
 """
 
@@ -23,11 +26,21 @@ import warnings
 NOISY_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.ops")
 
 
+class _DropMessage(logging.Filter):
+    def __init__(self, fragment: str) -> None:
+        super().__init__()
+        self.fragment = fragment
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.fragment not in str(record.msg)
+
+
 def silence_known_noise() -> None:
     os.environ.setdefault("GPTQMODEL_DISABLE_GIL_WARNING", "1")  # read as gptqmodel imports, here or in a child
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    logging.getLogger("transformers.modeling_utils").addFilter(_DropMessage("was set in the config but it is unrecognized"))
 
 
 def quiet_gptqmodel() -> None:
