@@ -15,7 +15,7 @@ import threading
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
-from app.engine.core_process import CoreInfo, EngineCore, ProcessCore, ThreadCore  # noqa: F401 - re-exported
+from app.engine.core_process import CoreInfo, ProcessCore, ThreadCore
 from app.engine.draft_calls import DraftCallSender, DraftClient
 from app.engine.request import Request, RequestOutput
 
