@@ -20,11 +20,12 @@ from app.config import EngineConfig, ModelConfig
 from app.engine import LLMEngine, Request, SamplingParams
 from app.models import load_model
 
-_PROFILED_STEPS = 5
+PROFILED_STEPS = 5  # steps under the profiler: parsing its trace costs ~0.5 s a step on two cores
 _TOP_OPS = 12
 
 
-def run_step_profile(spec: LoadSpec, batches: list[int], dtype: str, steps: int, kernels: dict | None = None) -> dict:
+def run_step_profile(spec: LoadSpec, batches: list[int], dtype: str, steps: int, kernels: dict | None = None,
+                     profiled_steps: int = PROFILED_STEPS) -> dict:
     """``kernels``: EngineConfig's ``cpu_*_kernel`` settings to use (default: the config's defaults)."""
     loaded = load_model(ModelConfig(dtype=dtype))
     prompts = [loaded.tokenizer.encode(p) for p in make_prompts(LoadSpec(**{**spec.__dict__, "num_requests": max(batches)}))]
@@ -32,7 +33,7 @@ def run_step_profile(spec: LoadSpec, batches: list[int], dtype: str, steps: int,
     report: dict = {"dtype": dtype, **kernels, "threads": torch.get_num_threads(), "batches": {}}
     for batch in batches:
         engine = LLMEngine(loaded, EngineConfig(max_num_seqs=batch, **kernels))
-        report["batches"][batch] = _profile_batch(engine, prompts[:batch], steps)
+        report["batches"][batch] = _profile_batch(engine, prompts[:batch], steps, profiled_steps)
         row = report["batches"][batch]
         print(f"batch {batch}: {row['step_ms']} ms a step, {row['tok_per_s']} tok/s", flush=True)
         for op in row["top_ops"]:
@@ -40,8 +41,8 @@ def run_step_profile(spec: LoadSpec, batches: list[int], dtype: str, steps: int,
     return report
 
 
-def _profile_batch(engine: LLMEngine, prompts: list[list[int]], steps: int) -> dict:
-    total = steps + _PROFILED_STEPS + 64  # enough tokens that every timed step is a decode of the whole batch
+def _profile_batch(engine: LLMEngine, prompts: list[list[int]], steps: int, profiled_steps: int) -> dict:
+    total = steps + profiled_steps + 64  # enough tokens that every timed step is a decode of the whole batch
     params = SamplingParams(max_tokens=total, min_tokens=total, temperature=0, ignore_eos=True)
     engine.add_requests([Request(f"profile-{i}", p, params) for i, p in enumerate(prompts)])
     while engine.stats()["num_waiting"] or engine.counters.last_step_tokens != len(prompts):
@@ -51,18 +52,18 @@ def _profile_batch(engine: LLMEngine, prompts: list[list[int]], steps: int) -> d
         engine.step()
     step_s = (time.perf_counter() - started) / steps
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(_PROFILED_STEPS):
+        for _ in range(profiled_steps):
             engine.step()
     for i in range(len(prompts)):
         engine.abort_request(f"profile-{i}")
-    return {"step_ms": round(step_s * 1000, 1), "tok_per_s": round(len(prompts) / step_s, 1), "top_ops": _top_ops(prof)}
+    return {"step_ms": round(step_s * 1000, 1), "tok_per_s": round(len(prompts) / step_s, 1), "top_ops": _top_ops(prof, profiled_steps)}
 
 
-def _top_ops(prof) -> list[dict]:
+def _top_ops(prof, profiled_steps: int) -> list[dict]:
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events) or 1
     return [
         {"name": e.key, "share": round(e.self_cpu_time_total / total, 3),
-         "ms_per_step": round(e.self_cpu_time_total / 1000 / _PROFILED_STEPS, 2)}
+         "ms_per_step": round(e.self_cpu_time_total / 1000 / profiled_steps, 2)}
         for e in events[:_TOP_OPS]
     ]
