@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.errors import APIError
 from app.api.fanout import MAX_CHOICES
+from app.api.structured import request_grammar
 from app.engine.request import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 
@@ -65,6 +66,9 @@ class _SamplingFields(_Strict):
     service_tier: str | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices (each its own engine request: app/api/fanout.py)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias in [-100, 100]
+    # Structured outputs (app/api/structured.py): OpenAI's field, or vLLM's {json|regex|choice|grammar|json_object}
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
         """Fields the client left unset take the model's configured defaults, then OpenAI's."""
@@ -88,9 +92,14 @@ class _SamplingFields(_Strict):
                 logprobs=self.num_logprobs(),
                 prompt_logprobs=self.num_prompt_logprobs(),
                 logit_bias=_token_biases(self.logit_bias),
+                grammar=self.grammar(),
             )
         except ValueError as exc:  # a combination the per-field checks cannot see (min_tokens > max_tokens, ...)
             raise APIError(400, str(exc), param=getattr(exc, "param", None)) from exc
+
+    def grammar(self) -> str | None:
+        """The grammar every output must follow (structured outputs), or None."""
+        return request_grammar(self.response_format, self.structured_outputs)
 
     def num_logprobs(self) -> int | None:
         """How many alternatives per token the client asked for (None: no logprobs)."""
@@ -107,6 +116,9 @@ class _SamplingFields(_Strict):
     def _reject_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if self.ignore_eos and self.grammar() is not None:
+            raise APIError(400, "ignore_eos cannot be combined with structured outputs: a complete output ends with EOS",
+                           param="ignore_eos")
 
 
 def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
@@ -166,7 +178,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # ignored without tools (tools are refused)
-    response_format: dict[str, Any] | None = None
 
     def _reject_unsupported(self) -> None:
         super()._reject_unsupported()
@@ -174,8 +185,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "tool calling is not supported yet", param="tools", code="unsupported_parameter")
         if self.tool_choice not in (None, "none", "auto"):
             raise APIError(400, "tool_choice is not supported yet", param="tool_choice", code="unsupported_parameter")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise APIError(400, "only response_format type 'text' is supported", param="response_format")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
 

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from app.config import EngineConfig
+from app.engine.grammar import consume
 from app.engine.kv_cache import BlockManager
 from app.engine.output_processor import OutputProcessor
 from app.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
@@ -204,6 +205,7 @@ class LLMEngine:
             request.set_drafts([])  # verified: the next drafts come from the controller
         output = None
         for token_id, logprob in zip(token_ids, logprobs):
+            consume(request, token_id)
             step = self.outputs.append_token(request, token_id, logprob)
             output = step if output is None else output.followed_by(step)
             if step.finished:
@@ -215,8 +217,9 @@ class LLMEngine:
         return c.busy_s / c.num_steps if c.num_steps else 0.0
 
     def _decoding(self) -> list[Request]:
-        """Running requests whose next step decodes one token (so it may verify drafts too)."""
-        return [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        """Running requests whose next step decodes one token (so it may verify drafts too). A constrained
+        request (structured outputs) takes no drafts: its tokens come from its grammar's masked distribution."""
+        return [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1 and r.matcher is None]
 
     def _release(self, request: Request) -> None:
         completed = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestStatus(enum.Enum):
@@ -92,6 +93,8 @@ class SamplingParams:
     # Draft calls only (a draft model sampling for a target, app/spec/remote.py): sample from the n most likely
     # tokens of the processed distribution, renormalized, and return that distribution with each token.
     draft_top_n: int = 0
+    # Structured outputs: an llguidance grammar (app/api/structured.py) every output must follow; None: free text.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self.stop = tuple([self.stop] if isinstance(self.stop, str) else self.stop or ())
@@ -163,6 +166,7 @@ class Request:
     # sampling.prompt_logprobs: the logprob of each prompt token computed so far (the first token's is None)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])
     first_token_s: float | None = None  # monotonic: its first token was sampled (the end of its prefill)
+    matcher: Any = None  # sampling.grammar's state, made at admission in the engine (app/engine/grammar.py)
 
     def phase_times(self, now: float) -> dict[str, float]:
         """Queue, prefill and decode time so far (seconds), for the metrics; phases not reached are absent."""

@@ -18,6 +18,7 @@ import torch
 
 from app.config import EngineConfig
 from app.cpu import install_fast_path
+from app.engine.grammar import Grammars
 from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import PagedBatch, SequenceSlice, register_paged_attention
 from app.engine.request import Request, TokenLogprob
@@ -95,7 +96,7 @@ class ModelRunner:
             dtype=kv_dtype, device=self.device,
         )
         self.kv_bytes = self.kv_pool.numel() * self.kv_pool.element_size()
-        self.sampler = Sampler()
+        self.sampler = Sampler(Grammars(loaded.tokenizer, self.model.config.vocab_size, loaded.eos_token_ids))
         self.step = register_paged_attention(self.model)
         self.last_attended: dict[int, int | None] = {}  # the last step's attention layers (index -> window)
         # plain fp32 CPU Linear layers only (quantized ones run as loaded); bf16 weights where the loader chose them

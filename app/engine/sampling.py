@@ -13,13 +13,15 @@ from typing import Sequence
 import torch
 
 from app.cpu.argmax import argmax_rows
+from app.engine.grammar import Grammars
 from app.engine.request import Request, SparseProbs, TokenLogprob
 
 _NEG_INF = float("-inf")
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, grammars: Grammars | None = None) -> None:
+        self.grammars = grammars  # structured outputs (None: an engine without a tokenizer takes no grammar)
         # A seeded request draws from its own generator, so its output does not depend on
         # which other requests share its batch. Keyed by request id, dropped when it finishes.
         self._generators: dict[str, torch.Generator] = {}
@@ -51,6 +53,8 @@ class Sampler:
             logits = logits.clone()
         logits = apply_penalties(logits, requests)
         logits = mask_stop_tokens_before_min(logits, requests)
+        if self.grammars is not None:  # in place, as the min_tokens mask: the same grammar state masks the same tokens
+            logits = self.grammars.mask(logits, requests)
         greedy_tokens = argmax_rows(logits)  # [B]
         if all(r.sampling.greedy for r in requests):
             return greedy_tokens.tolist(), {}
@@ -70,6 +74,10 @@ class Sampler:
         never the batched step it would join."""
         if request.sampling.seed is not None and not request.sampling.greedy:
             self.generator_for(request, device)
+        if request.sampling.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this engine takes no structured outputs")
+            request.matcher = self.grammars.matcher(request.sampling.grammar)
 
     def generator_for(self, request: Request, device: torch.device) -> torch.Generator:
         """The request's own generator (made at admission, or on first use; for seeded requests only)."""

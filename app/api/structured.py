@@ -1,0 +1,101 @@
+"""Structured outputs at the API: OpenAI's ``response_format`` and vLLM's ``structured_outputs`` become one
+llguidance grammar (``SamplingParams.grammar``), checked here, so that a schema the grammar engine cannot
+honour is a 400 naming what it lacks, before the request reaches an engine.
+
+JSON follows the schema with compact separators (``", "``, ``": "``) and no other whitespace: a small model
+cannot then spend its whole budget on blank lines inside an object.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from app.api.errors import APIError
+
+# What the JSON grammar allows between tokens (a schema's own "x-guidance" options override these).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def request_grammar(response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None) -> str | None:
+    """The llguidance grammar a request's output must follow, or None for free text."""
+    from_format = _from_response_format(response_format)
+    from_extra = _from_structured_outputs(structured_outputs)
+    if from_format is not None and from_extra is not None:
+        raise APIError(400, "give either response_format or structured_outputs, not both", param="structured_outputs")
+    found = from_format or from_extra
+    if found is None:
+        return None
+    (kind, text), param = found
+    return compiled(kind, text, param)
+
+
+def _from_response_format(response_format: dict[str, Any] | None):
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    param = "response_format"
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ("json", json.dumps({"type": "object"})), param
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema needs json_schema.schema (a JSON schema object)",
+                           param="response_format.json_schema.schema")
+        return ("json", json.dumps(schema, sort_keys=True)), param
+    raise APIError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', not {kind!r}",
+                   param="response_format.type")
+
+
+def _from_structured_outputs(structured: dict[str, Any] | None):
+    if structured is None:
+        return None
+    given = [key for key, value in structured.items() if value is not None and value is not False]
+    unknown = [key for key in structured if key not in STRUCTURED_KINDS]
+    if unknown or len(given) != 1:
+        raise APIError(400, f"structured_outputs takes exactly one of {', '.join(STRUCTURED_KINDS)}"
+                       + (f"; unknown: {', '.join(unknown)}" if unknown else ""), param="structured_outputs")
+    kind, value = given[0], structured[given[0]]
+    param = f"structured_outputs.{kind}"
+    if kind == "json_object":
+        return ("json", json.dumps({"type": "object"})), param
+    if kind == "json":
+        schema = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(schema, dict):
+            raise APIError(400, "structured_outputs.json must be a JSON schema object", param=param)
+        return ("json", json.dumps(schema, sort_keys=True)), param
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise APIError(400, "structured_outputs.choice must be a non-empty list of non-empty strings", param=param)
+        return ("choice", json.dumps(value)), param
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"{param} must be a non-empty string", param=param)
+    return (kind, value), param
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar(kind: str, text: str) -> tuple[str | None, str | None]:
+    """(grammar, None) or (None, why it cannot be used)."""
+    import llguidance
+
+    try:
+        if kind == "json":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+        else:  # regex, choice, grammar (Lark or GBNF)
+            grammar = llguidance.grammar_from(kind, text)
+    except ValueError as exc:
+        return None, str(exc)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return (None, messages[0]) if is_error else (grammar, None)
+
+
+def compiled(kind: str, text: str, param: str) -> str:
+    grammar, error = _grammar(kind, text)
+    if error is not None:
+        raise APIError(400, f"{param} cannot be used: {error.strip()}", param=param, code="invalid_grammar")
+    return grammar

@@ -1,0 +1,81 @@
+"""Structured outputs in the engine: every constrained output follows its grammar, a constrained request's
+tokens do not depend on its batch-mates, and free-text batch-mates are untouched by their neighbours' masks."""
+
+import json
+import re
+
+import pytest
+
+from app.api.structured import request_grammar
+from app.engine import Request, SamplingParams
+from tests.model.conftest import make_engine, run_engine
+
+pytestmark = pytest.mark.model
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "population_millions", "capital"],
+    "additionalProperties": False,
+}
+JSON = request_grammar({"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}, None)
+PHONE = request_grammar(None, {"regex": "[0-9]{3}-[0-9]{4}"})
+MOOD = request_grammar(None, {"choice": ["positive", "negative", "neutral"]})
+PROMPTS = [
+    "<|im_start|>user\nDescribe Paris as JSON.<|im_end|>\n<|im_start|>assistant\n",
+    "The largest city in Japan is",
+    "Phone number:",
+    "Review: 'The food was cold.' Sentiment:",
+]
+
+
+def _requests(loaded, constrained: bool, temperature: float = 0.0) -> list[Request]:
+    grammars = [JSON, JSON, PHONE, MOOD] if constrained else [None] * 4
+    return [Request(f"{i}-{constrained}", loaded.tokenizer.encode(p),
+                    SamplingParams(max_tokens=40, temperature=temperature, seed=7, grammar=g), loaded.eos_token_ids)
+            for i, (p, g) in enumerate(zip(PROMPTS, grammars))]
+
+
+def _texts(loaded, requests: list[Request], outputs: dict) -> list[str]:
+    return [loaded.tokenizer.decode([t for t in outputs[r.request_id] if t not in loaded.eos_token_ids]) for r in requests]
+
+
+def _assert_follow_their_grammars(texts: list[str]) -> None:
+    for text in texts[:2]:
+        value = json.loads(text)
+        assert set(value) == {"city", "population_millions", "capital"}, text
+        assert len(value["city"]) <= 20 and 0 <= value["population_millions"] <= 100 and isinstance(value["capital"], bool)
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", texts[2]), texts[2]
+    assert texts[3] in ("positive", "negative", "neutral"), texts[3]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_outputs_follow_their_grammars_and_equal_their_lone_runs(loaded_fp32, temperature):
+    batch = _requests(loaded_fp32, True, temperature) + _requests(loaded_fp32, False, temperature)
+    together = run_engine(make_engine(loaded_fp32), batch)
+    constrained = batch[:4]
+    _assert_follow_their_grammars(_texts(loaded_fp32, constrained, together))
+    assert [r.status.finish_reason for r in constrained] == ["stop"] * 4  # each grammar ended with EOS
+    alone = make_engine(loaded_fp32)
+    for request in (batch[0], batch[3], batch[4]):  # JSON, a choice, free text: each alone, as a fresh request
+        again = Request(request.request_id, request.prompt_token_ids, request.sampling, request.eos_token_ids)
+        assert run_engine(alone, [again])[again.request_id] == together[request.request_id], request.request_id
+
+
+def test_a_grammar_the_engine_cannot_use_fails_that_request_alone(loaded_fp32):
+    engine = make_engine(loaded_fp32)
+    broken = Request("broken", loaded_fp32.tokenizer.encode("Hi"), SamplingParams(max_tokens=4, grammar="start: /(ab/"),
+                     loaded_fp32.eos_token_ids)
+    fine = _requests(loaded_fp32, True)[3]
+    engine.add_requests([broken, fine])
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    assert outputs["broken"].finish_reason == "error" and "grammar" in outputs["broken"].error
+    assert outputs[fine.request_id].finish_reason == "stop"
