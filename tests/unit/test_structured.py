@@ -1,0 +1,51 @@
+"""Structured-output fields at the API: what becomes a grammar, and each way a request is refused with a 400."""
+
+import pytest
+
+from app.api.errors import APIError
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _grammar(body: dict, cls=ChatCompletionRequest) -> str | None:
+    return parse_body(body, cls).sampling_params(16).grammar
+
+
+def test_each_form_becomes_a_grammar_and_text_stays_free():
+    assert _grammar({**CHAT, "response_format": {"type": "text"}}) is None
+    assert _grammar(CHAT) is None
+    forms = [
+        {"response_format": {"type": "json_object"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
+        {"structured_outputs": {"json": SCHEMA}},
+        {"structured_outputs": {"regex": "[a-z]+"}},
+        {"structured_outputs": {"choice": ["yes", "no"]}},
+        {"structured_outputs": {"grammar": 'start: "yes" | "maybe"'}},
+        {"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}},  # GBNF, as llama.cpp writes it
+    ]
+    grammars = [_grammar({**CHAT, **form}) for form in forms]
+    assert all(isinstance(g, str) and g for g in grammars)
+    assert grammars[1] == grammars[2]  # one schema, by OpenAI's field or vLLM's: one grammar
+    assert len(set(grammars)) == len(grammars) - 1
+    completion = {"model": "m", "prompt": "hi", "structured_outputs": {"regex": "[a-z]+"}}
+    assert _grammar(completion, CompletionRequest) == grammars[3]
+
+
+@pytest.mark.parametrize("form, param, says", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format.json_schema.schema", "schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "yaml"),
+    ({"structured_outputs": {"json": {"type": "object", "propertyNames": {"maxLength": 3}}}}, "structured_outputs.json", "propertyNames"),
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex", "unclosed group"),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs.grammar", "undefined_rule"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"xml": "a"}}, "structured_outputs", "unknown: xml"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs", "not both"),
+    ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_the_field(form, param, says):
+    with pytest.raises(APIError) as caught:
+        _grammar({**CHAT, **form})
+    assert caught.value.status == 400 and caught.value.param == param and says in caught.value.message, caught.value.message
