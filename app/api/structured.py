@@ -47,7 +47,7 @@ def _from_response_format(response_format: dict[str, Any] | None):
         if not isinstance(schema, dict):
             raise APIError(400, "response_format json_schema needs json_schema.schema (a JSON schema object)",
                            param="response_format.json_schema.schema")
-        return ("json", json.dumps(schema, sort_keys=True)), param
+        return ("json", json.dumps(schema)), param
     raise APIError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', not {kind!r}",
                    param="response_format.type")
 
@@ -68,7 +68,7 @@ def _from_structured_outputs(structured: dict[str, Any] | None):
         schema = json.loads(value) if isinstance(value, str) else value
         if not isinstance(schema, dict):
             raise APIError(400, "structured_outputs.json must be a JSON schema object", param=param)
-        return ("json", json.dumps(schema, sort_keys=True)), param
+        return ("json", json.dumps(schema)), param
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise APIError(400, "structured_outputs.choice must be a non-empty list of non-empty strings", param=param)

@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m app.bench {load,peer,sweep,report,compare,engine,hf,quant,spec,profile,gemm,kernel-pairs,soak}``
+"""Benchmarks: ``python -m app.bench {load,peer,sweep,report,compare,engine,hf,quant,spec,profile,gemm,kernel-pairs,soak,grammar}``
 (``make bench`` runs ``compare``, ``hf``, ``peer`` for the configured peers and ``report``; ``make bench-quant`` runs ``quant``).
 
 - ``load``: drive an already running server (e.g. ``make serve``) with N concurrent streaming requests
@@ -26,6 +26,8 @@
 - ``quant``: per quantization (none, bnb-int8, bnb-nf4, gptq) weight and resident memory, held-out
   perplexity and greedy agreement with bf16 (the fidelity report), then naive bf16 and batched
   bf16/int8/nf4/GPTQ served through HTTP on W1 (the comparison table). JSON plus a markdown file.
+- ``grammar``: structured outputs' cost per step: the grammar masks of ``--batches`` constrained rows and their
+  application to the logits, beside a decode step of the same batch (app/bench/grammar_cost.py).
 - ``soak``: the whole config under ``serve run`` at a steady ``--rate`` of short streamed completions for
   ``--duration-s``: failed requests, the RSS of every part of the app every 10 s (start, end, MB/min),
   latency percentiles (app/bench/soak.py).
@@ -97,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         from app.bench.gemm import run_gemm_bench
 
         result = run_gemm_bench(args.batches, args.kernels)
+    elif args.command == "grammar":
+        from app.bench.grammar_cost import run_grammar_cost
+
+        result = run_grammar_cost(args.batches, _engine_dtype(args.dtype))
     elif args.command == "soak":
         result = soak(args)
     else:
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         from app.bench.soak import format_table as soak_table
 
         print(soak_table(result))
-    elif args.command not in ("profile", "gemm", "kernel-pairs", "spec"):  # these printed their own tables as they went
+    elif args.command not in ("profile", "gemm", "kernel-pairs", "spec", "grammar"):  # these printed their own tables as they went
         print(json.dumps({k: v for k, v in result.items() if k != "requests"}, indent=2))  # per-request records: in the file
     print(f"saved {out}")
     return 0
@@ -307,7 +313,7 @@ def _cpu_class() -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["load", "peer", "sweep", "report", "compare", "engine", "hf", "quant", "profile", "gemm",
-                                            "kernel-pairs", "spec", "soak"])
+                                            "kernel-pairs", "spec", "soak", "grammar"])
     parser.add_argument("files", nargs="*", help="report: result JSON files (results/bench/*.json)")
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="load, peer, sweep: the server to drive")
     parser.add_argument("--name", default="peer", help="peer, sweep: the server's name in results and the report (vllm, naive, ...)")
@@ -336,7 +342,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--agreement-tokens", type=int, default=32, help="quant: greedy tokens per agreement prompt")
     parser.add_argument("--skip-serving", action="store_true", help="quant: fidelity only, no serve run")
     parser.add_argument("--single-stream-modes", nargs="*", default=["continuous"], help="modes that also run W2")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="profile, gemm: sequences per decode step (gemm: rows)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="profile, gemm, grammar: sequences per decode step (gemm: rows)")
     parser.add_argument("--kernels", nargs="+", default=["avx2", "onednn", "torch"], help="gemm: the Linear kernels to compare (auto, avx2, avx2-bf16, onednn, torch; "
                              "the bf16 routes onednn-bf16, torch-bf16)")
     parser.add_argument("--steps", type=int, default=20, help="profile: timed decode steps per batch size; kernel-pairs: steps per block")
