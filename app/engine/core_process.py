@@ -126,6 +126,10 @@ class ProcessCore(_CoreHost):
         return self._process.is_alive()
 
     def describe_exit(self) -> str:
+        # Its socket can close a moment before the process is reaped: wait that moment for the exit code.
+        self._process.join(timeout=1.0)
+        if self._process.exitcode is None:
+            return "the engine process closed its connection and is still running"
         return f"the engine process exited with code {self._process.exitcode}"
 
     def _join(self, timeout_s: float) -> None:
