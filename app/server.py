@@ -61,6 +61,7 @@ class ModelServer:
             default_sampling=config.default_sampling,
             admit=admit,
             speculative_names=[spec.served_name for spec in config.engine.drafters],
+            tool_parser=config.model.tool_parser,
         )
         self.ready_s = time.monotonic() - started
         logger.info("model %s ready in %.1fs (warm-up %.2fs)", self.info.name, self.ready_s, self.info.warmup_s)

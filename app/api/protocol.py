@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.errors import APIError
 from app.api.fanout import MAX_CHOICES
-from app.api.structured import request_grammar
+from app.api.structured import compiled, request_grammar
+from app.api.tools import Tool, forced_schema, parse_tools, resolve_choice
 from app.engine.request import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 
@@ -157,6 +158,20 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (app/api/tools.py renders them)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def as_template_message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            for i, call in enumerate(self.tool_calls):
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise APIError(400, "a tool call needs function.name and function.arguments", param=f"messages.tool_calls[{i}]")
+            message["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -177,19 +192,34 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # ignored without tools (tools are refused)
+    parallel_tool_calls: bool | None = None  # ignored without tools
 
     def _reject_unsupported(self) -> None:
         super()._reject_unsupported()
-        if self.tools:
-            raise APIError(400, "tool calling is not supported yet", param="tools", code="unsupported_parameter")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice is not supported yet", param="tool_choice", code="unsupported_parameter")
+        choice = self.tool_choice_resolved()
+        if choice not in (None, "auto") and (self.response_format or self.structured_outputs):
+            raise APIError(400, "a required or named tool call already constrains the output; drop response_format "
+                           "or structured_outputs", param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def parsed_tools(self) -> list[Tool]:
+        return parse_tools(self.tools)
+
+    def tool_choice_resolved(self) -> str | Tool | None:
+        """None (no tool calling), "auto", "required" or the named function (app/api/tools.py)."""
+        return resolve_choice(self.tool_choice, self.parsed_tools())
+
+    def grammar(self) -> str | None:
+        """A required or named tool call: JSON its schema accepts; otherwise the structured-output fields."""
+        choice = self.tool_choice_resolved()
+        schema = forced_schema(choice, self.parsed_tools(), self.parallel_tool_calls is not False) if choice else None
+        if schema is None:
+            return super().grammar()
+        return compiled("json", json.dumps(schema), "tools")
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from app.api import tools
 from app.api.errors import APIError
 from app.api.fanout import MAX_CHOICES, choice_seed, gather_or_cancel, merged
 from app.api.logprobs import LogprobFormatter
@@ -58,6 +59,7 @@ class OpenAIServing:
         default_sampling: dict | None = None,
         admit: Admit | None = None,
         speculative_names: list[str | None] | None = None,
+        tool_parser: str = "hermes",
     ) -> None:
         """``speculative_names``: the served name of each of the engine's drafters (engine.drafters, in order):
         requests sent to that name are drafted for by that drafter; a drafter without a name drafts for every
@@ -73,6 +75,7 @@ class OpenAIServing:
         self.vocab_size = vocab_size
         self.default_sampling = dict(default_sampling or {})
         self.logprob_format = LogprobFormatter(tokenizer)
+        self.tool_parser = tool_parser  # how "auto" tool calls are read out of this model's text (app/api/tools.py)
 
     # ---- completions --------------------------------------------------------------------
     async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[dict]:
@@ -93,15 +96,56 @@ class OpenAIServing:
 
     # ---- chat ---------------------------------------------------------------------------
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
+        if request.tool_choice_resolved() is not None:  # calls are known once their text is whole
+            async for chunk in self._tool_chunks(request):
+                yield chunk
+            return
         async for chunk in self._streamed(self._chat_plans(request), request, _chat_choice, "chat.completion.chunk"):
             yield chunk
 
     async def chat(self, request: ChatCompletionRequest) -> dict:
         plans = self._chat_plans(request)
         results = await gather_or_cancel([self._collect(p) for p in plans])
-        choices = [{"index": p.index, "message": {"role": "assistant", "content": text}, "logprobs": self.logprob_format.chat(lps),
+        choice = request.tool_choice_resolved()
+        choices = [{"index": p.index, "message": self._chat_message(text, choice), "logprobs": self.logprob_format.chat(lps),
                     "finish_reason": last.finish_reason} for p, (text, last, lps) in zip(plans, results)]
+        for entry in choices:
+            if entry["message"].get("tool_calls") and entry["finish_reason"] == "stop":
+                entry["finish_reason"] = "tool_calls"
         return self._response(plans, "chat.completion", choices)
+
+    def _chat_message(self, text: str, choice) -> dict:
+        """The assistant's message; with tool calling, the calls read out of its text (app/api/tools.py)."""
+        if choice is None:
+            return {"role": "assistant", "content": text}
+        if choice == "auto":
+            content, calls = tools.parse_calls(text, self.tool_parser)
+        else:  # constrained to the call's JSON: no content unless cut short (then the text, finish_reason "length")
+            calls = tools.forced_calls(text, choice)
+            content = None if calls else text
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.as_openai() for call in calls]
+        return message
+
+    async def _tool_chunks(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
+        """A streamed chat with tools: the whole answer first (admission and errors still come before any byte),
+        then as OpenAI streams it: the role, the content, each call as one ``delta.tool_calls`` entry, the finish."""
+        response = await self.chat(request)
+        head = {key: response[key] for key in ("id", "created", "model")}
+        head["object"] = "chat.completion.chunk"
+        for entry in response["choices"]:
+            message, index = entry["message"], entry["index"]
+            yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+            if message.get("content"):
+                yield {**head, "choices": [{"index": index, "delta": {"content": message["content"]}, "logprobs": entry["logprobs"],
+                                            "finish_reason": None}]}
+            calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
+            if calls:
+                yield {**head, "choices": [{"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}]}
+            yield {**head, "choices": [{"index": index, "delta": {}, "logprobs": None, "finish_reason": entry["finish_reason"]}]}
+        if request.include_usage:
+            yield {**head, "choices": [], "usage": response["usage"]}
 
     # ---- one OpenAI request, several engine requests (app/api/fanout.py) -------------------
     def _chat_plans(self, request: ChatCompletionRequest) -> list[_Prepared]:
@@ -270,13 +314,29 @@ class OpenAIServing:
     def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        messages = [m.as_template_message() for m in request.messages]
+        shown = request.parsed_tools() if request.tool_choice_resolved() is not None else []
+        extra = {}
+        if tools.template_renders_tools(self.tokenizer):
+            extra = {"tools": [t.as_openai() for t in shown]} if shown else {}
+            messages = [_with_loaded_arguments(m) for m in messages]
+        else:  # a template without tools: tools, calls and results as Hermes-style text
+            messages = tools.render_for_template(messages, shown)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as exc:  # template errors (e.g. role order) come from the model's own template
             raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
         # The template already wrote the special tokens it wants; do not add a second BOS.
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _with_loaded_arguments(message: dict) -> dict:
+    """Templates that render tool calls (transformers' convention) read arguments as a mapping, not JSON text."""
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**c, "function": {**c["function"], "arguments": tools.loaded_arguments(c["function"].get("arguments"))}}
+             for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
 
 
 def _completion_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, index: int = 0) -> dict:

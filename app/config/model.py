@@ -10,6 +10,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATION_METHODS = ("none", "bnb-int8", "bnb-nf4", "gptq")  # app.models.quantization implements them
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # app/api/tools.py implements them
 SERVED_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
 
 
@@ -32,6 +33,7 @@ class ModelConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     quantization: str = "none"
+    tool_parser: str = "hermes"  # how "auto" tool calls are read from its text: hermes, llama3_json, mistral
 
     def __post_init__(self) -> None:
         if not self.source or not isinstance(self.source, str):
@@ -47,6 +49,8 @@ class ModelConfig:
                 f"model.quantization {self.quantization!r} is not one of {', '.join(QUANTIZATION_METHODS)} "
                 "(gptq needs a GPTQ checkpoint: make one with `python -m app quantize`)"
             )
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"model.tool_parser {self.tool_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
         if self.device not in DEVICES:
             raise ValueError(f"model.device {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

@@ -1,0 +1,184 @@
+"""Tool calling: the request's tools in the prompt, the model's calls out of its text.
+
+- ``tool_choice`` ``"required"`` or a named function: the output is constrained by a grammar (structured outputs)
+  to JSON the call's schema accepts, so the arguments always validate: a named function's output is its
+  arguments object; ``required``'s is a list of ``{"name", "arguments"}`` (one call if ``parallel_tool_calls`` is
+  false).
+- ``"auto"``: the model writes calls in its own format, read back by the model's parser (``model.tool_parser``):
+  ``hermes`` (``<tool_call>{"name", "arguments"}</tool_call>``, Qwen, Hermes, and the default), ``llama3_json``
+  (a bare ``{"name", "parameters"}`` object, optionally after ``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS]``
+  then a JSON list). Text the parser cannot read as a call stays the answer's content: nothing is dropped.
+- ``"none"`` (or no tools): plain chat; the tools are not shown to the model.
+
+A chat template that renders tools itself (its source mentions ``tools``) gets them as transformers passes them.
+Templates that do not, like the embedded SmolLM2's, which joins only ``role`` and ``content``, get the tools as a
+system message and earlier calls and results as text, in the Hermes format the default parser reads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from app.api.errors import APIError
+from app.config.model import TOOL_PARSERS
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
+                   "To call one, answer with <tool_call>{{\"name\": <function name>, \"arguments\": <arguments object>}}"
+                   "</tool_call>, one block per call.")
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+    def as_openai(self) -> dict:
+        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def as_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def parse_tools(tools: list[Any] | None) -> list[Tool]:
+    parsed = []
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise APIError(400, "each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": ...}}",
+                           param=f"tools[{i}]")
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise APIError(400, "a function's parameters must be a JSON schema object", param=f"tools[{i}].function.parameters")
+        parsed.append(Tool(function["name"], function.get("description") or "", parameters))
+    if len({t.name for t in parsed}) != len(parsed):
+        raise APIError(400, "tool names must be unique", param="tools")
+    return parsed
+
+
+def resolve_choice(tool_choice: Any, tools: list[Tool]) -> str | Tool | None:
+    """None (no tool calling), ``"auto"``, ``"required"``, or the named function's Tool."""
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if tool_choice == "none":
+        return None
+    if tool_choice in ("auto", "required"):
+        if not tools:
+            raise APIError(400, f"tool_choice {tool_choice!r} needs tools", param="tool_choice")
+        return tool_choice
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                       param="tool_choice")
+    for tool in tools:
+        if tool.name == name:
+            return tool
+    raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+
+
+def forced_schema(choice: str | Tool, tools: list[Tool], parallel: bool) -> dict | None:
+    """The JSON schema a ``required`` or named call's output must follow (None for ``auto``)."""
+    if isinstance(choice, Tool):
+        return choice.parameters
+    if choice != "required":
+        return None
+    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                       "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+    return {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+
+
+def forced_calls(text: str, choice: str | Tool) -> list[ToolCall]:
+    """The calls in a constrained output (it follows forced_schema, unless cut short by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return []  # cut at max_tokens: the text stays the content, finish_reason "length"
+    if isinstance(choice, Tool):
+        return [ToolCall(choice.name, json.dumps(value))]
+    return [ToolCall(call["name"], json.dumps(call["arguments"])) for call in value]
+
+
+def parse_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) from a free answer in ``parser``'s format; what is not a readable call stays content."""
+    if parser == "hermes":
+        calls, kept, last = [], [], 0
+        for match in _HERMES_CALL.finditer(text):
+            call = _call_from(match.group(1), "arguments")
+            if call is not None:
+                calls.append(call)
+                kept.append(text[last:match.start()])
+                last = match.end()
+        content = ("".join(kept) + text[last:]).strip() if calls else text
+        return content or None, calls
+    if parser == "llama3_json":
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        calls = [c for c in (_call_from(part, "parameters") for part in body.split(";")) if c is not None] if body.startswith("{") else []
+        return (None, calls) if calls and len(calls) == len(body.split(";")) else (text, [])
+    if parser == "mistral":
+        head, marker, body = text.partition("[TOOL_CALLS]")
+        try:
+            listed = json.loads(body.strip()) if marker else None
+        except json.JSONDecodeError:
+            listed = None
+        calls = [c for c in (_call_from(json.dumps(item), "arguments") for item in listed or []) if c is not None]
+        return (head.strip() or None, calls) if calls else (text, [])
+    raise ValueError(f"unknown tool parser {parser!r} (known: {', '.join(TOOL_PARSERS)})")
+
+
+def _call_from(text: str, arguments_key: str) -> ToolCall | None:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get(arguments_key, value.get("arguments", {}))
+    return ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+
+def template_renders_tools(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def render_for_template(messages: list[dict], tools: list[Tool]) -> list[dict]:
+    """Messages for a template that renders no tools: the tools in a system message, earlier calls and results
+    as text in the Hermes format."""
+    preamble = _TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools)) if tools else None
+    rendered = []
+    for message in messages:
+        if message["role"] == "assistant" and message.get("tool_calls"):
+            calls = "".join(f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': loaded_arguments(c['function']['arguments'])})}\n</tool_call>"
+                            for c in message["tool_calls"])
+            rendered.append({"role": "assistant", "content": (message.get("content") or "") + calls})
+        elif message["role"] == "tool":
+            rendered.append({"role": "tool", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"})
+        else:
+            rendered.append({"role": message["role"], "content": message.get("content") or ""})
+    if preamble is not None:
+        if rendered and rendered[0]["role"] in ("system", "developer"):
+            rendered[0] = {**rendered[0], "content": rendered[0]["content"] + "\n\n" + preamble}
+        else:
+            rendered.insert(0, {"role": "system", "content": preamble})
+    return rendered
+
+
+def loaded_arguments(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except (json.JSONDecodeError, TypeError):
+        return arguments

@@ -1,0 +1,78 @@
+"""Tool calling through the real app and the real openai SDK, on the embedded model (whose chat template renders
+no tools: the server writes them, and earlier calls and results, in the Hermes format)."""
+
+import json
+
+import openai
+import pytest
+
+from tests.serve.conftest import BASE, MODEL
+
+pytestmark = pytest.mark.serve
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 20}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Oslo right now?"}]
+
+
+@pytest.fixture(scope="module")
+def oai(serve_app):
+    return openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused")
+
+
+def _valid(call) -> bool:
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        return set(arguments) == {"city", "unit"} and isinstance(arguments["city"], str) and arguments["unit"] in ("celsius", "fahrenheit")
+    return call.function.name == "get_time" and set(arguments) == {"timezone"} and isinstance(arguments["timezone"], str)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_required_and_named_calls_always_validate_over_20_sampled_runs(oai, tool_choice):
+    answer = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, n=20,
+                                         temperature=1.0, max_tokens=60, parallel_tool_calls=False)
+    for choice in answer.choices:
+        calls = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and len(calls) == 1 and _valid(calls[0]), choice.message
+        if isinstance(tool_choice, dict):
+            assert calls[0].function.name == "get_time"
+
+
+def test_streamed_tool_call_deltas_assemble_to_the_non_streamed_call(oai):
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60)
+    whole = oai.chat.completions.create(**kwargs).choices[0]
+    calls, finish = {}, None
+    for chunk in oai.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+def test_auto_answers_with_content_or_calls_that_validate(oai):
+    answer = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=60).choices[0]
+    if answer.message.tool_calls:
+        assert answer.finish_reason == "tool_calls" and all(c.function.name == "get_weather" for c in answer.message.tool_calls)
+    else:
+        assert answer.message.content and answer.finish_reason in ("stop", "length")
+
+
+def test_a_three_turn_transcript_with_a_call_and_its_result_renders_and_answers(oai):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 12, "sky": "sunny"}'}]
+    answer = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                         temperature=0, max_tokens=30).choices[0]
+    assert answer.message.content and not answer.message.tool_calls and answer.finish_reason in ("stop", "length")

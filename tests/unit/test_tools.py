@@ -1,0 +1,95 @@
+"""Tool calling's pure parts: tools and tool_choice checked, the forced-call schemas, each parser on recorded
+model texts, and the Hermes rendering for templates without tools."""
+
+import json
+
+import llguidance
+import pytest
+
+from app.api.errors import APIError
+from app.api.protocol import ChatCompletionRequest, parse_body
+from app.api.tools import forced_calls, forced_schema, parse_calls, parse_tools, render_for_template, resolve_choice
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Weather in Oslo?"}]}
+
+# Recorded answers, one per format: what the models that write each one produce.
+HERMES = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n' \
+         '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+LLAMA3 = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+MISTRAL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]'
+
+
+@pytest.mark.parametrize("parser, text, content, calls", [
+    ("hermes", HERMES, "Let me check.", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    ("llama3_json", LLAMA3, None, [("get_weather", {"city": "Oslo"})]),
+    ("mistral", MISTRAL, None, [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    ("hermes", "It is sunny in Oslo.", "It is sunny in Oslo.", []),
+    ("hermes", "<tool_call>{not json</tool_call>", "<tool_call>{not json</tool_call>", []),  # unreadable: stays content
+    ("llama3_json", "{no", "{no", []),
+    ("mistral", "[TOOL_CALLS] [oops", "[TOOL_CALLS] [oops", []),
+])
+def test_each_parser_reads_its_recorded_format_and_keeps_what_is_not_a_call(parser, text, content, calls):
+    found_content, found = parse_calls(text, parser)
+    assert found_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in found] == calls
+    assert len({c.id for c in found}) == len(found) and all(c.id.startswith("call_") for c in found)
+
+
+def test_tool_choice_resolves_or_is_a_400_naming_it():
+    tools = parse_tools([WEATHER, TIME])
+    assert resolve_choice(None, tools) == "auto" and resolve_choice(None, []) is None and resolve_choice("none", tools) is None
+    assert resolve_choice({"type": "function", "function": {"name": "get_time"}}, tools).name == "get_time"
+    for bad in ({"type": "function", "function": {"name": "missing"}}, "sometimes", {"type": "function"}):
+        with pytest.raises(APIError) as caught:
+            resolve_choice(bad, tools)
+        assert caught.value.param == "tool_choice"
+    with pytest.raises(APIError, match="needs tools"):
+        resolve_choice("required", [])
+    with pytest.raises(APIError, match="unique"):
+        parse_tools([WEATHER, WEATHER])
+    with pytest.raises(APIError, match="already constrains"):
+        parse_body({**CHAT, "tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+                   ChatCompletionRequest)
+
+
+def _accepted(schema: dict, text: str) -> bool:
+    """Whether the grammar of ``schema`` (as requests get it) accepts ``text`` whole."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False,
+                                                                             "item_separator": ", ", "key_separator": ": "})
+    tokenizer = llguidance.LLTokenizer("byte")
+    matcher = llguidance.LLMatcher(tokenizer, grammar)
+    return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+
+def test_required_and_named_calls_constrain_to_their_schemas():
+    tools = parse_tools([WEATHER, TIME])
+    named = forced_schema(tools[0], tools, parallel=True)
+    assert named == tools[0].parameters
+    assert forced_calls('{"city": "Oslo"}', tools[0])[0].name == "get_weather"
+    required = forced_schema("required", tools, parallel=False)
+    assert _accepted(required, '[{"name": "get_time", "arguments": {}}]')
+    assert not _accepted(required, '[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]')
+    assert not _accepted(required, '[{"name": "unknown", "arguments": {}}]')
+    assert _accepted(forced_schema("required", tools, parallel=True), '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                                                                       '{"name": "get_time", "arguments": {}}]')
+    calls = forced_calls('[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', "required")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    assert forced_calls('[{"name": "get_wea', "required") == []  # cut short: no call, the text stays content
+    grammar = parse_body({**CHAT, "tools": [WEATHER], "tool_choice": "required"}, ChatCompletionRequest).sampling_params(8).grammar
+    assert grammar and "get_weather" in grammar
+
+
+def test_a_template_without_tools_gets_them_and_the_transcript_as_hermes_text():
+    tools = parse_tools([WEATHER])
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "sunny, 12 C", "tool_call_id": "call_1"}]
+    rendered = render_for_template(messages, tools)
+    assert rendered[0]["role"] == "system" and '"get_weather"' in rendered[0]["content"] and "<tool_call>" in rendered[0]["content"]
+    assert rendered[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'}
+    assert rendered[3] == {"role": "tool", "content": "<tool_response>\nsunny, 12 C\n</tool_response>"}
+    assert all(set(m) == {"role", "content"} for m in rendered)  # nothing a plain template cannot join
