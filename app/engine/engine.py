@@ -217,9 +217,8 @@ class LLMEngine:
         return c.busy_s / c.num_steps if c.num_steps else 0.0
 
     def _decoding(self) -> list[Request]:
-        """Running requests whose next step decodes one token (so it may verify drafts too). A constrained
-        request (structured outputs) takes no drafts: its tokens come from its grammar's masked distribution."""
-        return [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1 and r.matcher is None]
+        """Running requests whose next step decodes one token (so it may verify drafts too)."""
+        return [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
 
     def _release(self, request: Request) -> None:
         completed = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)

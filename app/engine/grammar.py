@@ -69,14 +69,36 @@ class Grammars:
         for request, matcher in zip((requests[i] for i in rows), matchers):
             if matcher.is_error():
                 raise GrammarError(f"request {request.request_id}: {matcher.get_error()}")
-        allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, count=logits.shape[-1], bitorder="little")
-        keep = torch.from_numpy(allowed).to(torch.int32).neg_()  # [R, V]: all bits set where allowed, 0 where not
         everything = len(rows) == logits.shape[0] and logits.is_contiguous()
         masked = logits if everything else logits[rows]  # [R, V]
-        masked.view(torch.int32).bitwise_and_(keep).bitwise_or_(keep.bitwise_not_().bitwise_and_(_NEG_INF_BITS))
+        _write_masks(masked, bits)
         if not everything:
             logits[rows] = masked
         return logits
+
+    def mask_drafts(self, rows: torch.Tensor, requests: Sequence, drafts: Sequence[Sequence[int]]) -> None:
+        """rows: [sum(n_b + 1), V] logits of drafting sequences, sequence after sequence, in place: a constrained
+        sequence's row j masked as its grammar stands after its first j drafts. Its drafts are tried on the matcher
+        and rolled back: from the first draft the grammar refuses on, the rows keep that position's mask (the
+        refused draft is rejected there, and verification stops at it)."""
+        start = 0
+        words = (self.vocab_size + 31) // 32
+        for request, tokens in zip(requests, drafts):
+            count = len(tokens) + 1
+            matcher = request.matcher
+            if matcher is not None:
+                valid = matcher.validate_tokens(list(tokens))
+                bits = torch.zeros(count, words, dtype=torch.int32)
+                for j in range(valid + 1):
+                    matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), words * 4)
+                    if j < valid and not matcher.consume_token(tokens[j]):
+                        raise GrammarError(f"request {request.request_id}: {matcher.get_error()}")
+                matcher.rollback(valid)
+                if matcher.is_error():
+                    raise GrammarError(f"request {request.request_id}: {matcher.get_error()}")
+                bits[valid + 1 :] = bits[valid]
+                _write_masks(rows[start : start + count], bits)
+            start += count
 
     def _llg_tokenizer(self):
         if self._tokenizer is None:
@@ -94,6 +116,13 @@ class Grammars:
 
             self._executor = llguidance.LLExecutor()
         return self._executor
+
+
+def _write_masks(logits: torch.Tensor, bits: torch.Tensor) -> None:
+    """logits [R, V] (contiguous, float32), in place: -inf wherever ``bits`` [R, ceil(V / 32)] has a 0 bit."""
+    allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, count=logits.shape[-1], bitorder="little")
+    keep = torch.from_numpy(allowed).to(torch.int32).neg_()  # [R, V]: all bits set where allowed, 0 where not
+    logits.view(torch.int32).bitwise_and_(keep).bitwise_or_(keep.bitwise_not_().bitwise_and_(_NEG_INF_BITS))
 
 
 def consume(request, token_id: int) -> None:

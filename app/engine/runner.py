@@ -186,6 +186,9 @@ class ModelRunner:
         generators = [self._generator(r) for r in requests]
         if any(has_penalty(r) for r in requests):  # penalized in place: rows verified again alone stay raw
             rows = rows.clone()
+        if self.sampler.grammars is not None and any(r.matcher is not None for r in requests):
+            rows = rows.float().contiguous()
+            self.sampler.grammars.mask_drafts(rows, requests, drafts)  # structured outputs: each position's grammar
         tokens, kept = verify_drafts(rows, requests, drafts, generators, draft_probs)
         return list(zip(tokens, kept))
 

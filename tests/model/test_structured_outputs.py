@@ -7,6 +7,7 @@ import re
 import pytest
 
 from app.api.structured import request_grammar
+from app.config import SpecConfig
 from app.engine import Request, SamplingParams
 from tests.model.conftest import make_engine, run_engine
 
@@ -79,3 +80,21 @@ def test_a_grammar_the_engine_cannot_use_fails_that_request_alone(loaded_fp32):
                 outputs[out.request_id] = out
     assert outputs["broken"].finish_reason == "error" and "grammar" in outputs["broken"].error
     assert outputs[fine.request_id].finish_reason == "stop"
+
+
+def test_with_ngram_drafts_constrained_outputs_equal_the_targets_own_and_drafts_are_kept(loaded_fp32):
+    """Drafts are tried on each request's grammar and rolled back; every verified position is masked as its grammar
+    stands there, so greedy output is the constrained target's own, and drafts the grammar allows are accepted."""
+    example = '{"city": "Paris", "population_millions": 2, "capital": true}'
+    prompts = [f"Example: {example}\nAnother one, as JSON: ", f"JSON for Paris: {example}\nJSON for Lyon: ",
+               "Phone numbers: 555-1234, 555-1234, 555-"]
+
+    def requests() -> list[Request]:
+        return [Request(str(i), loaded_fp32.tokenizer.encode(p), SamplingParams(max_tokens=32, temperature=0, grammar=g),
+                        loaded_fp32.eos_token_ids) for i, (p, g) in enumerate(zip(prompts, [JSON, JSON, PHONE]))]
+
+    plain = run_engine(make_engine(loaded_fp32, max_model_len=512), requests())
+    engine = make_engine(loaded_fp32, max_model_len=512, speculative=SpecConfig(drafter="ngram", num_speculative_tokens=4))
+    assert run_engine(engine, requests()) == plain
+    stats = engine.stats()
+    assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats

@@ -1,5 +1,6 @@
 """Our AVX2 fp32 GEMM (llm_serve::linear): exact enough, batch-invariant, thread-invariant, checked, and optional."""
 
+import ctypes
 from types import SimpleNamespace
 
 import pytest
@@ -77,11 +78,23 @@ def test_takes_any_leading_shape_and_strides_and_no_rows(gemm):
 
 @needs_avx2
 def test_builds_from_source_into_the_cache(monkeypatch, tmp_path):
-    monkeypatch.setenv("LLM_SERVE_CACHE", str(tmp_path))
+    """The build's steps (C sources and the C++ ops file compiled, linked, put in the cache under its key, reused)
+    on two small sources: the real kernels' build is what every kernel test of the session loads."""
+    kernels = tmp_path / "src" / "kernels"
+    kernels.mkdir(parents=True)
+    (kernels / "tiny.c").write_text("int tiny_next(int x) { return x + 1; }\n")
+    ops_source = tmp_path / "src" / "ops.cpp"
+    ops_source.write_text('extern "C" int tiny_next(int x);\nextern "C" int tiny_twice_next(int x) { return 2 * tiny_next(x); }\n')
+    monkeypatch.setattr(build, "KERNELS_DIR", kernels)
+    monkeypatch.setattr(build, "OPS_SOURCE", ops_source)
+    monkeypatch.setenv("LLM_SERVE_CACHE", str(tmp_path / "cache"))
     library = build.build_library()
-    assert library.parent == tmp_path / "kernels" and library.stat().st_size > 0
+    assert library.parent == tmp_path / "cache" / "kernels" and library.stat().st_size > 0
+    assert ctypes.CDLL(str(library)).tiny_twice_next(20) == 42
     assert build.build_library() == library  # the second call reuses the build
     assert len(list(library.parent.iterdir())) == 1  # no partial files left behind
+    ops_source.write_text(ops_source.read_text() + "// changed\n")
+    assert build.build_library() != library  # a changed source is a new build
 
 
 def test_without_a_compiler_auto_falls_back_to_onednn_and_avx2_says_why(monkeypatch, tmp_path):
