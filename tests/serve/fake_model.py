@@ -43,6 +43,18 @@ SLOW_WARMUP_S = 8.0
 MAX_DRAFT_WAIT_S = 0.5  # how long a drafting sequence waits for its draft model's answer
 
 
+REPLAY = (b"<<replay>>", b"<</replay>>")  # a prompt holding a recorded answer between these gets that answer
+
+
+def replayed(prompt: list[int]) -> list[int] | None:
+    """The recorded answer a prompt asks the fake model to give (then it stops, as at EOS), or None: the echo."""
+    text = bytes(prompt)
+    start, end = text.find(REPLAY[0]), text.find(REPLAY[1])
+    if start < 0 or end <= start + len(REPLAY[0]):
+        return None
+    return list(text[start + len(REPLAY[0]) : end])
+
+
 def echo(prompt: str, max_tokens: int) -> str:
     """What the fake model answers to ``prompt`` (ASCII) given ``max_tokens``."""
     return (prompt * (max_tokens // len(prompt) + 1))[:max_tokens]
@@ -100,16 +112,19 @@ class EchoCore(CountingCore):
             trouble = self._trouble(request)
             if trouble is not None:
                 return trouble
-        token = prompt[request.num_output_tokens % len(prompt)]
+        recorded = replayed(prompt)
+        source = recorded or prompt
+        token = source[request.num_output_tokens % len(source)]
         request.output_token_ids.append(token)
-        done = request.num_output_tokens >= request.sampling.max_tokens
+        ended = recorded is not None and request.num_output_tokens >= len(recorded)
+        done = ended or request.num_output_tokens >= request.sampling.max_tokens
         if done:
             del self.requests[request.request_id]
             self.num_finished += 1
         text = bytes([token]).decode("utf-8", errors="replace")
         return RequestOutput(
             request.request_id, [token], text, request.num_prompt_tokens, request.num_output_tokens,
-            finished=done, finish_reason="length" if done else None,
+            finished=done, finish_reason=("stop" if ended else "length") if done else None,
         )
 
     def _trouble(self, request) -> RequestOutput | None:

@@ -6,7 +6,8 @@ import json
 import openai
 import pytest
 
-from tests.serve.conftest import BASE, MODEL
+from tests.serve.conftest import BASE, FAKE_BASE, FAKE_MODELS, MODEL
+from tests.serve.fake_model import REPLAY
 
 pytestmark = pytest.mark.serve
 
@@ -48,17 +49,9 @@ def test_required_and_named_calls_always_validate_over_20_sampled_runs(oai, tool
 def test_streamed_tool_call_deltas_assemble_to_the_non_streamed_call(oai):
     kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=60)
     whole = oai.chat.completions.create(**kwargs).choices[0]
-    calls, finish = {}, None
-    for chunk in oai.chat.completions.create(stream=True, **kwargs):
-        for choice in chunk.choices:
-            for delta in choice.delta.tool_calls or []:
-                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
-                entry["name"] += delta.function.name or ""
-                entry["arguments"] += delta.function.arguments or ""
-            finish = choice.finish_reason or finish
+    _, calls, finish = _streamed_calls(oai.chat.completions.create(stream=True, **kwargs))
     assert finish == "tool_calls"
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
-        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
 
 def test_auto_answers_with_content_or_calls_that_validate(oai):
@@ -76,3 +69,32 @@ def test_a_three_turn_transcript_with_a_call_and_its_result_renders_and_answers(
     answer = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
                                          temperature=0, max_tokens=30).choices[0]
     assert answer.message.content and not answer.message.tool_calls and answer.finish_reason in ("stop", "length")
+
+
+RECORDED = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+
+
+def _streamed_calls(stream) -> tuple[str, list[tuple[str, str]], str | None]:
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, ["", ""])
+                entry[0] += delta.function.name or ""
+                entry[1] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [tuple(c) for c in calls.values()], finish
+
+
+def test_auto_reads_a_recorded_hermes_call_end_to_end_streamed_and_not(fake_app):
+    """The fake model replays a recorded Hermes answer: the app's parser turns it into an OpenAI tool call."""
+    fake = openai.OpenAI(base_url=f"{FAKE_BASE}/v1", api_key="unused")
+    kwargs = dict(model=FAKE_MODELS[0], tools=[WEATHER], max_tokens=500,
+                  messages=[{"role": "user", "content": (REPLAY[0] + RECORDED.encode() + REPLAY[1]).decode()}])
+    whole = fake.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Let me check."
+    [call] = whole.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo", "unit": "celsius"}
+    content, calls, finish = _streamed_calls(fake.chat.completions.create(stream=True, **kwargs))
+    assert (content, calls, finish) == ("Let me check.", [("get_weather", call.function.arguments)], "tool_calls")
