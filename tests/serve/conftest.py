@@ -22,12 +22,14 @@ FAKE_MODELS = ["fake-a", "fake-b"]
 FRAGILE_MODEL = "fake-fragile"  # the one whose replica a test kills
 FAKE_TWIN = "fake-a-ngram"  # fake-a's speculative twin: the same model under a second name
 TEST_STEP_TOKENS = 512  # real engines' step budget in tests (their warm-up runs one full step)
+GPTQ_STEP_TOKENS = 128
 
 
 def app_args() -> dict:
     """The shipped config, with the bf16 model in fp32: batched == alone must hold exactly, and bf16
     rounding depends on how many rows a matmul has (a near-tie can then flip a greedy token). Steps of
-    512 tokens: each engine's warm-up runs one step of the whole budget, and the suite starts many. The
+    512 tokens (the GPTQ build's 128): each engine's warm-up runs one step of the whole budget, and the suite
+    starts many. The
     speculative twins draft at every step (``adaptive: false``): on a fast target the policy may find the
     draft model too dear and draft nothing, which would leave their equality tests nothing to verify. For
     the same reason a sequence waits for its draft model's answer however long it takes: on two cores the
@@ -44,6 +46,8 @@ def app_args() -> dict:
             spec["adaptive"] = False
             if spec.get("drafter") == "model":
                 spec["max_draft_wait_ms"] = 60_000
+    # The GPTQ build warms up through GPTQModel's torch kernel, ~5 s per 512 tokens here; its tests' batches fit 128
+    config["models"][1]["engine"]["max_num_batched_tokens"] = GPTQ_STEP_TOKENS
     return config
 
 
