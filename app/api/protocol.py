@@ -134,13 +134,11 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # legacy completions: the number of alternatives
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = None  # fill-in-the-middle, on models with FIM tokens (app/api/fim.py)
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # candidates per prompt; the n most likely are returned
 
     def _reject_unsupported(self) -> None:
         super()._reject_unsupported()
-        if self.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
         if self.best_of is not None and self.best_of < self.n:
             raise APIError(400, f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
         if self.stream and (self.best_of or self.n) > self.n:

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 from app.api import tools
 from app.api.errors import APIError
+from app.api.fim import fim_prompt
 from app.api.fanout import MAX_CHOICES, choice_seed, gather_or_cancel, merged
 from app.api.logprobs import LogprobFormatter
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -153,7 +154,8 @@ class OpenAIServing:
                              request.n)
 
     def _completion_plans(self, request: CompletionRequest) -> list[_Prepared]:
-        prompts = self._completion_prompts(request.prompt)
+        prompt = fim_prompt(self.tokenizer, request.prompt, request.suffix, self.model_name) if request.suffix else request.prompt
+        prompts = self._completion_prompts(prompt)
         candidates = request.best_of or request.n
         if len(prompts) * candidates > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x {candidates} choices is more than {MAX_CHOICES} generations; "

@@ -40,6 +40,8 @@ def test_openai_client_sees_errors(oai):
         oai.chat.completions.create(model="missing", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError):
         oai.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError, match="no fill-in-the-middle tokens"):  # the embedded model has none
+        oai.completions.create(model=MODEL, prompt="def f():", suffix="    return 1", max_tokens=4)
 
 
 DRIVER = textwrap.dedent(
