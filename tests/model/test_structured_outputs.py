@@ -98,3 +98,16 @@ def test_with_ngram_drafts_constrained_outputs_equal_the_targets_own_and_drafts_
     assert run_engine(engine, requests()) == plain
     stats = engine.stats()
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
+
+
+def test_preemption_keeps_each_grammar_where_its_output_is(loaded_fp32):
+    """A preempted request recomputes its KV, not its tokens: its matcher stays where its output is."""
+    def requests(tag: str) -> list[Request]:
+        return [Request(f"{tag}{i}", loaded_fp32.tokenizer.encode(p)[:40], SamplingParams(max_tokens=40, temperature=0, grammar=g),
+                        loaded_fp32.eos_token_ids) for i, (p, g) in enumerate(zip(PROMPTS * 2, [JSON] * 8))]
+
+    roomy = run_engine(make_engine(loaded_fp32, max_model_len=128), requests("r"))
+    tight_engine = make_engine(loaded_fp32, max_model_len=128, num_kv_blocks=8)  # 128 tokens for 8 JSON answers
+    tight = run_engine(tight_engine, requests("t"))
+    assert tight_engine.stats()["num_preemptions"] > 0
+    assert [tight[f"t{i}"] for i in range(8)] == [roomy[f"r{i}"] for i in range(8)]
