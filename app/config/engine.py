@@ -104,6 +104,9 @@ class EngineConfig:
     batch_wait_timeout_s: float = 0.01  # dynamic: how long the window waits for batch-mates (a lone request never)
     max_num_seqs: int = 64  # sequences in one step's batch
     max_num_batched_tokens: int = 2048  # tokens in one step (decodes first, then chunks of prefills; vLLM CPU's default)
+    # A step that carries decodes stays within this many ms: prefill chunks beside them are sized from the measured
+    # cost per token, so a long prompt never stalls the streams for seconds (0: every step takes the whole budget)
+    max_decode_step_ms: float = 200.0
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_mb: int = 0  # 0: auto (CUDA: 80% of free memory after loading; CPU: min(1 GiB, 20% of RAM))
     num_kv_blocks: int = 0  # >0 overrides kv_cache_memory_mb (tests use it to force preemption)
@@ -138,6 +141,8 @@ class EngineConfig:
             require_int(f"engine.{name}", getattr(self, name), minimum=1)
         for name in ("kv_cache_memory_mb", "num_kv_blocks", "torch_threads", "stream_interval_ms"):
             require_int(f"engine.{name}", getattr(self, name), minimum=0)
+        if isinstance(self.max_decode_step_ms, bool) or not isinstance(self.max_decode_step_ms, (int, float)) or self.max_decode_step_ms < 0:
+            raise ValueError(f"engine.max_decode_step_ms must be a number of ms >= 0, got {self.max_decode_step_ms!r}")
         if not isinstance(self.max_stream_chunks_per_s, (int, float)) or self.max_stream_chunks_per_s < 0:
             raise ValueError(f"engine.max_stream_chunks_per_s must be a number >= 0, got {self.max_stream_chunks_per_s!r}")
         if isinstance(self.step_timeout_s, bool) or not isinstance(self.step_timeout_s, (int, float)) or self.step_timeout_s <= 0:

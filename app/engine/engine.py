@@ -40,6 +40,27 @@ class StepCounters:
     step_tokens: Histogram = field(default_factory=lambda: Histogram(STEP_TOKEN_BUCKETS))  # tokens per step
 
 
+class StepCost:
+    """Seconds per token of the engine's large steps (the warm-up's full-budget step first, then every step of at
+    least ``MIN_TOKENS``), as a moving average: what sizes prefill chunks beside decodes (stall-free scheduling)."""
+
+    MIN_TOKENS = 64  # below this, a step's fixed costs, not its tokens, set its time
+    WEIGHT = 0.2  # of the newest large step in the average
+
+    def __init__(self) -> None:
+        self.s_per_token: float | None = None
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < self.MIN_TOKENS:
+            return
+        now = seconds / tokens
+        self.s_per_token = now if self.s_per_token is None else (1 - self.WEIGHT) * self.s_per_token + self.WEIGHT * now
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """How many tokens a step may carry to last about ``seconds`` (None: nothing measured yet)."""
+        return None if self.s_per_token is None else int(seconds / self.s_per_token)
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.config = config
@@ -62,6 +83,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.max_model_len)
         self.speculation = SpeculationController(config.drafters, loaded.max_model_len) if config.drafters else None
         self.counters = StepCounters()
+        self.step_cost = StepCost()
         self._groups = itertools.count()
         self._refused: list[RequestOutput] = []  # requests that failed at admission, reported by the next step
 
@@ -107,7 +129,7 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.expire(self.scheduler.running, time.monotonic())
         refused, self._refused = self._refused, []
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(self._decode_step_tokens())
         if not scheduled.scheduled:
             return refused
         executed = time.perf_counter()
@@ -116,6 +138,7 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
             logger.exception("forward pass failed")
             return refused + self._fail(scheduled, f"{type(exc).__name__}: {exc}")
+        self.step_cost.observe(scheduled.num_batched_tokens, time.perf_counter() - executed)
         if self.speculation is not None and _only_decodes(scheduled):
             self.speculation.observe_step(scheduled.num_batched_tokens, time.perf_counter() - executed)
         self.scheduler.update(scheduled, {r.request_id: n for r, n in zip(result.requests, result.num_accepted)})
@@ -211,6 +234,12 @@ class LLMEngine:
             if step.finished:
                 break  # what was drafted past a stop is dropped, as if never generated
         return output
+
+    def _decode_step_tokens(self) -> int | None:
+        """The most tokens a step carrying decodes may hold (engine.max_decode_step_ms; None: no bound)."""
+        if not self.config.max_decode_step_ms:
+            return None
+        return self.step_cost.tokens_within(self.config.max_decode_step_ms / 1000)
 
     def _mean_step_s(self) -> float:
         c = self.counters

@@ -87,9 +87,17 @@ class Scheduler:
         return None
 
     # ---- one step --------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, decode_step_tokens: int | None = None) -> SchedulerOutput:
+        """``decode_step_tokens``: the most tokens a step may carry while some request decodes (stall-free
+        chunked prefill: prefill chunks beside decodes get what is left; never fewer than one block of them)."""
         output = SchedulerOutput()
-        budget = self._schedule_running(self.config.max_num_batched_tokens, output)
+        budget = self.config.max_num_batched_tokens
+        if decode_step_tokens is not None:
+            decoding = sum(1 + len(r.spec_token_ids) for r in self.running
+                           if r.num_tokens - r.num_computed_tokens == 1 and not r.awaiting_draft)
+            if decoding:
+                budget = min(budget, max(decode_step_tokens, decoding + self.blocks.block_size))
+        budget = self._schedule_running(budget, output)
         if not output.preempted:  # memory is short: let the running requests drain first
             self._schedule_waiting(budget, output)
         return output

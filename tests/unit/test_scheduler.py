@@ -116,3 +116,38 @@ def test_prefix_hit_skips_cached_tokens():
     assert b.num_cached_tokens == 8
     stats = scheduler.blocks.prefix_stats
     assert (stats.queried_tokens, stats.hit_tokens) == (20, 8)
+
+
+def _step_capped(scheduler: Scheduler, cap: int) -> dict[str, int]:
+    output = scheduler.schedule(decode_step_tokens=cap)
+    sampling = [s.request for s in output.scheduled if s.samples]
+    scheduler.update(output)
+    for request in sampling:
+        request.output_token_ids.append(7)
+    return {s.request.request_id: s.num_new_tokens for s in output.scheduled}
+
+
+def test_beside_decodes_a_long_prompt_gets_only_what_the_step_cap_leaves():
+    scheduler = _scheduler(num_blocks=128, max_num_batched_tokens=64)
+    for i in range(3):
+        scheduler.add_request(_request(f"d{i}", 4, max_tokens=50, first_token=10 * i))
+    assert _step_capped(scheduler, cap=16) == {"d0": 4, "d1": 4, "d2": 4}  # no decodes yet: prefills fill the budget
+    scheduler.add_request(_request("long", 200, first_token=500))
+    assert _step_capped(scheduler, cap=16) == {"d0": 1, "d1": 1, "d2": 1, "long": 13}  # 16 tokens, decodes first
+    assert _step_capped(scheduler, cap=2) == {"d0": 1, "d1": 1, "d2": 1, "long": 4}  # at least one block beside them
+    alone = _scheduler(num_blocks=128, max_num_batched_tokens=64)
+    alone.add_request(_request("long", 200, first_token=500))
+    assert _step_capped(alone, cap=16) == {"long": 64}  # nothing decodes: the whole budget
+
+
+def test_the_step_cost_sizes_the_cap_from_large_steps_only():
+    from app.engine.engine import StepCost
+
+    cost = StepCost()
+    assert cost.tokens_within(0.2) is None  # nothing measured: no cap
+    cost.observe(8, 1.0)  # a small step: its fixed costs, not its tokens (ignored)
+    assert cost.tokens_within(0.2) is None
+    cost.observe(2048, 2.048)  # the warm-up's full step: 1 ms a token
+    assert cost.tokens_within(0.2) == 200
+    cost.observe(1000, 2.0)  # 2 ms a token, weighted 0.2
+    assert cost.tokens_within(0.2) == int(0.2 / 0.0012)
