@@ -17,6 +17,7 @@ from app.api.errors import APIError
 # What the JSON grammar allows between tokens (a schema's own "x-guidance" options override these).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_ANY_OBJECT = json.dumps({"type": "object"})  # json_object: any JSON object
 
 
 def request_grammar(response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None) -> str | None:
@@ -40,7 +41,7 @@ def _from_response_format(response_format: dict[str, Any] | None):
     if kind == "text":
         return None
     if kind == "json_object":
-        return ("json", json.dumps({"type": "object"})), param
+        return ("json", _ANY_OBJECT), param
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -63,7 +64,7 @@ def _from_structured_outputs(structured: dict[str, Any] | None):
     kind, value = given[0], structured[given[0]]
     param = f"structured_outputs.{kind}"
     if kind == "json_object":
-        return ("json", json.dumps({"type": "object"})), param
+        return ("json", _ANY_OBJECT), param
     if kind == "json":
         schema = json.loads(value) if isinstance(value, str) else value
         if not isinstance(schema, dict):

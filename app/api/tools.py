@@ -117,7 +117,7 @@ def parse_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
     if parser == "hermes":
         calls, kept, last = [], [], 0
         for match in _HERMES_CALL.finditer(text):
-            call = _call_from(match.group(1), "arguments")
+            call = _call_from(_json_or_none(match.group(1)), "arguments")
             if call is not None:
                 calls.append(call)
                 kept.append(text[last:match.start()])
@@ -126,7 +126,7 @@ def parse_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
         return content or None, calls
     if parser == "llama3_json":
         body = text.strip().removeprefix("<|python_tag|>").strip()
-        calls = [c for c in (_call_from(part, "parameters") for part in body.split(";")) if c is not None] if body.startswith("{") else []
+        calls = [c for c in (_call_from(_json_or_none(part), "parameters") for part in body.split(";")) if c is not None] if body.startswith("{") else []
         return (None, calls) if calls and len(calls) == len(body.split(";")) else (text, [])
     if parser == "mistral":
         head, marker, body = text.partition("[TOOL_CALLS]")
@@ -134,16 +134,20 @@ def parse_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
             listed = json.loads(body.strip()) if marker else None
         except json.JSONDecodeError:
             listed = None
-        calls = [c for c in (_call_from(json.dumps(item), "arguments") for item in listed or []) if c is not None]
+        calls = [c for c in (_call_from(item, "arguments") for item in listed or []) if c is not None]
         return (head.strip() or None, calls) if calls else (text, [])
     raise ValueError(f"unknown tool parser {parser!r} (known: {', '.join(TOOL_PARSERS)})")
 
 
-def _call_from(text: str, arguments_key: str) -> ToolCall | None:
+def _json_or_none(text: str) -> Any:
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError:
         return None
+
+
+def _call_from(value: Any, arguments_key: str) -> ToolCall | None:
+    """A call from a decoded ``{"name", <arguments_key>}`` object, or None if it is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get(arguments_key, value.get("arguments", {}))

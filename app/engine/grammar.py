@@ -60,8 +60,7 @@ class Grammars:
         if not rows:
             return logits
         matchers = [requests[i].matcher for i in rows]
-        words = (self.vocab_size + 31) // 32
-        bits = torch.zeros(len(rows), words, dtype=torch.int32)
+        bits, words = self._bitmasks(len(rows))
         if len(rows) == 1:
             matchers[0].unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
         else:
@@ -82,13 +81,12 @@ class Grammars:
         and rolled back: from the first draft the grammar refuses on, the rows keep that position's mask (the
         refused draft is rejected there, and verification stops at it)."""
         start = 0
-        words = (self.vocab_size + 31) // 32
         for request, tokens in zip(requests, drafts):
             count = len(tokens) + 1
             matcher = request.matcher
             if matcher is not None:
                 valid = matcher.validate_tokens(list(tokens))
-                bits = torch.zeros(count, words, dtype=torch.int32)
+                bits, words = self._bitmasks(count)
                 for j in range(valid + 1):
                     matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), words * 4)
                     if j < valid and not matcher.consume_token(tokens[j]):
@@ -99,6 +97,11 @@ class Grammars:
                 bits[valid + 1 :] = bits[valid]
                 _write_masks(rows[start : start + count], bits)
             start += count
+
+    def _bitmasks(self, count: int) -> tuple[torch.Tensor, int]:
+        """``count`` empty bitmasks [count, words] (one bit per token of the vocabulary) and ``words``."""
+        words = (self.vocab_size + 31) // 32
+        return torch.zeros(count, words, dtype=torch.int32), words
 
     def _llg_tokenizer(self):
         if self._tokenizer is None:
