@@ -254,7 +254,7 @@ def _kernel_args(args: argparse.Namespace) -> dict:
     """The engine's CPU kernel settings the command line picked (EngineConfig field names)."""
     kernels = {"cpu_linear_kernel": args.linear_kernel, "cpu_attention_kernel": args.attention_kernel,
                "cpu_norm_kernel": args.norm_kernel, "cpu_rotary_kernel": args.rotary_kernel,
-               "cpu_decoder_layer": args.decoder_layer}
+               "cpu_decoder_layer": args.decoder_layer, "batch_invariant": args.batch_invariant}
     return {"kernels": kernels}
 
 
@@ -349,6 +349,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pairs", type=int, default=12, help="kernel-pairs: ours/torch block pairs per batch size")
     parser.add_argument("--kernel", default="norm", choices=["norm", "rotary"], help="kernel-pairs: which of our kernels to pair with torch's ops")
     parser.add_argument("--linear-kernel", default="auto", choices=CPU_LINEAR_KERNELS, help="profile, engine: the fp32 Linear kernel")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="profile, engine: one fixed-order Linear kernel for every row count (engine.batch_invariant)")
     parser.add_argument("--attention-kernel", default="auto", choices=CPU_ATTENTION_KERNELS, help="profile, engine: decode attention on CPU")
     parser.add_argument("--norm-kernel", default="auto", choices=CPU_NORM_KERNELS, help="profile, engine: RMSNorm on CPU")
     parser.add_argument("--rotary-kernel", default="auto", choices=CPU_ROTARY_KERNELS, help="profile, engine: RoPE on CPU")

@@ -116,7 +116,12 @@ class EngineConfig:
     max_stream_chunks_per_s: float = 0  # under load, all streams together send at most this many chunks/s (0: no cap)
     separate_process: bool = True  # run the core in its own process (no GIL shared with the server's threads)
     torch_threads: int = 0  # 0: one thread per core the process may use
-    cpu_linear_kernel: str = "auto"  # fp32 on CPU: auto | avx2 (ours) | onednn | onednn-bf16 | torch (docs/engine.md)
+    # Linear layers on CPU: auto (per shape and row count, the fastest as timed on this CPU at first start, cached) |
+    # avx2 (ours) | avx512-bf16 (ours) | onednn | onednn-bf16 | torch (docs/performance.md: Kernel choice)
+    cpu_linear_kernel: str = "auto"
+    # true: one fixed-order kernel for every row count, so a token's logprob bits never depend on its batch-mates
+    # (auto then never mixes kernels; the cost per CPU class is in docs/performance.md)
+    batch_invariant: bool = False
     cpu_attention_kernel: str = "auto"  # fp32 on CPU, every step: auto (ours where it builds) | torch (gather + SDPA)
     cpu_norm_kernel: str = "auto"  # fp32 RMSNorm on CPU: auto (ours where it builds and matches the model's) | torch
     cpu_rotary_kernel: str = "auto"  # fp32 RoPE in one-frame decoder layers: auto (ours where it gives the model's bits) | torch

@@ -56,7 +56,7 @@ def install_fast_path(model: nn.Module, config: EngineConfig, dtype: torch.dtype
     if _device(model).type != "cpu":
         path.parts["all"] = f"torch (model on {_device(model)})"
         return _logged(path)
-    pack_cpu_linears(model, config.cpu_linear_kernel, weight_dtype or torch.float32, bf16_products)
+    pack_cpu_linears(model, config.cpu_linear_kernel, weight_dtype or torch.float32, bf16_products, config.batch_invariant)
     path.parts["linear"] = describe_packed(model)
     if config.cpu_gptq_kernel == "auto" and bf16_products_available():
         gptq = pack_gptq_linears(model)  # GPTQ 4-bit layers: our int4 kernel instead of torch's

@@ -11,6 +11,7 @@ torch's wheel ships and has already loaded, so the kernels run on torch's own th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -90,6 +91,12 @@ def _torch_link_flags() -> list[str]:
     for path in cpp_extension.library_paths():
         flags += [f"-L{path}", f"-Wl,-rpath,{path}"]
     return [*flags, "-lc10", "-ltorch_cpu"]
+
+
+@functools.cache
+def build_id() -> str:
+    """The kernels' build (a hash of the sources, flags, compilers and torch version), computed once per process."""
+    return _build_key()
 
 
 def _build_key() -> str:

@@ -42,12 +42,17 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from app.config import CPU_LINEAR_KERNELS
+from app.cpu import kernel_choice
+from app.cpu.build import build_id
+from app.cpu.kernel_choice import BUCKETS, Bucket, LinearShape
 from app.cpu.ops import OPS, available, unavailable_reason
 
 logger = logging.getLogger(__name__)
@@ -131,6 +136,59 @@ class AVX2Kernel:
         return OPS.linear(x, packed, bias, out_features)
 
 
+class TorchKernel:
+    """torch's own ``F.linear`` on the dense weight (MKL's sgemm on x86): a bake-off candidate."""
+
+    name = "torch"
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.detach().clone()  # its own memory: the checkpoint's map can be released
+
+    def apply(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        return F.linear(x, packed, bias)
+
+
+# Kernels that sum every output in one fixed order whatever the row count: a row's bits never depend on its batch
+FIXED_ORDER = frozenset({"avx2", "avx2-bf16-weights", "avx512-bf16"})
+
+
+class RowBucketKernel:
+    """Each row count on the kernel the bake-off chose for its bucket (``kernel_choice.py``); the weight is packed once
+    per distinct kernel, so a shape that mixes two holds two copies."""
+
+    def __init__(self, by_bucket: list[tuple[Bucket, LinearKernel]]) -> None:
+        self.kernels: list[LinearKernel] = []
+        self.routes: list[tuple[int | None, int]] = []  # (highest row count, index into kernels), ascending
+        for bucket, kernel in by_bucket:
+            if kernel not in self.kernels:
+                self.kernels.append(kernel)
+            index = self.kernels.index(kernel)
+            if self.routes and self.routes[-1][1] == index:
+                self.routes[-1] = (bucket.high, index)  # adjacent buckets on one kernel: one route
+            else:
+                self.routes.append((bucket.high, index))
+        self.name = " / ".join(f"{self.kernels[index].name} {_rows_named(low, high)}"
+                               for (high, index), low in zip(self.routes, _route_lows(self.routes)))
+
+    def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(kernel.pack(weight) for kernel in self.kernels)
+
+    def apply(self, x: torch.Tensor, packed: tuple, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        for high, index in self.routes:
+            if high is None or rows <= high:
+                return self.kernels[index].apply(x, packed[index], bias, out_features)
+        raise AssertionError("the last route takes every row count")
+
+
+def _route_lows(routes: list[tuple[int | None, int]]) -> list[int]:
+    return [1] + [high + 1 for high, _ in routes[:-1]]
+
+
+def _rows_named(low: int, high: int | None) -> str:
+    return f"{low}+ rows" if high is None else (f"{low} row" if low == high == 1 else f"{low}-{high} rows")
+
+
 def select_kernel(choice: str, weight_dtype: torch.dtype = torch.float32, bf16_products: bool = False) -> LinearKernel | None:
     """The kernel ``engine.cpu_linear_kernel`` names (None: torch's own); asking for one this machine lacks is an error.
 
@@ -173,7 +231,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = kernel
-        self.register_buffer("packed_weight", kernel.pack(linear.weight), persistent=False)
+        _hold(self, kernel.pack(linear.weight))
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,6 +239,14 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel.name}"
+
+
+def _hold(module: nn.Module, packed: torch.Tensor | tuple) -> None:
+    """A packed weight as a (non-persistent) buffer; a tuple of them (one per kernel) as a plain attribute."""
+    if isinstance(packed, torch.Tensor):
+        module.register_buffer("packed_weight", packed, persistent=False)
+    else:
+        module.packed_weight = packed
 
 
 class _SharedProjection:
@@ -213,7 +279,7 @@ class PackedSiblingLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.shared, self.member = shared, member
         if member == 0:  # the packed weight is counted once, on the first sibling
-            self.register_buffer("packed_weight", shared.packed_weight, persistent=False)
+            _hold(self, shared.packed_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.shared.output(self.member, x)
@@ -283,51 +349,114 @@ def onednn_bf16_supported() -> bool:
 
 
 def pack_cpu_linears(model: nn.Module, kernel: str = "auto", weight_dtype: torch.dtype = torch.float32,
-                     bf16_products: bool = False) -> int:
+                     bf16_products: bool = False, batch_invariant: bool = False) -> int:
     """Replace every plain fp32 CPU ``nn.Linear`` of ``model`` by a packed one; returns how many.
 
-    ``kernel`` is ``engine.cpu_linear_kernel``: auto, avx2, avx512-bf16, onednn, onednn-bf16 or torch (nothing replaced);
-    ``weight_dtype`` the packed weights' dtype (bfloat16 with the avx2 kernel only); ``bf16_products``: see
-    :func:`select_kernel`.
+    ``kernel`` is ``engine.cpu_linear_kernel``: auto (per shape and row bucket, as measured on this CPU, unless
+    ``batch_invariant``: then our fixed-order kernel for every row count), avx2, avx512-bf16, onednn, onednn-bf16 or
+    torch (nothing replaced); ``weight_dtype`` the packed weights' dtype (bfloat16 with the avx2 kernel only);
+    ``bf16_products``: see :func:`select_kernel`.
     """
-    chosen = select_kernel(kernel, weight_dtype, bf16_products)
-    if chosen is None:
+    groups = [(parent, names, linears) for parent in model.modules() for names, linears in _sibling_groups(parent)]
+    grouped = {id(linear) for _, _, linears in groups for linear in linears}
+    singles = [(parent, name, child) for parent in list(model.modules()) for name, child in parent.named_children()
+               if _packable(child) and id(child) not in grouped]
+    if not groups and not singles:
         return 0
-    replaced = sum(_fuse_siblings(parent, chosen) for parent in list(model.modules()))
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if _packable(child):
-                setattr(parent, name, PackedLinear(child, chosen))
-                replaced += 1
-    if replaced:
-        fuse_gated_mlps(model)
-        _release_checkpoint_mapping(model)
-    return replaced
-
-
-def describe_packed(model: nn.Module) -> str:
-    """Which kernel runs ``model``'s Linear layers, how many, and how many packed weights are bf16 (for the log)."""
-    layers = [m for m in model.modules() if isinstance(m, (PackedLinear, PackedSiblingLinear))]
-    if not layers:
-        return "torch"
-    packed = [getattr(m, "packed_weight", None) for m in layers]  # one per packed (fused) weight
-    stored_bf16 = sum(1 for p in packed if p is not None and p.dtype == torch.bfloat16)
-    kernel = layers[0].kernel if isinstance(layers[0], PackedLinear) else layers[0].shared.kernel
-    return f"{kernel.name} ({len(layers)} layers prepacked, {stored_bf16} weights stored as bf16)"
-
-
-def _fuse_siblings(parent: nn.Module, kernel: LinearKernel) -> int:
-    """Pack each group of ``parent``'s sibling projections as one weight; returns how many layers."""
+    shapes = _shapes([linears for _, _, linears in groups] + [[child] for _, _, child in singles])
+    kernels = choose_kernels(kernel, weight_dtype, bf16_products, batch_invariant, list(shapes.values()))
+    if all(chosen is None for chosen in kernels.values()):
+        return 0
     replaced = 0
-    for names in SIBLING_PROJECTIONS:
-        linears = [getattr(parent, name, None) for name in names]
-        if not _fusable(linears):
-            continue
-        shared = _SharedProjection(linears, kernel)
+    for parent, names, linears in groups:
+        shared = _SharedProjection(linears, kernels[_shape_of(linears)])
         for member, (name, linear) in enumerate(zip(names, linears)):
             setattr(parent, name, PackedSiblingLinear(shared, member, linear))
         replaced += len(names)
+    for parent, name, child in singles:
+        setattr(parent, name, PackedLinear(child, kernels[_shape_of([child])]))
+        replaced += 1
+    fuse_gated_mlps(model)
+    _release_checkpoint_mapping(model)
     return replaced
+
+
+def choose_kernels(choice: str, weight_dtype: torch.dtype, bf16_products: bool, batch_invariant: bool,
+                   shapes: list[LinearShape]) -> dict[tuple[int, int], LinearKernel]:
+    """The kernel for each (out, in) shape: the one ``choice`` names, or with ``auto`` the bake-off's per row bucket."""
+    fixed = select_kernel(choice, weight_dtype, bf16_products)
+    one_for_all = {(shape.out_features, shape.in_features): fixed for shape in shapes}
+    if batch_invariant and (fixed is None or fixed.name not in FIXED_ORDER):
+        if choice != "auto":
+            raise ValueError(f"engine.batch_invariant needs a fixed-order kernel, and engine.cpu_linear_kernel is {choice!r}: "
+                             "use auto, avx2 or avx512-bf16")
+        logger.warning("engine.batch_invariant: our fixed-order kernels cannot run here (%s); torch's kernels may sum a "
+                       "row differently beside other rows", unavailable_reason() or "no fixed-order kernel for this dtype")
+    if choice != "auto" or batch_invariant or weight_dtype != torch.float32:
+        return one_for_all
+    candidates = bake_off_candidates(bf16_products)
+    if fixed is None or len(candidates) < 2:
+        return one_for_all
+    family = "bf16-products" if bf16_products else "fp32"
+    decisions = kernel_choice.choose(shapes, candidates, fixed.name, family, build_id() if available() else None)
+    return {(shape.out_features, shape.in_features): _bucketed(decisions[shape.key], candidates) for shape in shapes}
+
+
+def bake_off_candidates(bf16_products: bool) -> dict[str, LinearKernel]:
+    """The kernels this CPU runs with the same numbers as ``auto``'s incumbent: fp32 products, or bf16 products."""
+    if bf16_products:
+        kernels = [AVX512BF16Kernel() if bf16_products_available() else None,
+                   OneDNNBF16Kernel() if onednn_bf16_supported() else None]
+    else:
+        kernels = [AVX2Kernel() if available() else None, OneDNNKernel() if onednn_supported() else None, TorchKernel()]
+    return {kernel.name: kernel for kernel in kernels if kernel is not None}
+
+
+def _bucketed(choice: dict[str, str], candidates: dict[str, LinearKernel]) -> LinearKernel:
+    names = [choice[bucket.name] for bucket in BUCKETS]
+    if len(set(names)) == 1:
+        return candidates[names[0]]
+    return RowBucketKernel([(bucket, candidates[name]) for bucket, name in zip(BUCKETS, names)])
+
+
+def _shape_of(linears: list[nn.Linear]) -> tuple[int, int]:
+    return sum(linear.out_features for linear in linears), linears[0].in_features
+
+
+def _shapes(groups: list[list[nn.Linear]]) -> dict[tuple[int, int], LinearShape]:
+    """Each distinct packed shape once; whether its weights are bf16 values is read off its first weight (a
+    checkpoint is stored in one dtype), so the timing stores them as our kernel would."""
+    shapes = {}
+    for linears in groups:
+        shape = _shape_of(linears)
+        if shape not in shapes:
+            shapes[shape] = LinearShape(*shape, bf16_exact=bf16_exact(linears[0].weight))
+    return shapes
+
+
+def describe_packed(model: nn.Module) -> str:
+    """Which kernels run ``model``'s Linear layers, how many, and how many packed weights are bf16 (for the log)."""
+    layers = [m for m in model.modules() if isinstance(m, (PackedLinear, PackedSiblingLinear))]
+    if not layers:
+        return "torch"
+    kernels = Counter((m.kernel if isinstance(m, PackedLinear) else m.shared.kernel).name for m in layers)
+    packed = [getattr(m, "packed_weight", None) for m in layers]  # one per packed (fused) weight
+    tensors = [t for p in packed if p is not None for t in (p if isinstance(p, tuple) else (p,))]
+    stored_bf16 = sum(1 for t in tensors if t.dtype == torch.bfloat16 and not t.is_mkldnn)
+    second = sum(t.numel() * t.element_size() for p in packed if isinstance(p, tuple) for t in p[1:])
+    used = ", ".join(f"{name}: {count}" for name, count in kernels.most_common())
+    extra = f", {second / 2**20:.0f} MB in second copies" if second else ""
+    return f"{used} ({len(layers)} layers prepacked, {stored_bf16} weights stored as bf16{extra})"
+
+
+def _sibling_groups(parent: nn.Module) -> list[tuple[tuple[str, ...], list[nn.Linear]]]:
+    """``parent``'s sibling projections that can be packed as one weight (names, linears)."""
+    groups = []
+    for names in SIBLING_PROJECTIONS:
+        linears = [getattr(parent, name, None) for name in names]
+        if _fusable(linears):
+            groups.append((names, linears))
+    return groups
 
 
 def _fusable(linears: list) -> bool:

@@ -32,9 +32,10 @@ PROMPTS = [
 
 @pytest.fixture(scope="session")
 def server_fp32():
-    """The real embedded model in fp32 (exact comparisons), behind the real engine."""
+    """The real embedded model in fp32 (exact comparisons), behind the real engine, batch-invariant."""
     # 512-token steps: the warm-up runs one step of the whole budget, in fp32
-    server = ModelServer(ServedModelConfig(model=ModelConfig(dtype="float32"), engine=EngineConfig(max_num_batched_tokens=512)))
+    engine = EngineConfig(max_num_batched_tokens=512, batch_invariant=True)
+    server = ModelServer(ServedModelConfig(model=ModelConfig(dtype="float32"), engine=engine))
     yield server
     server.shutdown(timeout_s=5)
 
@@ -46,7 +47,9 @@ def loaded_fp32():
 
 
 def make_engine(loaded, max_model_len: int | None = None, **engine_fields) -> LLMEngine:
-    """An engine over already-loaded weights; a small KV pool unless the test asks otherwise."""
+    """An engine over already-loaded weights; a small KV pool unless the test asks otherwise. Batch-invariant unless
+    the test asks otherwise: the equality tests compare a row's bits alone and among batch-mates."""
+    engine_fields.setdefault("batch_invariant", True)
     if max_model_len is not None:
         loaded = dataclasses.replace(loaded, max_model_len=max_model_len)
     engine_fields.setdefault("num_kv_blocks", max(loaded.max_model_len // 16, 64) + 64)

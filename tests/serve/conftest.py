@@ -41,6 +41,7 @@ def app_args() -> dict:
     config["models"][1].setdefault("engine", {})["parity_check"] = False
     for model in config["models"]:
         model.setdefault("engine", {})["max_num_batched_tokens"] = TEST_STEP_TOKENS
+        model["engine"]["batch_invariant"] = True  # batched == alone, bit for bit: one Linear kernel for every row count
         for spec in model["engine"].get("speculative", []):
             # the twins draft at every step, paying or not: their equality tests must exercise verification
             spec["adaptive"] = False

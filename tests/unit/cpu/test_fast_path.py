@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from app.config import EngineConfig
 from app.cpu import install_fast_path
 from app.cpu.decoder import DecoderLayerForward
-from app.cpu.linear import OneDNNKernel, PackedLinear, PackedSiblingLinear
+from app.cpu.linear import PackedLinear, PackedSiblingLinear
 from app.cpu.ops import unavailable_reason
 from app.engine.paged_attention import register_paged_attention
 from tests.unit.cpu.conftest import needs_kernels
@@ -57,9 +57,10 @@ def test_with_the_kernels_off_torch_runs_everything_and_the_log_says_why(kernels
     assert "CPU kernels: off (turned off by LLM_SERVE_CPU_KERNELS=0)" in line
     assert path.attention is None and "attention: gather + SDPA" in line and "argmax: torch" in line
     assert "rms_norm: torch" in line and "rope torch" in line  # the one-frame forward is torch code over any packed GEMM
-    # Linear layers fall back to oneDNN's prepacked GEMM where torch has it, else stay torch's
+    # Linear layers run on oneDNN's prepacked GEMM or torch's own, whichever the bake-off timed faster per row count
     packed = [m for m in model.modules() if isinstance(m, (PackedLinear, PackedSiblingLinear))]
-    assert all(isinstance(getattr(m, "kernel", None) or m.shared.kernel, OneDNNKernel) for m in packed)
+    kernels = [getattr(m, "kernel", None) or m.shared.kernel for m in packed]
+    assert all(kernel.name in ("onednn", "torch") or {k.name for k in kernel.kernels} <= {"onednn", "torch"} for kernel in kernels)
 
 
 @needs_kernels

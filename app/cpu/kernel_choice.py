@@ -1,0 +1,239 @@
+"""Which Linear kernel runs which row count, decided by timing the candidates on this CPU (``cpu_linear_kernel: auto``).
+
+No kernel wins everywhere. Our fixed-order kernels stream the weights at memory speed for the few rows of a
+decode step; oneDNN's blocked GEMM (on AMX tiles where the CPU has them) wins from some row count up, by 5x at
+2,048 rows on an AMX Xeon; where that row count lies depends on the CPU, the thread count and the shape. So at
+load, for each Linear shape of the model and each row bucket (:data:`BUCKETS`), ``auto`` times every candidate
+this CPU runs on random weights of that shape (enough distinct copies that they stream from memory, as a step's
+weights do) and keeps a challenger only where it beats the incumbent, our fixed-order kernel, by :data:`MARGIN`,
+so timing noise cannot flip a choice. A shape whose buckets pick two kernels holds two packed copies of its
+weights, one per kernel (the log line gives the extra MB).
+
+Decisions are kept in one file per machine (:func:`cache_path`), under a key of the CPU model, its flags, the
+thread count, torch's version and the kernels' build: every replica on the machine reads the same decision and a
+restart skips the timing. Deleting the file makes the next start measure again.
+
+``engine.batch_invariant: true`` skips all this: one fixed-order kernel for every row count, so a row's bits never
+depend on its batch-mates (docs/performance.md says what that costs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MARGIN = 0.10  # a challenger must be at least this much faster than the incumbent to replace it,
+MIN_GAIN_S = 5e-6  # and by this much per call: below it (tiny shapes) the timing is mostly call overhead and noise
+STREAM_BYTES = 24 << 20  # distinct weight bytes a timed pass runs over: past the caches, as a model's layers are
+MAX_COPIES = 32  # about a model's layer count: small shapes stay in cache in a real step too
+MAX_TIMED_COLUMNS = 8192  # wider outputs (an LM head) are timed on this many columns: the cost per column is flat there
+_REPEATS = 2  # timed passes per candidate and bucket, after one untimed (the fastest counts)
+CACHE_FILE = "kernel-choices.json"
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Row counts ``low``..``high`` (None: no upper bound), decided by timing ``timed`` rows."""
+
+    low: int
+    high: int | None
+    timed: int
+
+    @property
+    def name(self) -> str:
+        if self.high is None:
+            return f"{self.low}+"
+        return str(self.low) if self.low == self.high else f"{self.low}-{self.high}"
+
+    def holds(self, rows: int) -> bool:
+        return rows >= self.low and (self.high is None or rows <= self.high)
+
+
+# one sequence decoding; a few; a busy decode batch (or a short prompt); prefill chunks and verification steps
+BUCKETS = (Bucket(1, 1, 1), Bucket(2, 8, 4), Bucket(9, 64, 32), Bucket(65, None, 256))
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """A packed weight's shape as the timing needs it: ``bf16_exact`` weights are stored at half the bytes by our
+    kernel, so they are timed that way."""
+
+    out_features: int
+    in_features: int
+    bf16_exact: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.out_features}x{self.in_features}" + (" bf16-exact" if self.bf16_exact else "")
+
+
+def decide(times: dict[str, dict[str, float]], incumbent: str, margin: float = MARGIN,
+           min_gain_s: float = MIN_GAIN_S) -> dict[str, str]:
+    """Per bucket name, the kernel to run: the fastest, if it beats ``incumbent`` by ``margin`` (and ``min_gain_s``),
+    else the incumbent.
+
+    ``times``: bucket name -> kernel name -> seconds. A bucket the incumbent was not timed on takes its fastest."""
+    choice = {}
+    for bucket, by_kernel in times.items():
+        fastest = min(by_kernel, key=by_kernel.get)
+        if incumbent in by_kernel:
+            gain = by_kernel[incumbent] - by_kernel[fastest]
+            if gain < by_kernel[incumbent] * margin or gain < min_gain_s:
+                fastest = incumbent
+        choice[bucket] = fastest
+    return choice
+
+
+def time_candidates(shape: LinearShape, kernels: dict[str, object], buckets=BUCKETS,
+                    clock: Callable[[], float] = time.perf_counter) -> dict[str, dict[str, float]]:
+    """Seconds per call of each kernel (name -> LinearKernel) on ``shape``, per bucket, on random weights.
+
+    Each timed pass runs over enough distinct weight copies to stream ~:data:`STREAM_BYTES` (a decode step reads
+    weights from memory, not cache), the kernels alternate, and the fastest of :data:`_REPEATS` passes counts."""
+    columns = min(shape.out_features, MAX_TIMED_COLUMNS)
+    copies = min(MAX_COPIES, max(1, math.ceil(STREAM_BYTES / (columns * shape.in_features * 4))))
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(columns, shape.in_features, generator=generator) / math.sqrt(shape.in_features)
+               for _ in range(copies)]
+    if shape.bf16_exact:
+        weights = [w.to(torch.bfloat16).float() for w in weights]
+    packed = {name: [kernel.pack(w) for w in weights] for name, kernel in kernels.items()}
+    times: dict[str, dict[str, float]] = {}
+    with torch.inference_mode():
+        for bucket in buckets:
+            x = torch.randn(bucket.timed, shape.in_features, generator=generator)
+            best = {name: math.inf for name in kernels}
+            for attempt in range(_REPEATS + 1):
+                for name, kernel in kernels.items():
+                    start = clock()
+                    for weight in packed[name]:
+                        kernel.apply(x, weight, None, columns)
+                    if attempt:  # the first pass warms caches and oneDNN's primitive cache
+                        best[name] = min(best[name], (clock() - start) / copies)
+            times[bucket.name] = best
+    return times
+
+
+def choose(shapes: list[LinearShape], kernels: dict[str, object], incumbent: str, family: str,
+           kernel_build: str | None, cache: ChoiceCache | None = None) -> dict[str, dict[str, str]]:
+    """Per shape key, bucket name -> kernel name: from this machine's cache, else timed now (and cached, and logged)."""
+    cache = cache or ChoiceCache()
+    machine = machine_key(kernel_build)
+    decisions, measured = {}, {}
+    started = time.perf_counter()
+    for shape in shapes:
+        entry = cache.get(machine, family, shape.key)
+        if not _usable(entry, kernels):
+            times = time_candidates(shape, kernels)
+            entry = {"choice": decide(times, incumbent), "measured": time.strftime("%Y-%m-%d %H:%M"),
+                     "us": {bucket: {name: round(s * 1e6, 1) for name, s in by_kernel.items()} for bucket, by_kernel in times.items()}}
+            measured[shape.key] = entry
+        decisions[shape.key] = entry["choice"]
+    if measured:
+        cache.put(machine, family, measured)
+        logger.info("Linear kernels timed on this CPU in %.1f s (%s, cached in %s):\n%s", time.perf_counter() - started,
+                    family, cache.path, describe_table(measured))
+    return decisions
+
+
+def describe_table(entries: dict[str, dict]) -> str:
+    """One line per shape and bucket: each candidate's time per call, the chosen one marked."""
+    lines = []
+    for shape, entry in entries.items():
+        for bucket, by_kernel in entry["us"].items():
+            cells = [f"{'*' if name == entry['choice'][bucket] else ' '}{name} {us:9.1f} us" for name, us in by_kernel.items()]
+            lines.append(f"  {shape:>22} {bucket:>5} rows: " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+def _usable(entry: dict | None, kernels: dict[str, object]) -> bool:
+    """A cached entry decides every bucket, each with a kernel still among the candidates."""
+    return (entry is not None and set(entry.get("choice", {})) == {bucket.name for bucket in BUCKETS}
+            and all(name in kernels for name in entry["choice"].values()))
+
+
+def machine_key(kernel_build: str | None) -> str:
+    """What a decision depends on besides the shape: the CPU, its thread count and the libraries doing the work."""
+    parts = [_cpu_model(), " ".join(_cpu_flags()), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}",
+             f"onednn={torch.backends.mkldnn.is_available()}", f"kernels={kernel_build}",
+             f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '')}"]
+    return " | ".join(parts)
+
+
+def cache_path() -> Path:
+    from app.models.registry import cache_dir
+
+    return cache_dir() / CACHE_FILE
+
+
+class ChoiceCache:
+    """The decisions of this machine, in one JSON file: machine key -> family -> shape key -> entry."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or cache_path()
+
+    def get(self, machine: str, family: str, shape: str) -> dict | None:
+        return self._read().get(machine, {}).get(family, {}).get(shape)
+
+    def put(self, machine: str, family: str, entries: dict[str, dict]) -> None:
+        """Add ``entries`` (shape key -> entry) under a lock: replicas starting together merge, never clobber."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._locked():
+                data = self._read()
+                data.setdefault(machine, {}).setdefault(family, {}).update(entries)
+                partial = self.path.with_suffix(f".{os.getpid()}.tmp")
+                partial.write_text(json.dumps(data, indent=1, sort_keys=True))
+                os.replace(partial, self.path)
+        except OSError as exc:  # a read-only home: the decision holds for this process only
+            logger.warning("could not save the kernel choice to %s (%s): the next start measures again", self.path, exc)
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    @contextlib.contextmanager
+    def _locked(self):
+        with open(self.path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> list[str]:
+    """The flags that change which kernel can win (ISA extensions for matrix products)."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8", "avx_ne_convert")
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in wanted if flag in have]
+    except OSError:
+        pass
+    return []
