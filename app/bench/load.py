@@ -16,6 +16,12 @@ Workloads (``LoadSpec.workload``):
   caching saves.
 - ``rewrite`` (W4): "rewrite this passage" chats whose answer copies from the prompt (input-grounded
   generation, where drafts looked up in the prompt are accepted).
+- ``mixed`` (W5): 8 streams of ``random`` requests decode; once each has streamed, a ~1,900-token prompt arrives
+  (its first words a fresh nonce, so no prefix cache holds it). What a chat product with retrieval prompts sees:
+  the streams' largest gap between chunks while that prompt is prefilled, and the long prompt's TTFT.
+
+Every stream also reports its text chunks beside the tokens the server counted: a server that batches tokens
+into fewer chunks, or drops some, shows as ``chunks != tokens``.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ WORDS = (
     "side kind head house service friend father power hour game line end member law car city community name"
 ).split()
 
-WORKLOADS = ("random", "shared-prefix-chat", "rewrite")
+WORKLOADS = ("random", "shared-prefix-chat", "rewrite", "mixed")
+MIXED_STREAMS = 8
+MIXED_LONG_PROMPT_WORDS = 1650  # ~1,900 tokens with SmolLM2's tokenizer
 
 SYSTEM_RULES = (
     "You are the help desk assistant of the city library. Answer questions from visitors politely, briefly and "
@@ -109,6 +117,7 @@ class RequestTiming:
     prompt_tokens: int
     output_tokens: int
     itl_s: list[float] = field(default_factory=list)
+    chunks: int = 0  # streamed chunks that carried text
 
     @property
     def tpot_s(self) -> float:
@@ -208,7 +217,53 @@ def _progress_bar(total: int, progress: bool | str):
                 leave=False, dynamic_ncols=True)
 
 
-async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, path: str, fields: dict) -> RequestTiming:
+async def run_mixed(spec: LoadSpec) -> dict:
+    """W5: ``MIXED_STREAMS`` streams decode; once each has streamed a chunk, one ~1,900-token prompt arrives."""
+    bodies = [{"prompt": p} for p in make_prompts(LoadSpec(**{**spec.__dict__, "num_requests": MIXED_STREAMS}))]
+    rng = random.Random()
+    long_prompt = f"Note {rng.getrandbits(64):016x}: " + " ".join(rng.choice(WORDS) for _ in range(MIXED_LONG_PROMPT_WORDS))
+    limits = httpx.Limits(max_connections=MIXED_STREAMS + 1, max_keepalive_connections=MIXED_STREAMS + 1)
+    async with httpx.AsyncClient(base_url=spec.base_url, timeout=spec.timeout_s, limits=limits) as http:
+        started = [asyncio.Event() for _ in bodies]
+        streams = [asyncio.create_task(_stream_one(http, spec, "/v1/completions", body, started[i])) for i, body in enumerate(bodies)]
+        began = time.perf_counter()
+        await _all_started(started, streams, spec.timeout_s)
+        arrived = time.perf_counter()
+        long_spec = LoadSpec(**{**spec.__dict__, "max_tokens": 16})
+        results = await asyncio.gather(_stream_one(http, long_spec, "/v1/completions", {"prompt": long_prompt}), *streams,
+                                       return_exceptions=True)
+        wall_s = time.perf_counter() - began
+    long, stream_results = results[0], results[1:]
+    errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
+    timings = [r for r in stream_results if isinstance(r, RequestTiming)]
+    summary = summarize(spec, timings, wall_s)
+    summary["num_errors"] = len(errors)
+    if errors:
+        summary["first_error"] = errors[0][:500]
+    summary["mixed"] = {
+        "streams": MIXED_STREAMS, "arrived_after_s": round(arrived - began, 3),
+        "stream_gap_max_ms": round(max((max(t.itl_s, default=0.0) for t in timings), default=0.0) * 1000, 1),
+        "long_prompt_tokens": long.prompt_tokens if isinstance(long, RequestTiming) else None,
+        "long_prompt_ttft_s": round(long.ttft_s, 3) if isinstance(long, RequestTiming) else None,
+    }
+    return summary
+
+
+async def _all_started(started: list[asyncio.Event], streams: list[asyncio.Task], timeout_s: float) -> None:
+    """Wait until every stream has streamed text (a stream that fails first ends the wait: its error is reported)."""
+    waits = [asyncio.create_task(event.wait()) for event in started]
+    pending = set(waits) | set(streams)
+    deadline = time.perf_counter() + timeout_s
+    while not all(event.is_set() for event in started) and not any(task.done() and task.exception() for task in streams):
+        done, pending = await asyncio.wait(pending, timeout=max(deadline - time.perf_counter(), 0), return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            break
+    for wait in waits:
+        wait.cancel()
+
+
+async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, path: str, fields: dict,
+                      first_text: asyncio.Event | None = None) -> RequestTiming:
     body = {
         "model": spec.model,
         **fields,
@@ -233,6 +288,8 @@ async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, path: str, fields
                 raise RuntimeError(f"stream error: {chunk['error']}")
             if chunk.get("choices") and _chunk_text(chunk["choices"][0]):
                 arrivals.append(time.perf_counter())
+                if first_text is not None:
+                    first_text.set()
             usage = chunk.get("usage") or usage
     if not arrivals:
         raise RuntimeError("the server streamed no text")
@@ -243,6 +300,7 @@ async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, path: str, fields
         prompt_tokens=usage.get("prompt_tokens", 0),
         output_tokens=usage.get("completion_tokens", len(arrivals)),
         itl_s=[b - a for a, b in zip(arrivals, arrivals[1:])],
+        chunks=len(arrivals),
     )
 
 
@@ -267,6 +325,7 @@ def summarize(spec: LoadSpec, timings: list[RequestTiming], wall_s: float) -> di
         "ttft_s": percentiles([t.ttft_s for t in timings]),
         "tpot_ms": percentiles([t.tpot_s * 1000 for t in timings]),
         "itl_ms": percentiles([x * 1000 for t in timings for x in t.itl_s]),
+        "streamed_chunks": sum(t.chunks for t in timings),
         "e2e_s": percentiles([t.e2e_s for t in timings]),
         "goodput": goodput(records, wall_s, spec.slo_ttft_s, spec.slo_itl_ms),
         "requests": records,
@@ -312,18 +371,21 @@ def workload_spec(name: str, spec: LoadSpec, **overrides) -> LoadSpec:
         fields["workload"] = "shared-prefix-chat"
     elif name == "W4":
         fields["workload"] = "rewrite"
+    elif name == "W5":
+        fields.update(workload="mixed", num_requests=MIXED_STREAMS, concurrency=MIXED_STREAMS, max_tokens=256)
     else:
-        raise ValueError(f"unknown workload {name!r}: W1, W2, W3 or W4")
+        raise ValueError(f"unknown workload {name!r}: W1, W2, W3, W4 or W5")
     fields.update(overrides)
     return LoadSpec(**fields)
 
 
-STANDARD_WORKLOADS = ("W1", "W2", "W3", "W4")
+STANDARD_WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
 
 
 def warm_up(spec: LoadSpec) -> None:
     """Two short requests: the first requests pay one-time costs (allocator, kernels, compilation)."""
-    asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "num_requests": 2, "concurrency": 2, "max_tokens": 8})))
+    kind = "random" if spec.workload == "mixed" else spec.workload
+    asyncio.run(run_load(LoadSpec(**{**spec.__dict__, "workload": kind, "num_requests": 2, "concurrency": 2, "max_tokens": 8})))
 
 
 def run_workloads(spec: LoadSpec, names, progress: bool = False, label: str = "", warm: bool = True) -> dict:
@@ -331,9 +393,16 @@ def run_workloads(spec: LoadSpec, names, progress: bool = False, label: str = ""
     of two short requests of its own kind (first requests of a shape pay one-time costs)."""
     results = {}
     for name in names:
+        named = workload_spec(name, spec)
         if warm:
-            warm_up(workload_spec(name, spec))
-        results[name] = asyncio.run(run_load(workload_spec(name, spec), progress=f"{label} {name}".strip() if progress else False))
+            warm_up(named)
+        if name == "W5":
+            results[name] = asyncio.run(run_mixed(named))
+            mixed = results[name]["mixed"]
+            print(f"{label} W5: streams' largest gap {mixed['stream_gap_max_ms']} ms, long prompt "
+                  f"({mixed['long_prompt_tokens']} tokens) TTFT {mixed['long_prompt_ttft_s']} s", flush=True)
+            continue
+        results[name] = asyncio.run(run_load(named, progress=f"{label} {name}".strip() if progress else False))
         r = results[name]
         print(f"{label} {name}: {r.get('output_tok_per_s')} tok/s, TTFT p50 {r.get('ttft_s', {}).get('p50')} s, "
               f"goodput {r.get('goodput', {}).get('fraction')}", flush=True)

@@ -29,6 +29,8 @@ WORKLOAD_TEXT = {
     "W3": "32 chats at once through `/v1/chat/completions`, all starting with the same ~400-token system prompt, each "
           "with its own short question, 128 new tokens each: what prefix caching saves",
     "W4": "32 \"rewrite this passage\" chats at once (the answer copies from the prompt), 128 new tokens each",
+    "W5": "mixed load: 8 W1-style streams of 256 tokens; once each has streamed, one ~1,900-token prompt arrives (a fresh "
+          "nonce first, so no prefix cache holds it): the streams' largest gap between chunks, and the long prompt's TTFT",
 }
 MODE_LABELS = {"none": "naive: one request at a time (`batching: none`)", "dynamic": "dynamic batching (`batching: dynamic`)",
                "continuous": "continuous batching (`batching: continuous`, default)"}
@@ -184,20 +186,20 @@ def server_table(sources: list[Source]) -> list[str]:
     if not found and not hf:
         return ["No `compare` or `peer` results among these files."]
     vllm, naive = _reference(found, "vllm"), _reference(found, "naive")
-    header = ["server", "W1 tok/s", "W1 TTFT p50 (s)", "W1 TPOT p50 (ms)", "W1 ITL p50 (ms)", "W1 goodput", "W2 tok/s",
-              "W2 TPOT p50 (ms)", "W1 vs vLLM", "W1 vs naive", "W2 vs vLLM", "W2 vs naive", "source"]
+    header = ["server", "W1 tok/s", "W1 TTFT p50 (s)", "W1 TPOT p50 (ms)", "W1 ITL p50 (ms)", "W1 goodput", "W1 chunks / tokens",
+              "W2 tok/s", "W2 TPOT p50 (ms)", "W1 vs vLLM", "W1 vs naive", "W2 vs vLLM", "W2 vs naive", "source"]
     rows = []
     for s in found:
         w1, w2 = s.runs.get("W1"), s.runs.get("W2")
         rows.append([s.name, _num((w1 or {}).get("output_tok_per_s")), _pct(w1, "ttft_s", digits=2), _pct(w1, "tpot_ms"),
-                     _pct(w1, "itl_ms"), _goodput_cell(w1), _num((w2 or {}).get("output_tok_per_s")), _pct(w2, "tpot_ms"),
+                     _pct(w1, "itl_ms"), _goodput_cell(w1), _streamed_cell(w1), _num((w2 or {}).get("output_tok_per_s")), _pct(w2, "tpot_ms"),
                      _ratio(_tok_s(s, "W1"), _tok_s(vllm, "W1")), _ratio(_tok_s(s, "W1"), _tok_s(naive, "W1")),
                      _ratio(_tok_s(s, "W2"), _tok_s(vllm, "W2")), _ratio(_tok_s(s, "W2"), _tok_s(naive, "W2")), s.source.ref])
     for source in hf:
         batch = (source.data.get("generate_batch") or {}).get("output_tok_per_s")
         single = (source.data.get("generate_batch1") or {}).get("output_tok_per_s")
         dtype = (source.data.get("spec") or {}).get("dtype", "")
-        rows.append([f"transformers offline, {dtype}: `generate_batch` (W1) / `generate` batch 1 (W2)", _num(batch), "–", "–", "–", "–",
+        rows.append([f"transformers offline, {dtype}: `generate_batch` (W1) / `generate` batch 1 (W2)", _num(batch), "–", "–", "–", "–", "–",
                      _num(single), "–", _ratio(batch, _tok_s(vllm, "W1")), _ratio(batch, _tok_s(naive, "W1")),
                      _ratio(single, _tok_s(vllm, "W2")), _ratio(single, _tok_s(naive, "W2")), source.ref])
     lines = _table(header, rows)
@@ -248,6 +250,30 @@ def other_workloads_table(sources: list[Source]) -> list[str]:
         return []
     header = ["server", "workload", "tok/s", "prompt tokens", "TTFT p50 (s)", "TTFT p99 (s)", "TPOT p50 (ms)", "ITL p50 (ms)", "goodput", "source"]
     return _table(header, rows)
+
+
+def mixed_table(sources: list[Source]) -> list[str]:
+    """W5 per server: what the streams in flight pay when a long prompt arrives."""
+    rows = []
+    for s in servers(sources):
+        run = s.runs.get("W5") or {}
+        mixed = run.get("mixed")
+        if mixed:
+            rows.append([s.name, _num(mixed.get("stream_gap_max_ms"), 0), _pct(run, "itl_ms", "p99", digits=0), _pct(run, "itl_ms", digits=0),
+                         _num(mixed.get("long_prompt_tokens"), 0), _num(mixed.get("long_prompt_ttft_s"), 2), _streamed_cell(run),
+                         str(run.get("num_errors", 0)), s.source.ref])
+    if not rows:
+        return []
+    header = ["server", "streams' largest gap (ms)", "ITL p99 (ms)", "ITL p50 (ms)", "long prompt tokens", "long prompt TTFT (s)",
+              "chunks / tokens", "failed", "source"]
+    return _table(header, rows)
+
+
+def _streamed_cell(run: dict | None) -> str:
+    """Streamed text chunks / generated tokens, as the load generator counted them (equal: every token streamed)."""
+    if not run or "streamed_chunks" not in run:
+        return "–"
+    return f"{run['streamed_chunks']} / {run.get('output_tokens', '?')}"
 
 
 def sweep_table(result: dict) -> str:
@@ -334,6 +360,9 @@ def render_report(paths: list[Path], out: Path, cpu_classes: list[str] = (), plo
     other = other_workloads_table(sources)
     if other:
         lines += ["## Shared system prompt (W3) and rewrites (W4)", "", *other, ""]
+    mixed = mixed_table(sources)
+    if mixed:
+        lines += ["## A long prompt arriving among streams (W5)", "", *mixed, ""]
     sweeps = [s for s in sources if s.kind == "sweep"]
     if sweeps:
         lines += ["## Concurrency sweep", ""]

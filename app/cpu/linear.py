@@ -149,7 +149,7 @@ class TorchKernel:
 
 
 # Kernels that sum every output in one fixed order whatever the row count: a row's bits never depend on its batch
-FIXED_ORDER = frozenset({"avx2", "avx2-bf16-weights", "avx512-bf16"})
+FIXED_ORDER = frozenset({"avx2", "avx2-bf16-weights", "avx512-bf16"})  # (not torch-bf16-weights: MKL's sums)
 
 
 class RowBucketKernel:
@@ -392,24 +392,44 @@ def choose_kernels(choice: str, weight_dtype: torch.dtype, bf16_products: bool, 
                              "use auto, avx2 or avx512-bf16")
         logger.warning("engine.batch_invariant: our fixed-order kernels cannot run here (%s); torch's kernels may sum a "
                        "row differently beside other rows", unavailable_reason() or "no fixed-order kernel for this dtype")
-    if choice != "auto" or batch_invariant or weight_dtype != torch.float32:
+    if choice != "auto" or batch_invariant:
         return one_for_all
-    candidates = bake_off_candidates(bf16_products)
+    if weight_dtype == torch.bfloat16 and not available():
+        weight_dtype = torch.float32  # only our kernel streams bf16 weights: they stay fp32 (select_kernel warned)
+    candidates = bake_off_candidates(bf16_products, weight_dtype)
     if fixed is None or len(candidates) < 2:
         return one_for_all
-    family = "bf16-products" if bf16_products else "fp32"
+    family = "bf16-products" if bf16_products else ("bf16-weights" if weight_dtype == torch.bfloat16 else "fp32")
     decisions = kernel_choice.choose(shapes, candidates, fixed.name, family, build_id() if available() else None)
     return {(shape.out_features, shape.in_features): _bucketed(decisions[shape.key], candidates) for shape in shapes}
 
 
-def bake_off_candidates(bf16_products: bool) -> dict[str, LinearKernel]:
-    """The kernels this CPU runs with the same numbers as ``auto``'s incumbent: fp32 products, or bf16 products."""
+def bake_off_candidates(bf16_products: bool, weight_dtype: torch.dtype = torch.float32) -> dict[str, LinearKernel]:
+    """The kernels this CPU runs with the same numbers as ``auto``'s incumbent: bf16 products; fp32 products on
+    weights rounded to bf16 (``weight_dtype`` bfloat16: ours streams them as bf16, the others hold them widened, at
+    twice the bytes); or fp32 products."""
     if bf16_products:
         kernels = [AVX512BF16Kernel() if bf16_products_available() else None,
                    OneDNNBF16Kernel() if onednn_bf16_supported() else None]
+    elif weight_dtype == torch.bfloat16:
+        kernels = [AVX2Kernel(torch.bfloat16) if available() else None,
+                   BF16RoundedWeights(OneDNNKernel()) if onednn_supported() else None, BF16RoundedWeights(TorchKernel())]
     else:
         kernels = [AVX2Kernel() if available() else None, OneDNNKernel() if onednn_supported() else None, TorchKernel()]
     return {kernel.name: kernel for kernel in kernels if kernel is not None}
+
+
+class BF16RoundedWeights:
+    """An fp32 kernel on the weights rounded to bf16 (as ``avx2-bf16-weights`` computes), held widened to fp32."""
+
+    def __init__(self, inner: LinearKernel) -> None:
+        self.inner, self.name = inner, f"{inner.name}-bf16-weights"
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return self.inner.pack(weight.detach().to(torch.bfloat16).float())
+
+    def apply(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        return self.inner.apply(x, packed, bias, out_features)
 
 
 def _bucketed(choice: dict[str, str], candidates: dict[str, LinearKernel]) -> LinearKernel:

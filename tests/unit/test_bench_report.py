@@ -33,7 +33,11 @@ def files(tmp_path):
         "compare.json": {"config": "configs/smollm2-cpu.yaml", "dtype": "auto", "command": "python -m app.bench compare",
                          "started_utc": "2026-11-24 07:43:00 UTC", "finished_utc": "2026-11-24 07:50:00 UTC", "machine": MACHINE,
                          "modes": {"none": {"W1": run(40.0)}, "dynamic": {"W1": run(200.0)},
-                                   "continuous": {"W1": run(250.0), "W2": run(50.0), "W3": run(300.0), "W4": run(260.0)}}},
+                                   "continuous": {"W1": {**run(250.0), "output_tokens": 4096, "streamed_chunks": 4096},
+                                                  "W2": run(50.0), "W3": run(300.0), "W4": run(260.0),
+                                                  "W5": {**run(90.0), "output_tokens": 2048, "streamed_chunks": 2048,
+                                                         "mixed": {"streams": 8, "stream_gap_max_ms": 180.0, "long_prompt_tokens": 1905,
+                                                                   "long_prompt_ttft_s": 4.1}}}}},
         "peer-vllm.json": {"peer": "vllm", "url": "http://127.0.0.1:8002", "model": "smollm2-135m", "machine": MACHINE,
                            "command": "python -m app.bench peer --name vllm", "servers": {"vllm": {"W1": run(500.0), "W2": run(25.0)}}},
         "peer-naive.json": {"peer": "naive", "machine": MACHINE, "servers": {"naive": {"W1": run(20.0), "W2": run(20.0)}}},
@@ -66,11 +70,15 @@ def test_report_tables_ratios_and_sources(files, tmp_path, monkeypatch):
     assert "Plots need matplotlib" in markdown
     # W1/W2 by server, ratios to vLLM and to the naive baseline
     ours = _row(markdown, "this project (`continuous`)")
-    assert ours[1] == "250.0" and ours[6] == "50.0"
-    assert ours[8:12] == ["0.50x", "12.50x", "2.00x", "2.50x"]
+    assert ours[1] == "250.0" and ours[7] == "50.0"
+    assert ours[9:13] == ["0.50x", "12.50x", "2.00x", "2.50x"]
     assert ours[5] == "1.50/s (94%)"
+    assert ours[6] == "4096 / 4096" and _row(markdown, "vllm")[6] == "–"  # streamed chunks / tokens, where recorded
+    # W5: what the streams paid while a long prompt arrived
+    mixed = _row(markdown.split("(W5)", 1)[1], "this project (`continuous`)")
+    assert mixed[1:7] == ["180", "180", "45", "1,905", "4.10", "2048 / 2048"]
     hf = _row(markdown, "transformers offline")
-    assert hf[1] == "75.0" and hf[8] == "0.15x" and hf[9] == "3.75x" and hf[11] == "0.75x"
+    assert hf[1] == "75.0" and hf[9] == "0.15x" and hf[10] == "3.75x" and hf[12] == "0.75x"
     # the seeds' table: ratios to the naive row of the same file
     assert _row(markdown, "dynamic batching")[6] == "5.00x"
     assert _row(markdown, "continuous batching")[6] == "6.25x"
@@ -104,7 +112,7 @@ def test_report_without_peers_says_which_ratios_are_missing(files, tmp_path, mon
     monkeypatch.setattr(plots, "pyplot", lambda: None)
     markdown, _ = report.render_report([files["compare.json"]], tmp_path / "b.md")
     assert "No result for vLLM (`make bench-vllm`) or the naive baseline (`make bench-naive`)" in markdown
-    assert _row(markdown, "this project (`continuous`)")[8] == "–"
+    assert _row(markdown, "this project (`continuous`)")[9] == "–"
 
 
 def test_report_command_writes_markdown_and_plots(files, tmp_path):
@@ -204,3 +212,18 @@ def test_peer_and_sweep_commands_save_what_the_report_reads(mock_server, tmp_pat
     assert all(r["goodput"]["fraction"] == 1.0 for r in levels.values())
     markdown, _ = report.render_report([peer, sweep], tmp_path / "b.md")
     assert _row(markdown, "vllm")[1] != "–" and "**ours** (random requests, m) [2]" in markdown
+
+
+def test_the_mixed_workload_sends_the_long_prompt_once_every_stream_has_streamed(mock_server):
+    spec = load.workload_spec("W5", load.LoadSpec(max_tokens=12))
+    result = asyncio.run(load.run_mixed(spec))
+    streams = [body for path, body in mock_server if body["max_tokens"] == 256]
+    long = [body for path, body in mock_server if body["max_tokens"] == 16]
+    assert len(streams) == load.MIXED_STREAMS and len(long) == 1
+    assert mock_server.index(("/v1/completions", long[0])) == load.MIXED_STREAMS  # sent after the streams
+    assert len(long[0]["prompt"].split()) == load.MIXED_LONG_PROMPT_WORDS + 2  # "Note <nonce>:" + the words
+    second = asyncio.run(load.run_mixed(spec))
+    assert result["num_errors"] == second["num_errors"] == 0
+    assert [b for _, b in mock_server if b["max_tokens"] == 16][1]["prompt"] != long[0]["prompt"]  # no prefix cache hit
+    assert result["num_requests"] == load.MIXED_STREAMS and result["streamed_chunks"] == result["output_tokens"] == 8 * 256
+    assert result["mixed"]["long_prompt_tokens"] == 7 and result["mixed"]["stream_gap_max_ms"] >= 0

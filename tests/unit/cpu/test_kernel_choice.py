@@ -156,7 +156,7 @@ def test_in_batch_invariant_mode_rows_have_the_same_bits_alone_and_in_a_batch_of
 
 def test_auto_mixes_kernels_where_the_bake_off_says_and_keeps_torchs_results(monkeypatch):
     choice = {"1": "torch", "2-8": "torch", "9-64": "slow", "65+": "slow"}
-    monkeypatch.setattr("app.cpu.linear.bake_off_candidates", lambda bf16: {"torch": TorchKernel(), "slow": Slow()})
+    monkeypatch.setattr("app.cpu.linear.bake_off_candidates", lambda *args: {"torch": TorchKernel(), "slow": Slow()})
     monkeypatch.setattr(kernel_choice, "choose", lambda shapes, *args: {shape.key: choice for shape in shapes})
     dense, packed = _model(), _model()
     assert pack_cpu_linears(packed, "auto") == 2
@@ -173,3 +173,18 @@ def test_batch_invariant_refuses_a_kernel_that_sums_by_batch():
         pytest.skip("no oneDNN in this torch")
     with pytest.raises(ValueError, match="batch_invariant needs a fixed-order kernel"):
         pack_cpu_linears(_model(), "onednn", batch_invariant=True)
+
+
+@pytest.mark.skipif(not available(), reason=f"our kernels: {unavailable_reason()}")
+def test_with_bf16_weights_every_candidate_computes_on_the_same_rounded_weights():
+    from app.cpu.linear import bake_off_candidates
+
+    torch.manual_seed(0)
+    weight = torch.randn(96, 64)
+    rounded = weight.to(torch.bfloat16).float()
+    candidates = bake_off_candidates(False, torch.bfloat16)
+    assert "avx2-bf16-weights" in candidates and "torch-bf16-weights" in candidates
+    for rows in (1, 40, 300):
+        x = torch.randn(rows, 64)
+        for kernel in candidates.values():
+            torch.testing.assert_close(kernel.apply(x, kernel.pack(weight), None, 96), F.linear(x, rounded), rtol=1e-5, atol=1e-5)
