@@ -105,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         result = run_grammar_cost(args.batches, _engine_dtype(args.dtype))
     elif args.command == "soak":
         result = soak(args)
+    elif args.command == "shape":
+        from app.bench.shapes import build_shape, parameter_count
+
+        path = build_shape(args.shape, args.seed)
+        print(path, flush=True)
+        result = {"shape": args.shape, "seed": args.seed, "dir": str(path), "parameters": parameter_count(args.shape)}
     else:
         result = compare(args, spec, progress)
     result["command"] = command
@@ -199,6 +205,8 @@ def compare(args, spec: LoadSpec, progress: bool = False) -> dict:
     for index, mode in enumerate(args.modes):
         app_config = copy.deepcopy(base)
         app_config["models"] = app_config["models"][:1]  # the first model alone on the machine
+        if args.model_source:
+            app_config["models"][0]["model"].update(source=args.model_source, name=args.model)
         if args.dtype != "auto":
             app_config["models"][0]["model"]["dtype"] = args.dtype
         engine = app_config["models"][0].setdefault("engine", {})
@@ -313,7 +321,7 @@ def _cpu_class() -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["load", "peer", "sweep", "report", "compare", "engine", "hf", "quant", "profile", "gemm",
-                                            "kernel-pairs", "spec", "soak", "grammar"])
+                                            "kernel-pairs", "spec", "soak", "grammar", "shape"])
     parser.add_argument("files", nargs="*", help="report: result JSON files (results/bench/*.json)")
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="load, peer, sweep: the server to drive")
     parser.add_argument("--name", default="peer", help="peer, sweep: the server's name in results and the report (vllm, naive, ...)")
@@ -334,6 +342,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="report: the CPU class of result files that predate machine.cpu_class (FILE: a file name)")
     parser.add_argument("--no-plots", action="store_true", help="report: tables only")
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare: the app config to serve")
+    parser.add_argument("--model-source", default=None,
+                        help="compare: serve this checkpoint (a directory, e.g. from `shape`) as --model instead of the config's")
+    parser.add_argument("--shape", default="llama-371m", help="shape: the seeded random checkpoint to build (app/bench/shapes.py)")
+    parser.add_argument("--seed", type=int, default=0, help="shape: the weights' seed")
     parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])
     parser.add_argument("--methods", nargs="+", default=None, help="quant: quantizations to measure (default: all four)")
     parser.add_argument("--gptq-source", default="smollm2-135m-instruct-gptq", help="quant: the GPTQ checkpoint of the model")

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 MARGIN = 0.10  # a challenger must be at least this much faster than the incumbent to replace it,
 MIN_GAIN_S = 5e-6  # and by this much per call: below it (tiny shapes) the timing is mostly call overhead and noise
 STREAM_BYTES = 24 << 20  # distinct weight bytes a timed pass runs over: past the caches, as a model's layers are
+COMPUTE_BOUND_ROWS = 128  # from this many rows a product is bound by arithmetic, not by streaming its weights
 MAX_COPIES = 32  # about a model's layer count: small shapes stay in cache in a real step too
 MAX_TIMED_COLUMNS = 8192  # wider outputs (an LM head) are timed on this many columns: the cost per column is flat there
 _REPEATS = 2  # timed passes per candidate and bucket, after one untimed (the fastest counts)
@@ -102,7 +103,8 @@ def time_candidates(shape: LinearShape, kernels: dict[str, object], buckets=BUCK
     """Seconds per call of each kernel (name -> LinearKernel) on ``shape``, per bucket, on random weights.
 
     Each timed pass runs over enough distinct weight copies to stream ~:data:`STREAM_BYTES` (a decode step reads
-    weights from memory, not cache), the kernels alternate, and the fastest of :data:`_REPEATS` passes counts."""
+    weights from memory, not cache; from :data:`COMPUTE_BOUND_ROWS` rows, where each weight byte serves that many
+    products, one copy), the kernels alternate, and the fastest of :data:`_REPEATS` passes counts."""
     columns = min(shape.out_features, MAX_TIMED_COLUMNS)
     copies = min(MAX_COPIES, max(1, math.ceil(STREAM_BYTES / (columns * shape.in_features * 4))))
     generator = torch.Generator().manual_seed(0)
@@ -116,13 +118,14 @@ def time_candidates(shape: LinearShape, kernels: dict[str, object], buckets=BUCK
         for bucket in buckets:
             x = torch.randn(bucket.timed, shape.in_features, generator=generator)
             best = {name: math.inf for name in kernels}
+            used = 1 if bucket.timed >= COMPUTE_BOUND_ROWS else copies
             for attempt in range(_REPEATS + 1):
                 for name, kernel in kernels.items():
                     start = clock()
-                    for weight in packed[name]:
+                    for weight in packed[name][:used]:
                         kernel.apply(x, weight, None, columns)
                     if attempt:  # the first pass warms caches and oneDNN's primitive cache
-                        best[name] = min(best[name], (clock() - start) / copies)
+                        best[name] = min(best[name], (clock() - start) / used)
             times[bucket.name] = best
     return times
 
