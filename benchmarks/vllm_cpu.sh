@@ -6,7 +6,8 @@
 #   benchmarks/vllm_cpu.sh smoke     # install, start, one short request, stop
 #   benchmarks/vllm_cpu.sh bench     # install, start, `python -m app.bench peer` (and a sweep with SWEEP_OUT), stop (= make bench-vllm)
 #
-# Settings (environment): VLLM_VENV (vllm-venv), VLLM_PORT (8002), VLLM_SERVED_NAME (smollm2-135m),
+# Settings (environment): VLLM_VENV (vllm-venv), VLLM_PORT (8002), VLLM_SERVED_NAME (smollm2-135m), VLLM_DTYPE
+# (bfloat16; float32 on a CPU without native bf16, where oneDNN emulates bf16),
 # VLLM_CHECKPOINT (default: the embedded model's HF checkpoint, as `python -m app prepare` makes it in
 # ~/.cache/llm-serve/), VLLM_THREADS (CPU cores for vLLM's OpenMP threads, default 0-<nproc-1>),
 # VLLM_READY_TIMEOUT_S (600), PEER_ARGS (extra arguments for `python -m app.bench peer`), SWEEP_OUT (bench: also
@@ -25,6 +26,7 @@ cd "$ROOT"
 VLLM_VENV="${VLLM_VENV:-vllm-venv}"
 VLLM_PORT="${VLLM_PORT:-8002}"
 VLLM_SERVED_NAME="${VLLM_SERVED_NAME:-smollm2-135m}"
+VLLM_DTYPE="${VLLM_DTYPE:-bfloat16}"
 VLLM_READY_TIMEOUT_S="${VLLM_READY_TIMEOUT_S:-600}"
 VLLM_THREADS="${VLLM_THREADS:-0-$(( $(nproc) - 1 ))}"
 PYTHON="${PYTHON:-.venv/bin/python}"
@@ -62,7 +64,7 @@ serve_cmd() {
     env VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}" VLLM_CPU_OMP_THREADS_BIND="$VLLM_THREADS" \
         VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 LD_PRELOAD="$preload" \
         "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$ckpt" \
-        --served-model-name "$VLLM_SERVED_NAME" --dtype bfloat16 --max-model-len 2048 \
+        --served-model-name "$VLLM_SERVED_NAME" --dtype "$VLLM_DTYPE" --max-model-len 2048 \
         --host 127.0.0.1 --port "$VLLM_PORT"
 }
 

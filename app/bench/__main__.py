@@ -173,11 +173,13 @@ def _launched(args):
         return running_naive_server(args.port, log, args.model, _concrete_dtype(args.dtype))
     app_config = yaml.safe_load(Path(args.config).read_text())
     app_config["models"] = app_config["models"][:1]  # the first model alone on the machine, as compare serves it
+    if args.model_source:
+        app_config["models"][0]["model"].update(source=args.model_source, name=args.model)
     return running_server(app_config, args.port, log)
 
 
 def report(args, command: str) -> int:
-    from app.bench.report import render_report
+    from app.bench.report import merge_sections, render_report
 
     if not args.files:
         raise SystemExit("report: name the result files, e.g. results/bench/compare-*.json")
@@ -185,7 +187,7 @@ def report(args, command: str) -> int:
     markdown, written = render_report([Path(f) for f in args.files], out, cpu_classes=args.cpu_class,
                                       plots=not args.no_plots, command=command)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown)
+    out.write_text(merge_sections(out.read_text() if out.exists() else "", markdown))  # other classes' sections stay
     for path in [out, *written]:
         print(f"wrote {path}")
     return 0
@@ -343,7 +345,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-plots", action="store_true", help="report: tables only")
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare: the app config to serve")
     parser.add_argument("--model-source", default=None,
-                        help="compare: serve this checkpoint (a directory, e.g. from `shape`) as --model instead of the config's")
+                        help="compare, peer --launch ours: serve this checkpoint (a directory, e.g. from `shape`) as --model instead of the config's")
     parser.add_argument("--shape", default="llama-371m", help="shape: the seeded random checkpoint to build (app/bench/shapes.py)")
     parser.add_argument("--seed", type=int, default=0, help="shape: the weights' seed")
     parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])

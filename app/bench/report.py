@@ -155,6 +155,10 @@ class ServerRuns:
     name: str
     runs: dict  # W1.. -> load result
     source: Source
+    model: str = ""  # the served model, where a file names one other than the embedded default
+
+
+DEFAULT_MODELS = ("", "smollm2-135m-instruct", "smollm2-135m")  # the embedded model, under our name and vLLM's
 
 
 def servers(sources: list[Source]) -> list[ServerRuns]:
@@ -167,8 +171,10 @@ def servers(sources: list[Source]) -> list[ServerRuns]:
             if mode:
                 found.append(ServerRuns(f"this project (`{mode}`)", modes[mode], source))
         elif source.kind == "peer":
+            model = source.data.get("model") or ""
+            model = "" if model in DEFAULT_MODELS else model
             for name, runs in source.data["servers"].items():
-                found.append(ServerRuns(name, runs, source))
+                found.append(ServerRuns(f"{name} on {model}" if model else name, runs, source, model))
     return found
 
 
@@ -250,6 +256,61 @@ def other_workloads_table(sources: list[Source]) -> list[str]:
         return []
     header = ["server", "workload", "tok/s", "prompt tokens", "TTFT p50 (s)", "TTFT p99 (s)", "TPOT p50 (ms)", "ITL p50 (ms)", "goodput", "source"]
     return _table(header, rows)
+
+
+def medians_table(sources: list[Source]) -> list[str]:
+    """Servers measured more than once (alternated runs of one sitting): the median of each figure, ratios to the
+    median of the vLLM runs on the same model (the vLLM setting with the higher W1 where there are several)."""
+    groups: dict[str, list[ServerRuns]] = {}
+    for server in servers(sources):
+        groups.setdefault(server.name, []).append(server)
+    if not any(len(runs) > 1 for runs in groups.values()):
+        return []
+    medians = {name: _medians(runs) for name, runs in groups.items()}
+    rows = []
+    for name, runs in groups.items():
+        figures = medians[name]
+        reference = _best_vllm(medians, runs[0].model)
+        rows.append([name, str(len(runs)), _num(figures["W1"]), _num(figures["W1 TTFT"], 2), _num(figures["W1 TPOT"]),
+                     _num(figures["W2"]), _num(figures["W5 gap"], 0), _num(figures["W5 TTFT"], 2), figures["streamed"],
+                     str(figures["failed"]), _ratio(figures["W1"], (reference or {}).get("W1")),
+                     _ratio(figures["W2"], (reference or {}).get("W2")), " ".join(r.source.ref for r in runs)])
+    header = ["server", "runs", "W1 tok/s", "W1 TTFT p50 (s)", "W1 TPOT p50 (ms)", "W2 tok/s", "W5 largest gap (ms)",
+              "W5 long prompt TTFT (s)", "chunks / tokens", "failed", "W1 vs vLLM", "W2 vs vLLM", "sources"]
+    return _table(header, rows) + ["", "Each figure is the median over the runs; chunks / tokens and failed requests are "
+                                   "summed over every run and workload."]
+
+
+def _medians(runs: list[ServerRuns]) -> dict:
+    import statistics
+
+    def median(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    def get(run: ServerRuns, workload: str, *path):
+        value = run.runs.get(workload) or {}
+        for key in path:
+            value = (value or {}).get(key) if isinstance(value, dict) else None
+        return value
+
+    chunks = sum(r.runs[w].get("streamed_chunks", 0) for r in runs for w in r.runs)
+    tokens = sum(r.runs[w].get("output_tokens", 0) for r in runs for w in r.runs)
+    return {"W1": median([get(r, "W1", "output_tok_per_s") for r in runs]),
+            "W1 TTFT": median([get(r, "W1", "ttft_s", "p50") for r in runs]),
+            "W1 TPOT": median([get(r, "W1", "tpot_ms", "p50") for r in runs]),
+            "W2": median([get(r, "W2", "output_tok_per_s") for r in runs]),
+            "W5 gap": median([get(r, "W5", "mixed", "stream_gap_max_ms") for r in runs]),
+            "W5 TTFT": median([get(r, "W5", "mixed", "long_prompt_ttft_s") for r in runs]),
+            "streamed": f"{chunks} / {tokens}" if chunks else "–",
+            "failed": sum(r.runs[w].get("num_errors", 0) for r in runs for w in r.runs)}
+
+
+def _best_vllm(medians: dict[str, dict], model: str) -> dict | None:
+    suffix = f" on {model}" if model else ""
+    candidates = [m for name, m in medians.items() if name.lower().startswith("vllm") and name.endswith(suffix)
+                  and (model or " on " not in name) and m["W1"] is not None]
+    return max(candidates, key=lambda m: m["W1"], default=None)
 
 
 def mixed_table(sources: list[Source]) -> list[str]:
@@ -341,54 +402,112 @@ def sources_table(sources: list[Source]) -> list[str]:
 
 
 def render_report(paths: list[Path], out: Path, cpu_classes: list[str] = (), plots: bool = True, command: str | None = None) -> tuple[str, list[Path]]:
-    """The markdown for ``out`` and the plot files written beside it (in ``<out's stem>/``)."""
+    """The document for ``out`` holding one CPU class's section (these results'), and the plot files written for it
+    (in ``<out's stem>/<class>/``). :func:`merge_sections` puts the section beside the other classes' of ``out``."""
     sources = load_sources(paths, cpu_classes)
     command = command or "python -m app.bench report " + " ".join(str(p) for p in paths) + f" --out {out}"
     classes = sorted({s.cpu_class for s in sources})
-    lines = ["# Benchmarks", "",
-             f"Generated by `{command}` from the result files listed under [Sources](#sources): every figure names its source, "
-             "and each source its command line, time and CPU class. Shared 2-core machines drift 15-40% within an hour: "
-             "compare figures from one sitting, as ratios.", "",
-             f"CPU class{'es' if len(classes) > 1 else ''} of these results: " + "; ".join(f"**{c}**" for c in classes) + ".", "",
-             "## Workloads", ""]
-    lines += [f"- **{name}**: {text}." for name, text in WORKLOAD_TEXT.items()]
-    lines += ["", "TTFT: time to first streamed token; TPOT: (E2E - TTFT) / (tokens - 1) per request; ITL: time between "
-              "streamed chunks, what a reader of the stream sees; goodput: requests per second that met the SLO (TTFT and the "
-              "request's p99 inter-token gap within bounds), and their share of all requests.", "",
-              "## W1 and W2 by server", "", *server_table(sources), "",
-              "## Batching and quantization (naive, dynamic, continuous, quantized) on W1", "", *seeds_table(sources), ""]
+    key = " + ".join(classes)
+    lines = [f"<!-- cpu-class: {key} -->", f"## {key}: last run {_last_run(sources)}", "",
+             f"Generated by `{command}` from the result files listed under its sources: every figure names its source, "
+             "and each source its command line, time and CPU class.", ""]
+    medians = medians_table(sources)
+    if medians:
+        lines += ["### Alternated runs: medians", "", *medians, ""]
+    lines += ["### W1 and W2 by server", "", *server_table(sources), "",
+              "### Batching and quantization (naive, dynamic, continuous, quantized) on W1", "", *seeds_table(sources), ""]
     other = other_workloads_table(sources)
     if other:
-        lines += ["## Shared system prompt (W3) and rewrites (W4)", "", *other, ""]
+        lines += ["### Shared system prompt (W3) and rewrites (W4)", "", *other, ""]
     mixed = mixed_table(sources)
     if mixed:
-        lines += ["## A long prompt arriving among streams (W5)", "", *mixed, ""]
+        lines += ["### A long prompt arriving among streams (W5)", "", *mixed, ""]
     sweeps = [s for s in sources if s.kind == "sweep"]
     if sweeps:
-        lines += ["## Concurrency sweep", ""]
+        lines += ["### Concurrency sweep", ""]
         for s in sweeps:
             lines += [f"**{s.data.get('sweep', 'sweep')}** ({s.data.get('workload', 'random')} requests, {s.data.get('model', '')}) {s.ref}:", "",
                       sweep_table(s.data), ""]
-    lines += ["## Goodput", "", *goodput_table(sources), ""]
+    lines += ["### Goodput", "", *goodput_table(sources), ""]
     written: list[Path] = []
     if plots:
-        directory = out.parent / out.stem
+        directory = out.parent / out.stem / _slug(key)
         written = plotting.write_plots([s for s in sources if s.kind == "sweep"], servers(sources), directory)
         if written:
-            lines += ["## Plots", ""]
+            lines += ["### Plots", ""]
             lines += [f"![{p.stem}]({os.path.relpath(p, out.parent)})" for p in written]
             lines.append("")
         elif plotting.pyplot() is None:
             lines += ["Plots need matplotlib: `pip install -e '.[bench]'`.", ""]
-    lines += ["## Sources", "", *sources_table(sources), "",
+    lines += ["### Sources", "", *sources_table(sources), "", f"Re-render this section: `{command}`.", f"<!-- end cpu-class: {key} -->"]
+    return "\n".join(_document_head() + lines) + "\n", written
+
+
+def _document_head() -> list[str]:
+    lines = ["# Benchmarks", "",
+             "One section per CPU class, each rendered from one run on that class and dated: a run rewrites its own class's "
+             "section and leaves the others. Shared 2-core machines drift 15-40% within an hour: compare figures within one "
+             "section, as ratios.", "", "## Workloads", ""]
+    lines += [f"- **{name}**: {text}." for name, text in WORKLOAD_TEXT.items()]
+    lines += ["", "TTFT: time to first streamed token; TPOT: (E2E - TTFT) / (tokens - 1) per request; ITL: time between "
+              "streamed chunks, what a reader of the stream sees; goodput: requests per second that met the SLO (TTFT and the "
+              "request's p99 inter-token gap within bounds), and their share of all requests; chunks / tokens: streamed text "
+              "chunks against generated tokens (equal: every token streamed as it came).", "",
               "## Re-running", "",
-              "- `make bench`: `compare` (this project in each batching mode through `serve run`), `hf` (transformers offline), "
-              "`peer` for each of `BENCH_PEERS` (`naive`: benchmarks/naive_server.py; `vllm`: vLLM's CPU backend through "
-              "benchmarks/vllm_cpu.sh), then this report.",
-              "- `make bench-vllm`: vLLM alone (creates `vllm-venv/` once).",
-              "- `python -m app.bench peer --url http://HOST:PORT --name NAME --model SERVED_NAME [--workloads W1 W2 W3 W4]`: "
-              "any OpenAI-compatible server.",
-              "- `python -m app.bench sweep --url http://HOST:PORT --name NAME --model SERVED_NAME --concurrencies 1 2 4 8 16 32 64 "
-              "--slo-ttft-s 2 --slo-itl-ms 200`.",
-              f"- `{command}`."]
-    return "\n".join(lines) + "\n", written
+              "- `make bench` (`BENCH_PEERS=\"naive vllm\"` for both peers): `compare` (this project in each batching mode through "
+              "`serve run`), `hf` (transformers offline), `peer` for each of `BENCH_PEERS` (`naive`: benchmarks/naive_server.py; "
+              "`vllm`: vLLM's CPU backend through benchmarks/vllm_cpu.sh), then this machine's CPU-class section.",
+              "- `make bench-vllm`: vLLM alone (creates `vllm-venv/` once; `VLLM_DTYPE=float32` where the CPU has no native bf16).",
+              "- `python -m app.bench peer --url http://HOST:PORT --name NAME --model SERVED_NAME [--workloads W1 W2 W3 W4 W5]`: "
+              "any OpenAI-compatible server; `--launch ours [--model-source DIR]` starts ours for the run.",
+              "- `python -m app.bench shape --shape llama-371m`: the larger model (seeded random weights, the embedded tokenizer), "
+              "served by `--model-source` (ours) and `VLLM_CHECKPOINT` (vLLM).", ""]
+    return lines
+
+
+_SECTION_START, _SECTION_END = "<!-- cpu-class: ", "<!-- end cpu-class: "
+
+
+def merge_sections(existing: str, new: str) -> str:
+    """``new``'s class sections placed into ``existing`` (a document from :func:`render_report`): a class's section
+    is replaced, every other class's kept; the head (workloads, re-running) is ``new``'s."""
+    sections = {**_sections(existing), **_sections(new)}
+    head = new.split(_SECTION_START, 1)[0]
+    index = ["## CPU classes", ""]
+    for key, text in sorted(sections.items()):
+        title = _title(text)
+        when = title.split(": last run ", 1)[1] if ": last run " in title else "date not recorded"
+        index.append(f"- [{key}](#{_anchor(title)}): last run {when}")
+    head = head.split("## CPU classes", 1)[0].rstrip() + "\n\n"
+    return head + "\n".join(index) + "\n\n" + "\n\n".join(text for _, text in sorted(sections.items())) + "\n"
+
+
+def _sections(document: str) -> dict[str, str]:
+    found = {}
+    for chunk in document.split(_SECTION_START)[1:]:
+        key = chunk.split(" -->", 1)[0]
+        body = chunk.split(f"{_SECTION_END}{key} -->", 1)[0]
+        found[key] = f"{_SECTION_START}{body}{_SECTION_END}{key} -->".replace("\n\n\n", "\n\n")
+    return found
+
+
+def _title(section: str) -> str:
+    return next((line[3:] for line in section.splitlines() if line.startswith("## ")), "")
+
+
+def _anchor(title: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return "".join(c for c in title.lower() if c.isalnum() or c in " -_").replace(" ", "-")
+
+
+def _slug(key: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in key.lower()).strip("-").replace("--", "-")
+
+
+def _last_run(sources: list[Source]) -> str:
+    """The span of the sources' runs (UTC), from the times they recorded."""
+    times = sorted(t for s in sources for t in (s.data.get("started_utc"), s.data.get("finished_utc")) if t)
+    if not times:
+        return "date not recorded"
+    first, last = times[0].removesuffix(" UTC"), times[-1].removesuffix(" UTC")
+    return f"{first[:16]} to {last[11:16] if first[:10] == last[:10] else last[:16]} UTC"
