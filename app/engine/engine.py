@@ -41,24 +41,53 @@ class StepCounters:
 
 
 class StepCost:
-    """Seconds per token of the engine's large steps (the warm-up's full-budget step first, then every step of at
-    least ``MIN_TOKENS``), as a moving average: what sizes prefill chunks beside decodes (stall-free scheduling)."""
+    """What sizes prefill chunks beside decodes (stall-free scheduling): a large step's seconds as
+    ``b * tokens + c * keys``, ``keys`` being the attended keys summed over the step's tokens. A chunk deep in a long
+    prompt attends to everything before it, so its tokens cost more than the first chunk's (on two AVX2 cores, about
+    twice as much 1,500 tokens in), which a cost per token alone would learn only after the steps had overrun.
+    Fitted by least squares over the steps of at least ``MIN_TOKENS`` (the warm-up's full-budget step first), each
+    older step weighing ``DECAY`` times less; while the steps seen cannot tell ``c`` from ``b`` (similar keys per
+    token), the cost per token alone."""
 
     MIN_TOKENS = 64  # below this, a step's fixed costs, not its tokens, set its time
-    WEIGHT = 0.2  # of the newest large step in the average
+    DECAY = 0.8  # weight of a step one step older
 
     def __init__(self) -> None:
-        self.s_per_token: float | None = None
+        self._sums = [0.0] * 5  # decayed sums of tokens^2, tokens*keys, keys^2, tokens*seconds, keys*seconds
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, keys: float = 0.0) -> None:
         if tokens < self.MIN_TOKENS:
             return
-        now = seconds / tokens
-        self.s_per_token = now if self.s_per_token is None else (1 - self.WEIGHT) * self.s_per_token + self.WEIGHT * now
+        terms = (tokens * tokens, tokens * keys, keys * keys, tokens * seconds, keys * seconds)
+        self._sums = [self.DECAY * total + term for total, term in zip(self._sums, terms)]
 
-    def tokens_within(self, seconds: float) -> int | None:
-        """How many tokens a step may carry to last about ``seconds`` (None: nothing measured yet)."""
-        return None if self.s_per_token is None else int(seconds / self.s_per_token)
+    def coefficients(self) -> tuple[float, float] | None:
+        """(seconds per token, seconds per attended key), or None before any large step."""
+        tt, tk, kk, ty, ky = self._sums
+        if tt == 0:
+            return None
+        det = tt * kk - tk * tk
+        if det > 1e-6 * tt * kk:  # the steps differ enough in keys per token to tell the two apart
+            b, c = (ty * kk - ky * tk) / det, (ky * tt - ty * tk) / det
+            if b > 0 and c >= 0:
+                return b, c
+        return ty / tt, 0.0
+
+    def tokens_within(self, seconds: float, keys_per_token: float = 0.0) -> int | None:
+        """How many tokens a step may carry to last about ``seconds`` when each attends to ``keys_per_token`` keys
+        (None: nothing measured yet)."""
+        fitted = self.coefficients()
+        if fitted is None:
+            return None
+        b, c = fitted
+        return int(seconds / (b + c * keys_per_token))
+
+
+def attended_keys(scheduled: SchedulerOutput) -> float:
+    """The keys a step's tokens attend to, summed: a chunk of ``n`` tokens from position ``p`` attends to
+    ``p + 1 .. p + n`` keys."""
+    return sum(item.num_new_tokens * (item.request.num_computed_tokens + (item.num_new_tokens + 1) / 2)
+               for item in scheduled.scheduled)
 
 
 class LLMEngine:
@@ -138,7 +167,7 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
             logger.exception("forward pass failed")
             return refused + self._fail(scheduled, f"{type(exc).__name__}: {exc}")
-        self.step_cost.observe(scheduled.num_batched_tokens, time.perf_counter() - executed)
+        self.step_cost.observe(scheduled.num_batched_tokens, time.perf_counter() - executed, attended_keys(scheduled))
         if self.speculation is not None and _only_decodes(scheduled):
             self.speculation.observe_step(scheduled.num_batched_tokens, time.perf_counter() - executed)
         self.scheduler.update(scheduled, {r.request_id: n for r, n in zip(result.requests, result.num_accepted)})
@@ -239,7 +268,11 @@ class LLMEngine:
         """The most tokens a step carrying decodes may hold (engine.max_decode_step_ms; None: no bound)."""
         if not self.config.max_decode_step_ms:
             return None
-        return self.step_cost.tokens_within(self.config.max_decode_step_ms / 1000)
+        seconds = self.config.max_decode_step_ms / 1000
+        # the deepest prompt still prefilling: its next chunk attends to everything before it, and to itself
+        offset = max((r.num_computed_tokens for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens > 1), default=0)
+        tokens = self.step_cost.tokens_within(seconds, offset)
+        return tokens if tokens is None else self.step_cost.tokens_within(seconds, offset + tokens / 2)
 
     def _mean_step_s(self) -> float:
         c = self.counters

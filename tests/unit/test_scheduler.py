@@ -1,5 +1,6 @@
 """The scheduler without a model: hand-built runner results drive it step by step."""
 
+import pytest
 from app.engine.kv_cache import BlockManager
 from app.engine.request import Request, RequestStatus, SamplingParams
 from app.engine.scheduler import Scheduler, SchedulerConfig
@@ -149,5 +150,21 @@ def test_the_step_cost_sizes_the_cap_from_large_steps_only():
     assert cost.tokens_within(0.2) is None
     cost.observe(2048, 2.048)  # the warm-up's full step: 1 ms a token
     assert cost.tokens_within(0.2) == 200
-    cost.observe(1000, 2.0)  # 2 ms a token, weighted 0.2
-    assert cost.tokens_within(0.2) == int(0.2 / 0.0012)
+    cost.observe(1000, 2.0)  # 2 ms a token; the older step weighs 0.8 of it
+    assert cost.tokens_within(0.2) == int(0.2 / ((0.8 * 2048 * 2.048 + 1000 * 2.0) / (0.8 * 2048**2 + 1000**2)))
+
+
+def test_a_chunk_deep_in_a_long_prompt_gets_fewer_tokens_for_the_same_time():
+    from app.engine.engine import StepCost
+
+    cost = StepCost()
+    per_token, per_key = 1e-3, 1e-6  # the machine: 1 ms a token and 1 us an attended key
+    cost.observe(2048, 2048 * per_token + 2048 * 1024 * per_key, keys=2048 * 1024)  # the warm-up: one full step
+    assert cost.coefficients()[1] == 0.0  # one kind of step: keys cannot be told from tokens yet
+    for offset in (0, 200, 400, 600, 800):  # a long prompt's chunks of 200 tokens, each deeper
+        keys = 200 * (offset + 100.5)
+        cost.observe(200, 200 * per_token + keys * per_key, keys=keys)
+    b, c = cost.coefficients()
+    assert b == pytest.approx(per_token) and c == pytest.approx(per_key)
+    assert cost.tokens_within(0.2, keys_per_token=0) == pytest.approx(200, abs=1)
+    assert cost.tokens_within(0.2, keys_per_token=1500) == pytest.approx(80, abs=1)  # 2.5 ms a token there
