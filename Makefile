@@ -45,7 +45,7 @@ SWEEP_ARGS ?=
 
 bench: model bench-install
 	mkdir -p $(BENCH_RUN)
-	$(BIN)/python -m app.bench compare --extra-workloads W3 W4 --out $(BENCH_RUN)/compare.json $(BENCH_ARGS)
+	$(BIN)/python -m app.bench compare --extra-workloads W3 W4 W5 --out $(BENCH_RUN)/compare.json $(BENCH_ARGS)
 	$(BIN)/python -m app.bench sweep --launch ours --name ours --out $(BENCH_RUN)/sweep-ours.json
 	$(BIN)/python -m app.bench quant --methods gptq --out $(BENCH_RUN)/quant-gptq.json
 	$(BIN)/python -m app.bench hf --out $(BENCH_RUN)/hf.json
@@ -65,7 +65,7 @@ bench-naive: model
 
 bench-vllm: model
 	mkdir -p $(BENCH_RUN)
-	PYTHON=$(BIN)/python PEER_ARGS="--workloads W1 W2 W3 W4 --out $(BENCH_RUN)/peer-vllm.json $(PEER_ARGS)" \
+	PYTHON=$(BIN)/python PEER_ARGS="--workloads W1 W2 W3 W4 W5 --out $(BENCH_RUN)/peer-vllm.json $(PEER_ARGS)" \
 		SWEEP_OUT=$(BENCH_RUN)/sweep-vllm.json benchmarks/vllm_cpu.sh bench
 
 # Throughput, latency percentiles and goodput at 1-64 concurrent requests against a running server

@@ -182,6 +182,14 @@ def _reference(found: list[ServerRuns], prefix: str) -> ServerRuns | None:
     return next((s for s in found if s.name.lower().startswith(prefix)), None)
 
 
+def _sitting_reference(found: list[ServerRuns], server: ServerRuns, prefix: str) -> ServerRuns | None:
+    """The ``prefix`` peer (vllm, naive) of ``server``'s sitting (files in one folder) on its model, the fastest on W1
+    where it ran several times or in several settings."""
+    peers = [s for s in found if s.name.lower().startswith(prefix) and s.model == server.model
+             and s.source.path.parent == server.source.path.parent and _tok_s(s, "W1") is not None]
+    return max(peers, key=lambda s: _tok_s(s, "W1"), default=None)
+
+
 def _tok_s(server: ServerRuns | None, workload: str):
     return ((server.runs.get(workload) or {}).get("output_tok_per_s")) if server else None
 
@@ -197,6 +205,7 @@ def server_table(sources: list[Source]) -> list[str]:
     rows = []
     for s in found:
         w1, w2 = s.runs.get("W1"), s.runs.get("W2")
+        vllm, naive = _sitting_reference(found, s, "vllm") or vllm, _sitting_reference(found, s, "naive") or naive
         rows.append([s.name, _num((w1 or {}).get("output_tok_per_s")), _pct(w1, "ttft_s", digits=2), _pct(w1, "tpot_ms"),
                      _pct(w1, "itl_ms"), _goodput_cell(w1), _streamed_cell(w1), _num((w2 or {}).get("output_tok_per_s")), _pct(w2, "tpot_ms"),
                      _ratio(_tok_s(s, "W1"), _tok_s(vllm, "W1")), _ratio(_tok_s(s, "W1"), _tok_s(naive, "W1")),
@@ -262,15 +271,16 @@ def medians_table(sources: list[Source]) -> list[str]:
     """Servers measured more than once (alternated runs of one sitting): the median of each figure, ratios to the
     median of the vLLM runs on the same model (the vLLM setting with the higher W1 where there are several)."""
     groups: dict[str, list[ServerRuns]] = {}
-    for server in servers(sources):
-        groups.setdefault(server.name, []).append(server)
-    if not any(len(runs) > 1 for runs in groups.values()):
+    for server in servers(sources):  # one sitting is one folder of result files
+        groups.setdefault(f"{server.name}\0{server.source.path.parent}", []).append(server)
+    groups = {key: runs for key, runs in groups.items() if len(runs) > 1}
+    if not groups:
         return []
-    medians = {name: _medians(runs) for name, runs in groups.items()}
+    medians = {key: _medians(runs) for key, runs in groups.items()}
     rows = []
-    for name, runs in groups.items():
-        figures = medians[name]
-        reference = _best_vllm(medians, runs[0].model)
+    for key, runs in groups.items():
+        name, figures = runs[0].name, medians[key]
+        reference = _best_vllm(medians, key)
         rows.append([name, str(len(runs)), _num(figures["W1"]), _num(figures["W1 TTFT"], 2), _num(figures["W1 TPOT"]),
                      _num(figures["W2"]), _num(figures["W5 gap"], 0), _num(figures["W5 TTFT"], 2), figures["streamed"],
                      str(figures["failed"]), _ratio(figures["W1"], (reference or {}).get("W1")),
@@ -294,8 +304,8 @@ def _medians(runs: list[ServerRuns]) -> dict:
             value = (value or {}).get(key) if isinstance(value, dict) else None
         return value
 
-    chunks = sum(r.runs[w].get("streamed_chunks", 0) for r in runs for w in r.runs)
-    tokens = sum(r.runs[w].get("output_tokens", 0) for r in runs for w in r.runs)
+    counted = [r.runs[w] for r in runs for w in r.runs if "streamed_chunks" in r.runs[w]]
+    chunks, tokens = sum(c["streamed_chunks"] for c in counted), sum(c.get("output_tokens", 0) for c in counted)
     return {"W1": median([get(r, "W1", "output_tok_per_s") for r in runs]),
             "W1 TTFT": median([get(r, "W1", "ttft_s", "p50") for r in runs]),
             "W1 TPOT": median([get(r, "W1", "tpot_ms", "p50") for r in runs]),
@@ -306,10 +316,13 @@ def _medians(runs: list[ServerRuns]) -> dict:
             "failed": sum(r.runs[w].get("num_errors", 0) for r in runs for w in r.runs)}
 
 
-def _best_vllm(medians: dict[str, dict], model: str) -> dict | None:
+def _best_vllm(medians: dict[str, dict], key: str) -> dict | None:
+    """The vLLM setting of ``key``'s sitting and model with the highest median W1."""
+    name, folder = key.split("\0")
+    model = name.split(" on ", 1)[1] if " on " in name else ""
     suffix = f" on {model}" if model else ""
-    candidates = [m for name, m in medians.items() if name.lower().startswith("vllm") and name.endswith(suffix)
-                  and (model or " on " not in name) and m["W1"] is not None]
+    candidates = [m for other, m in medians.items() if other.lower().startswith("vllm") and other.endswith(f"\0{folder}")
+                  and other.split("\0")[0].endswith(suffix) and (model or " on " not in other) and m["W1"] is not None]
     return max(candidates, key=lambda m: m["W1"], default=None)
 
 
