@@ -27,19 +27,3 @@ def kernels_off():
         yield
     reset_kernels()  # as the environment was before
 
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist runs on one worker, in order")
-
-
-def pytest_collection_modifyitems(config, items):
-    """With two pytest-xdist workers (``make test``), the Ray tests share one worker and its one local cluster, and
-    the real-model tests the other (one copy of the session's models); unit tests run on whichever is free. The Ray
-    tests mostly wait on Serve's own loops (health checks, drains, autoscaling), so the model tests' CPU work fills
-    that time."""
-    for item in items:
-        tier = item.path.relative_to(ROOT / "tests").parts[0]
-        if tier in ("serve", "deploy"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
-        elif tier == "model":
-            item.add_marker(pytest.mark.xdist_group("model"))

@@ -15,6 +15,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from app.config import EngineConfig
 from app.engine.grammar import consume
 from app.engine.kv_cache import BlockManager
@@ -41,37 +43,40 @@ class StepCounters:
 
 
 class StepCost:
-    """What sizes prefill chunks beside decodes (stall-free scheduling): a large step's seconds as
-    ``b * tokens + c * keys``, ``keys`` being the attended keys summed over the step's tokens. A chunk deep in a long
-    prompt attends to everything before it, so its tokens cost more than the first chunk's (on two AVX2 cores, about
-    twice as much 1,500 tokens in), which a cost per token alone would learn only after the steps had overrun.
-    Fitted by least squares over the steps of at least ``MIN_TOKENS`` (the warm-up's full-budget step first), each
-    older step weighing ``DECAY`` times less; while the steps seen cannot tell ``c`` from ``b`` (similar keys per
-    token), the cost per token alone."""
+    """What sizes prefill chunks beside decodes (stall-free scheduling): a step's seconds as
+    ``a + b * tokens + c * keys``, ``keys`` being the attended keys summed over the step's tokens. ``a`` is what every
+    step pays (the layers' Python, the weights streamed once); a chunk deep in a long prompt attends to everything
+    before it, so its tokens cost more than the first chunk's (on two AVX2 cores, about twice as much 1,500 tokens
+    in), which a cost per token alone would learn only after the steps had overrun. Fitted by least squares over
+    every step (the warm-up's full-budget step first), each older step weighing ``DECAY`` times less; terms the
+    steps seen cannot tell apart yet are left out (``c`` while every step has alike keys per token, then ``a``)."""
 
-    MIN_TOKENS = 64  # below this, a step's fixed costs, not its tokens, set its time
-    DECAY = 0.8  # weight of a step one step older
+    DECAY = 0.95  # weight of a step one step older
+    _SCALE = np.array([1.0, 1e-2, 1e-5])  # features to similar magnitudes: 1, ~100 tokens, ~100k keys
 
     def __init__(self) -> None:
-        self._sums = [0.0] * 5  # decayed sums of tokens^2, tokens*keys, keys^2, tokens*seconds, keys*seconds
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
 
     def observe(self, tokens: int, seconds: float, keys: float = 0.0) -> None:
-        if tokens < self.MIN_TOKENS:
-            return
-        terms = (tokens * tokens, tokens * keys, keys * keys, tokens * seconds, keys * seconds)
-        self._sums = [self.DECAY * total + term for total, term in zip(self._sums, terms)]
+        x = np.array([1.0, tokens, keys]) * self._SCALE
+        self._xtx = self.DECAY * self._xtx + np.outer(x, x)
+        self._xty = self.DECAY * self._xty + x * seconds
 
-    def coefficients(self) -> tuple[float, float] | None:
-        """(seconds per token, seconds per attended key), or None before any large step."""
-        tt, tk, kk, ty, ky = self._sums
-        if tt == 0:
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(seconds a step, seconds per token, seconds per attended key), or None before any step."""
+        if not self._xtx[1, 1]:
             return None
-        det = tt * kk - tk * tk
-        if det > 1e-6 * tt * kk:  # the steps differ enough in keys per token to tell the two apart
-            b, c = (ty * kk - ky * tk) / det, (ky * tt - ty * tk) / det
-            if b > 0 and c >= 0:
-                return b, c
-        return ty / tt, 0.0
+        for terms in ([0, 1, 2], [0, 1], [1]):  # the fullest model the observations determine, with no negative cost
+            xtx, xty = self._xtx[np.ix_(terms, terms)], self._xty[terms]
+            if np.linalg.cond(xtx) > 1e8:
+                continue
+            fitted = np.linalg.solve(xtx, xty)
+            if (fitted >= 0).all() and fitted[terms.index(1)] > 0:
+                full = np.zeros(3)
+                full[terms] = fitted
+                return tuple(float(v) for v in full * self._SCALE)
+        return 0.0, float(self._xty[1] / self._xtx[1, 1] * self._SCALE[1]), 0.0
 
     def tokens_within(self, seconds: float, keys_per_token: float = 0.0) -> int | None:
         """How many tokens a step may carry to last about ``seconds`` when each attends to ``keys_per_token`` keys
@@ -79,8 +84,8 @@ class StepCost:
         fitted = self.coefficients()
         if fitted is None:
             return None
-        b, c = fitted
-        return int(seconds / (b + c * keys_per_token))
+        a, b, c = fitted
+        return max(int((seconds - a) / (b + c * keys_per_token)), 0)
 
 
 def attended_keys(scheduled: SchedulerOutput) -> float:

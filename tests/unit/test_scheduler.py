@@ -141,30 +141,40 @@ def test_beside_decodes_a_long_prompt_gets_only_what_the_step_cap_leaves():
     assert _step_capped(alone, cap=16) == {"long": 64}  # nothing decodes: the whole budget
 
 
-def test_the_step_cost_sizes_the_cap_from_large_steps_only():
+def test_the_step_cost_learns_the_per_token_cost_from_the_first_step():
     from app.engine.engine import StepCost
 
     cost = StepCost()
     assert cost.tokens_within(0.2) is None  # nothing measured: no cap
-    cost.observe(8, 1.0)  # a small step: its fixed costs, not its tokens (ignored)
-    assert cost.tokens_within(0.2) is None
     cost.observe(2048, 2.048)  # the warm-up's full step: 1 ms a token
-    assert cost.tokens_within(0.2) == 200
-    cost.observe(1000, 2.0)  # 2 ms a token; the older step weighs 0.8 of it
-    assert cost.tokens_within(0.2) == int(0.2 / ((0.8 * 2048 * 2.048 + 1000 * 2.0) / (0.8 * 2048**2 + 1000**2)))
+    assert cost.tokens_within(0.2) == pytest.approx(200, abs=1)
 
 
-def test_a_chunk_deep_in_a_long_prompt_gets_fewer_tokens_for_the_same_time():
+def test_a_step_cost_model_with_fixed_and_per_key_terms_fits_what_the_steps_took():
     from app.engine.engine import StepCost
 
     cost = StepCost()
-    per_token, per_key = 1e-3, 1e-6  # the machine: 1 ms a token and 1 us an attended key
-    cost.observe(2048, 2048 * per_token + 2048 * 1024 * per_key, keys=2048 * 1024)  # the warm-up: one full step
-    assert cost.coefficients()[1] == 0.0  # one kind of step: keys cannot be told from tokens yet
-    for offset in (0, 200, 400, 600, 800):  # a long prompt's chunks of 200 tokens, each deeper
-        keys = 200 * (offset + 100.5)
-        cost.observe(200, 200 * per_token + keys * per_key, keys=keys)
-    b, c = cost.coefficients()
-    assert b == pytest.approx(per_token) and c == pytest.approx(per_key)
-    assert cost.tokens_within(0.2, keys_per_token=0) == pytest.approx(200, abs=1)
-    assert cost.tokens_within(0.2, keys_per_token=1500) == pytest.approx(80, abs=1)  # 2.5 ms a token there
+    fixed, per_token, per_key = 0.03, 1e-3, 1e-6  # the machine: 30 ms a step, 1 ms a token, 1 us an attended key
+
+    def step(tokens: int, keys: float) -> None:
+        cost.observe(tokens, fixed + tokens * per_token + keys * per_key, keys)
+
+    step(2048, 2048 * 1024)  # the warm-up
+    for context in range(100, 400, 20):  # 8 streams decoding
+        step(8, 8 * context)
+    for offset in (0, 200, 400, 600, 800):  # beside them, a long prompt's chunks of 200 tokens, each deeper
+        step(208, 8 * 500 + 200 * (offset + 100.5))
+    a, b, c = cost.coefficients()
+    assert (a, b, c) == (pytest.approx(fixed), pytest.approx(per_token), pytest.approx(per_key))
+    assert cost.tokens_within(0.2, keys_per_token=0) == pytest.approx(170, abs=1)
+    assert cost.tokens_within(0.2, keys_per_token=1500) == pytest.approx(68, abs=1)  # 2.5 ms a token that deep
+    assert cost.tokens_within(0.02) == 0  # less than a step's fixed cost: nothing (the scheduler's floor applies)
+
+
+def test_until_the_steps_differ_enough_the_model_keeps_fewer_terms():
+    from app.engine.engine import StepCost
+
+    cost = StepCost()
+    for _ in range(3):
+        cost.observe(100, 0.1, keys=100 * 50)  # always alike: neither a fixed nor a per-key cost can be told apart
+    assert cost.coefficients() == (0.0, pytest.approx(1e-3), 0.0)
