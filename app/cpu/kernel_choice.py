@@ -1,8 +1,8 @@
 """Which Linear kernel runs which row count, decided by timing the candidates on this CPU (``cpu_linear_kernel: auto``).
 
 No kernel wins everywhere. Our fixed-order kernels stream the weights at memory speed for the few rows of a
-decode step; oneDNN's blocked GEMM (on AMX tiles where the CPU has them) wins from some row count up, by 5x at
-2,048 rows on an AMX Xeon; where that row count lies depends on the CPU, the thread count and the shape. So at
+decode step; oneDNN's blocked GEMM (on AMX tiles where the CPU has them) wins from some row count up (several
+times over at prefill sizes on AMX CPUs, docs/performance.md); where that row count lies depends on the CPU, the thread count and the shape. So at
 load, for each Linear shape of the model and each row bucket (:data:`BUCKETS`), ``auto`` times every candidate
 this CPU runs on random weights of that shape (enough distinct copies that they stream from memory, as a step's
 weights do) and keeps a challenger only where it beats the incumbent, our fixed-order kernel, by :data:`MARGIN`,
@@ -36,6 +36,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 MARGIN = 0.10  # a challenger must be at least this much faster than the incumbent to replace it,
+MIN_CPU_SHARE = 0.8  # of its threads' time the timing must get, else other work skewed it: nothing is kept
 MIN_GAIN_S = 5e-6  # and by this much per call: below it (tiny shapes) the timing is mostly call overhead and noise
 STREAM_BYTES = 24 << 20  # distinct weight bytes a timed pass runs over: past the caches, as a model's layers are
 COMPUTE_BOUND_ROWS = 128  # from this many rows a product is bound by arithmetic, not by streaming its weights
@@ -132,11 +133,12 @@ def time_candidates(shape: LinearShape, kernels: dict[str, object], buckets=BUCK
 
 def choose(shapes: list[LinearShape], kernels: dict[str, object], incumbent: str, family: str,
            kernel_build: str | None, cache: ChoiceCache | None = None) -> dict[str, dict[str, str]]:
-    """Per shape key, bucket name -> kernel name: from this machine's cache, else timed now (and cached, and logged)."""
+    """Per shape key, bucket name -> kernel name: from this machine's cache, else timed now (and logged, and cached
+    unless other work on the machine disturbed the timing: then the incumbent everywhere, timed again next start)."""
     cache = cache or ChoiceCache()
     machine = machine_key(kernel_build)
     decisions, measured = {}, {}
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for shape in shapes:
         entry = cache.get(machine, family, shape.key)
         if not _usable(entry, kernels):
@@ -145,10 +147,18 @@ def choose(shapes: list[LinearShape], kernels: dict[str, object], incumbent: str
                      "us": {bucket: {name: round(s * 1e6, 1) for name, s in by_kernel.items()} for bucket, by_kernel in times.items()}}
             measured[shape.key] = entry
         decisions[shape.key] = entry["choice"]
-    if measured:
-        cache.put(machine, family, measured)
-        logger.info("Linear kernels timed on this CPU in %.1f s (%s, cached in %s):\n%s", time.perf_counter() - started,
-                    family, cache.path, describe_table(measured))
+    if not measured:
+        return decisions
+    wall = time.perf_counter() - started
+    share = (time.process_time() - cpu_started) / (wall * torch.get_num_threads())
+    if share < MIN_CPU_SHARE:
+        logger.warning("Linear kernel timing disturbed by other work on this machine (it had %.0f%% of its %d threads' "
+                       "time): our kernels kept for every row count; timed again at the next start", 100 * share,
+                       torch.get_num_threads())
+        return {key: dict.fromkeys(choice, incumbent) if key in measured else choice for key, choice in decisions.items()}
+    cache.put(machine, family, measured)
+    logger.info("Linear kernels timed on this CPU in %.1f s (%s, %.0f%% of its threads' time, cached in %s):\n%s", wall,
+                family, 100 * share, cache.path, describe_table(measured))
     return decisions
 
 

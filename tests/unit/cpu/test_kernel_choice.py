@@ -88,6 +88,7 @@ class Slow:
 
 
 def test_a_decision_is_timed_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "MIN_CPU_SHARE", 0.0)  # products this small may not keep every thread busy
     cache = ChoiceCache(tmp_path / "choices.json")
     shapes = [LinearShape(96, 64), LinearShape(128, 64, bf16_exact=True)]
     kernels = {"slow": Slow(), "torch": TorchKernel()}
@@ -188,3 +189,14 @@ def test_with_bf16_weights_every_candidate_computes_on_the_same_rounded_weights(
         x = torch.randn(rows, 64)
         for kernel in candidates.values():
             torch.testing.assert_close(kernel.apply(x, kernel.pack(weight), None, 96), F.linear(x, rounded), rtol=1e-5, atol=1e-5)
+
+
+def test_a_timing_disturbed_by_other_work_keeps_the_incumbent_and_is_not_cached(tmp_path, monkeypatch):
+    cache = ChoiceCache(tmp_path / "choices.json")
+    shapes = [LinearShape(96, 64)]
+    fast_wins = {b.name: {"ours": 1.0, "lib": 0.5} for b in BUCKETS}  # the challenger twice as fast everywhere
+    monkeypatch.setattr(kernel_choice, "time_candidates", lambda shape, kernels: fast_wins)
+    monkeypatch.setattr(kernel_choice.time, "process_time", lambda: 0.0)  # the timing got none of the CPU
+    kernels = {"ours": TorchKernel(), "lib": Slow()}
+    assert choose(shapes, kernels, "ours", "fp32", None, cache) == {shapes[0].key: {b.name: "ours" for b in BUCKETS}}
+    assert cache.get(kernel_choice.machine_key(None), "fp32", shapes[0].key) is None  # timed again next start
