@@ -2,11 +2,12 @@
 
 No kernel wins everywhere. Our fixed-order kernels stream the weights at memory speed for the few rows of a
 decode step; oneDNN's blocked GEMM (on AMX tiles where the CPU has them) wins from some row count up (several
-times over at prefill sizes on AMX CPUs, docs/performance.md); where that row count lies depends on the CPU, the thread count and the shape. So at
-load, for each Linear shape of the model and each row bucket (:data:`BUCKETS`), ``auto`` times every candidate
-this CPU runs on random weights of that shape (enough distinct copies that they stream from memory, as a step's
-weights do) and keeps a challenger only where it beats the incumbent, our fixed-order kernel, by :data:`MARGIN`,
-so timing noise cannot flip a choice. A shape whose buckets pick two kernels holds two packed copies of its
+times over at prefill sizes on AMX CPUs, docs/performance.md); where that row count lies depends on the CPU, the
+thread count and the shape. So at load, for each Linear shape of the model and each row bucket (:data:`BUCKETS`),
+``auto`` times every candidate this CPU runs on random weights of that shape (enough distinct copies that they
+stream from memory, as a step's weights do) and keeps a challenger only where it beats the incumbent, our
+fixed-order kernel, by :data:`MARGIN`, so timing noise cannot flip a choice; a timing that other work on the machine
+disturbed (:data:`MIN_CPU_SHARE`) is not kept at all. A shape whose buckets pick two kernels holds two packed copies of its
 weights, one per kernel (the log line gives the extra MB).
 
 Decisions are kept in one file per machine (:func:`cache_path`), under a key of the CPU model, its flags, the
