@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from app.cpu.linear import select_kernel
+from app.cpu.linear_kernels import select_kernel
 
 LAYERS = 30
 # (out_features, in_features) of one SmolLM2-135M decoder layer, siblings fused as the engine runs them

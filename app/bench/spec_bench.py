@@ -121,7 +121,7 @@ async def _measure(target: ModelServer, draft: ModelServer, max_tokens: int, con
 
 def _gptq_kernel(setting: str) -> str:
     """Which kernel ran the target's 4-bit layers (the engine takes ours only where the CPU has avx512_bf16)."""
-    from app.cpu.linear import bf16_products_available
+    from app.cpu.linear_kernels import bf16_products_available
 
     return "ours (int4-avx512-bf16)" if setting == "auto" and bf16_products_available() else "GPTQModel's (torch int4)"
 

@@ -11,7 +11,7 @@ from app.config.model import DTYPE_ALIASES
 BATCHING_MODES = ("none", "dynamic", "continuous")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")  # auto: the dtype the model computes in (bf16 products: bfloat16)
 # The CPU fast path (app/cpu/): each part can be turned back to torch's ops.
-CPU_LINEAR_KERNELS = ("auto", "avx2", "avx512-bf16", "onednn", "onednn-bf16", "torch")  # app/cpu/linear.py
+CPU_LINEAR_KERNELS = ("auto", "avx2", "avx512-bf16", "onednn", "onednn-bf16", "torch")  # app/cpu/linear_kernels.py
 CPU_ATTENTION_KERNELS = ("auto", "torch")  # app/cpu/attention.py
 CPU_NORM_KERNELS = ("auto", "torch")  # app/cpu/norm.py
 CPU_ROTARY_KERNELS = ("auto", "torch")  # app/cpu/rotary.py

@@ -2,7 +2,8 @@
 
 Layout: ``kernels/*.c`` (AVX2/FMA C kernels; ``linear_avx512bf16.c`` for CPUs with avx512_bf16),
 ``csrc/ops.cpp`` (their typed torch ops, ``torch.ops.llm_serve.*``), ``build.py`` + ``ops.py`` (build
-once, load, fake implementations), and one Python face per part: ``linear`` (prepacked GEMM, fused
+once, load, fake implementations), and one Python face per part: ``linear`` (prepacked GEMM on the kernels of
+``linear_kernels``, chosen per shape and row count by ``kernel_choice``; fused
 sibling projections, gated MLPs), ``gptq`` (GPTQ 4-bit layers on CPUs with avx512_bf16), ``attention``
 (paged attention read in place), ``norm`` (RMSNorm), ``rotary`` (RoPE), ``decoder`` (a decoder layer's
 forward in one frame), ``argmax`` (greedy sampling).
@@ -25,7 +26,8 @@ from app.config import EngineConfig
 from app.cpu.attention import PagedAttentionKernel
 from app.cpu.decoder import fuse_decoder_layers, unfuse_decoder_layers
 from app.cpu.gptq import pack_gptq_linears
-from app.cpu.linear import bf16_products_available, describe_packed, pack_cpu_linears
+from app.cpu.linear import describe_packed, pack_cpu_linears
+from app.cpu.linear_kernels import bf16_products_available
 from app.cpu.norm import fuse_rms_norms, unfuse_rms_norms
 from app.cpu.ops import unavailable_reason
 

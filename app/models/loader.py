@@ -179,7 +179,7 @@ def _bf16_products(config: ModelConfig, device: torch.device, dtype: torch.dtype
     """
     if device.type != "cpu" or dtype != torch.bfloat16 or config.quantization != "none":
         return False
-    from app.cpu.linear import bf16_products_available  # the engine's kernels; imported only when it matters
+    from app.cpu.linear_kernels import bf16_products_available  # the engine's kernels; imported only when it matters
 
     return bf16_products_available()
 
@@ -191,7 +191,7 @@ def _bf16_weights_on_fp32(config: ModelConfig, device: torch.device, dtype: torc
     AVX2 GEMM instead widens bf16 weights to fp32 in registers: the weights keep bf16's memory and
     bandwidth (a decode step of one sequence reads half the bytes) while activations, norms and the
     KV cache stay fp32, which is at least as exact as a bf16 model. The engine packs the weights
-    (``app/cpu/linear.py``); quantized models keep the requested dtype.
+    (``app/cpu/linear_kernels.py``); quantized models keep the requested dtype.
     """
     if device.type != "cpu" or dtype != torch.bfloat16 or config.quantization != "none" or cpu_has_native_bf16():
         return False

@@ -30,7 +30,7 @@ def native_bf16(native: bool):
     """The loader's view of the CPU: does bf16 run natively here? (It picks the bf16 path from it.) Our bf16
     kernel is kept out of the view: test_bf16_products.py covers the path it gives a CPU with avx512_bf16."""
     with mock.patch("app.models.loader.cpu_has_native_bf16", return_value=native), \
-            mock.patch("app.cpu.linear.bf16_products_available", return_value=False):
+            mock.patch("app.cpu.linear_kernels.bf16_products_available", return_value=False):
         yield
 
 

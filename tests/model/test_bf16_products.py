@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.config import ModelConfig
-from app.cpu.linear import bf16_products_available
+from app.cpu.linear_kernels import bf16_products_available
 from app.cpu.ops import unavailable_reason
 from app.engine import Request, SamplingParams
 from app.models.loader import load_model

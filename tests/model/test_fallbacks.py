@@ -5,7 +5,7 @@ Runs on every machine (the kernels are turned off), so the fallbacks never go un
 import pytest
 
 from app.config import ModelConfig
-from app.cpu.linear import onednn_supported
+from app.cpu.linear_kernels import onednn_supported
 from app.engine import Request
 from app.models import load_model
 from tests.model.conftest import PROMPTS, greedy, hf_greedy, make_engine, run_engine

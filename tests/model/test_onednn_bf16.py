@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.config import ModelConfig
-from app.cpu.linear import OneDNNBF16Kernel, onednn_bf16_supported, select_kernel
+from app.cpu.linear_kernels import OneDNNBF16Kernel, onednn_bf16_supported, select_kernel
 from app.engine import Request
 from app.models.loader import load_model
 from tests.model.conftest import PROMPTS, greedy, make_engine, run_engine

@@ -10,7 +10,7 @@ from bitsandbytes import functional as bnb_functional
 from app.bench.fidelity import heldout_text, perplexity
 from app.config import ModelConfig
 from app.cpu.gptq import Int4Linear, dequantized, gptq_codes
-from app.cpu.linear import bf16_products_available
+from app.cpu.linear_kernels import bf16_products_available
 from app.engine import Request
 from app.models import ModelLoadError, load_model
 from app.models.quantization import quantized_linear_bytes

@@ -8,7 +8,7 @@ sizes and thread counts, since each output is summed in one fixed order.
 import pytest
 import torch
 
-from app.cpu.linear import AVX512BF16Kernel, bf16_products_available, cpu_has_avx512_bf16, select_kernel
+from app.cpu.linear_kernels import AVX512BF16Kernel, bf16_products_available, cpu_has_avx512_bf16, select_kernel
 from app.cpu.ops import unavailable_reason
 
 pytestmark = pytest.mark.skipif(

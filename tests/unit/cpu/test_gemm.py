@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from app.cpu import build, linear as cpu_linear, ops
-from app.cpu.linear import AVX2Kernel, OneDNNKernel, select_kernel
+from app.cpu import build, linear_kernels as cpu_linear, ops
+from app.cpu.linear_kernels import AVX2Kernel, OneDNNKernel, select_kernel
 from tests.unit.cpu.conftest import loaded_ops, needs_kernels as needs_avx2, reset_kernels
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.cpu.gptq import dequantized, pack_codes, pack_per_group
-from app.cpu.linear import bf16_products_available
+from app.cpu.linear_kernels import bf16_products_available
 from app.cpu.ops import OPS, unavailable_reason
 
 pytestmark = pytest.mark.skipif(

@@ -8,19 +8,17 @@ from torch import nn
 
 from app.cpu import kernel_choice
 from app.cpu.kernel_choice import BUCKETS, ChoiceCache, LinearShape, choose, decide
-from app.cpu.linear import (
+from app.cpu.linear import PackedLinear, describe_packed, pack_cpu_linears
+from app.cpu.linear_kernels import (
     AVX2Kernel,
     AVX512BF16Kernel,
     OneDNNBF16Kernel,
     OneDNNKernel,
-    PackedLinear,
     RowBucketKernel,
     TorchKernel,
     bf16_products_available,
-    describe_packed,
     onednn_bf16_supported,
     onednn_supported,
-    pack_cpu_linears,
 )
 from app.cpu.ops import available, unavailable_reason
 
@@ -178,7 +176,7 @@ def test_batch_invariant_refuses_a_kernel_that_sums_by_batch():
 
 @pytest.mark.skipif(not available(), reason=f"our kernels: {unavailable_reason()}")
 def test_with_bf16_weights_every_candidate_computes_on_the_same_rounded_weights():
-    from app.cpu.linear import bake_off_candidates
+    from app.cpu.linear_kernels import bake_off_candidates
 
     torch.manual_seed(0)
     weight = torch.randn(96, 64)
