@@ -16,7 +16,7 @@ Workloads (``LoadSpec.workload``):
   caching saves.
 - ``rewrite`` (W4): "rewrite this passage" chats whose answer copies from the prompt (input-grounded
   generation, where drafts looked up in the prompt are accepted).
-- ``mixed`` (W5): 8 streams of ``random`` requests decode; once each has streamed, a ~1,900-token prompt arrives
+- ``mixed`` (W5): 8 streams of ``random`` requests decode; once each has streamed, a ~1,670-token prompt arrives
   (its first words a fresh nonce, so no prefix cache holds it). What a chat product with retrieval prompts sees:
   the streams' largest gap between chunks while that prompt is prefilled, and the long prompt's TTFT.
 
@@ -45,7 +45,7 @@ WORDS = (
 
 WORKLOADS = ("random", "shared-prefix-chat", "rewrite", "mixed")
 MIXED_STREAMS = 8
-MIXED_LONG_PROMPT_WORDS = 1650  # ~1,900 tokens with SmolLM2's tokenizer
+MIXED_LONG_PROMPT_WORDS = 1650  # ~1,670 tokens with SmolLM2's tokenizer
 
 SYSTEM_RULES = (
     "You are the help desk assistant of the city library. Answer questions from visitors politely, briefly and "
@@ -218,7 +218,7 @@ def _progress_bar(total: int, progress: bool | str):
 
 
 async def run_mixed(spec: LoadSpec) -> dict:
-    """W5: ``MIXED_STREAMS`` streams decode; once each has streamed a chunk, one ~1,900-token prompt arrives."""
+    """W5: ``MIXED_STREAMS`` streams decode; once each has streamed a chunk, one ~1,670-token prompt arrives."""
     bodies = [{"prompt": p} for p in make_prompts(LoadSpec(**{**spec.__dict__, "num_requests": MIXED_STREAMS}))]
     rng = random.Random()
     long_prompt = f"Note {rng.getrandbits(64):016x}: " + " ".join(rng.choice(WORDS) for _ in range(MIXED_LONG_PROMPT_WORDS))

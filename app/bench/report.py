@@ -29,7 +29,7 @@ WORKLOAD_TEXT = {
     "W3": "32 chats at once through `/v1/chat/completions`, all starting with the same ~400-token system prompt, each "
           "with its own short question, 128 new tokens each: what prefix caching saves",
     "W4": "32 \"rewrite this passage\" chats at once (the answer copies from the prompt), 128 new tokens each",
-    "W5": "mixed load: 8 W1-style streams of 256 tokens; once each has streamed, one ~1,900-token prompt arrives (a fresh "
+    "W5": "mixed load: 8 W1-style streams of 256 tokens; once each has streamed, one ~1,670-token prompt arrives (a fresh "
           "nonce first, so no prefix cache holds it): the streams' largest gap between chunks, and the long prompt's TTFT",
 }
 MODE_LABELS = {"none": "naive: one request at a time (`batching: none`)", "dynamic": "dynamic batching (`batching: dynamic`)",

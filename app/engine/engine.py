@@ -57,14 +57,21 @@ class StepCost:
     def __init__(self) -> None:
         self._xtx = np.zeros((3, 3))
         self._xty = np.zeros(3)
+        self._fitted: tuple[float, float, float] | None = None  # solved once per observed step, read many times
 
     def observe(self, tokens: int, seconds: float, keys: float = 0.0) -> None:
         x = np.array([1.0, tokens, keys]) * self._SCALE
         self._xtx = self.DECAY * self._xtx + np.outer(x, x)
         self._xty = self.DECAY * self._xty + x * seconds
+        self._fitted = None
 
     def coefficients(self) -> tuple[float, float, float] | None:
         """(seconds a step, seconds per token, seconds per attended key), or None before any step."""
+        if self._fitted is None:
+            self._fitted = self._fit()
+        return self._fitted
+
+    def _fit(self) -> tuple[float, float, float] | None:
         if not self._xtx[1, 1]:
             return None
         for terms in ([0, 1, 2], [0, 1], [1]):  # the fullest model the observations determine, with no negative cost
