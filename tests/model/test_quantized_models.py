@@ -57,6 +57,16 @@ def quantized(request):
     return request.param, _loaded(request.param)
 
 
+GREEDY_TOKENS = 24
+
+
+@functools.cache
+def _greedy_run(method: str) -> tuple[list[Request], dict]:
+    """The engine's greedy answers to PROMPTS on each quantized model, with their log-probabilities (one run,
+    read by the tests below)."""
+    return engine_greedy_with_logprobs(_loaded(method), PROMPTS, max_tokens=GREEDY_TOKENS)
+
+
 def test_loads_as_quantized_layers(quantized):
     method, loaded = quantized
     classes = {type(m).__name__ for m in loaded.model.model.layers[0].modules()}
@@ -69,14 +79,14 @@ def test_paged_engine_runs_the_quantized_model_as_transformers_does(quantized):
     """Teacher-forced through the plain transformers forward of the same quantized model, every token the
     engine chose is that model's top choice (up to a near-tie) with the same log-probability."""
     method, loaded = quantized
-    requests, logprobs = engine_greedy_with_logprobs(loaded, PROMPTS, max_tokens=16)
+    requests, logprobs = _greedy_run(method)
     assert_tracks_transformers(loaded, requests, logprobs, LOGPROB_TOLERANCE[method])
 
 
 def test_quantized_output_is_fluent(quantized, loaded_fp32):
     """The unquantized model finds the quantized model's greedy continuations likely (low perplexity)."""
     method, loaded = quantized
-    requests, _ = engine_greedy_with_logprobs(loaded, PROMPTS, max_tokens=24)
+    requests, _ = _greedy_run(method)
     for request in requests:
         prompt, output = request.prompt_token_ids, list(request.output_token_ids)
         with torch.inference_mode():
@@ -133,12 +143,9 @@ def test_a_gptq_checkpoint_loaded_again_gives_identical_greedy_output():
     first = _loaded("gptq")
     again = _load("gptq")
     assert again.model is not first.model
-
-    def tokens(loaded) -> list[list[int]]:
-        requests = [Request(str(i), loaded.tokenizer.encode(p), greedy(16), loaded.eos_token_ids) for i, p in enumerate(PROMPTS)]
-        return list(run_engine(make_engine(loaded), requests).values())
-
-    assert tokens(again) == tokens(first)
+    requests = [Request(str(i), again.tokenizer.encode(p), greedy(GREEDY_TOKENS), again.eos_token_ids) for i, p in enumerate(PROMPTS)]
+    tokens = run_engine(make_engine(again), requests)
+    assert [tokens[r.request_id] for r in requests] == [list(r.output_token_ids) for r in _greedy_run("gptq")[0]]
 
 
 def test_gptq_setting_on_a_full_precision_checkpoint_fails_with_advice():

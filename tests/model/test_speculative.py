@@ -108,32 +108,37 @@ def test_preemption_and_stop_conditions_with_speculation(loaded_fp32):
 DRAFT_MODEL = SpecConfig(drafter="model", draft="draft", num_speculative_tokens=4)
 
 
-def _answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every: int, sessions: bool = True) -> list[DraftResult]:
+def _answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every: int, sessions: bool = True,
+                        together: bool = True) -> list[DraftResult]:
     """What a draft replica answers (ModelServer.propose: the draft model's tokens after each call's context, with
     the distributions sampled ones were drawn from), with every ``corrupt_every``-th proposal replaced by a token
     the target will not choose, to force rejections (a replaced token lies outside the distribution sent with it:
-    the target then verifies that answer as one-hot)."""
-    results = []
-    for call in calls:
-        request = Request(f"draft-{call.call_id}", call.prompt_token_ids,
-                          draft_sampling(call.sampling, len(call.output_token_ids), call.num_tokens), eos_token_ids,
-                          output_token_ids=list(call.output_token_ids), drafter=None, detokenize=False,
-                          session_id=call.sequence_id if sessions else None)
-        draft_engine.add_requests([request])
-        tokens, probs = [], []
+    the target then verifies that answer as one-hot). ``together``: a step's calls in one batch, as a draft replica
+    runs them; else each alone, in order (a sequence's second call of a step then resumes what its first left)."""
+    requests = {call.call_id: Request(f"draft-{call.call_id}", call.prompt_token_ids,
+                                      draft_sampling(call.sampling, len(call.output_token_ids), call.num_tokens),
+                                      eos_token_ids, output_token_ids=list(call.output_token_ids), drafter=None,
+                                      detokenize=False, session_id=call.sequence_id if sessions else None)
+                for call in calls}
+    probs = {request.request_id: [] for request in requests.values()}
+    for batch in ([list(requests.values())] if together else [[r] for r in requests.values()]):
+        draft_engine.add_requests(batch)
         while draft_engine.has_unfinished_requests():
             for output in draft_engine.step():
-                tokens += output.new_token_ids
-                probs += [lp.sampled_from for lp in output.logprobs or []]
+                probs[output.request_id] += [lp.sampled_from for lp in output.logprobs or []]
+    results = []
+    for call in calls:
+        request = requests[call.call_id]
+        tokens, sampled_from = list(request.output_token_ids[len(call.output_token_ids):]), probs[request.request_id]
         if corrupt_every:
             tokens = [0 if (call.call_id + i) % corrupt_every == 0 else t for i, t in enumerate(tokens)]
-        sent = probs if len(probs) == len(tokens) and tokens else None
+        sent = sampled_from if len(sampled_from) == len(tokens) and tokens else None
         results.append(DraftResult(call.call_id, call.drafter, call.sequence_id, tokens, elapsed_s=0.001, probs=sent))
     return results
 
 
 def _run_with_draft_model(target, draft_engine, requests, eos_token_ids, corrupt_every: int = 3,
-                          sessions: bool = True) -> dict[str, list]:
+                          sessions: bool = True, together: bool = True) -> dict[str, list]:
     """Step the target; after each step answer its draft calls (a sequence waiting for drafts is not scheduled)."""
     seen = {r.request_id: [] for r in requests}
     target.add_requests(requests)
@@ -141,7 +146,7 @@ def _run_with_draft_model(target, draft_engine, requests, eos_token_ids, corrupt
         for output in target.step():
             seen[output.request_id] += [(lp.token_id, lp.logprob) for lp in output.logprobs or []]
         calls = target.take_draft_calls()
-        target.add_draft_results(_answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every, sessions))
+        target.add_draft_results(_answer_draft_calls(draft_engine, calls, eos_token_ids, corrupt_every, sessions, together))
     return seen
 
 
@@ -176,7 +181,8 @@ def test_the_draft_engine_hands_each_sequences_kv_from_call_to_call(loaded_fp32,
         target = make_engine(loaded_fp32, max_model_len=512, speculative=DRAFT_MODEL)
         draft_engine = make_engine(loaded_fp32, max_model_len=512)
         requests = _requests(loaded_fp32, PROMPTS[:2], "p", logprobs=0)
-        got = _run_with_draft_model(target, draft_engine, requests, loaded_fp32.eos_token_ids, corrupt_every=4, sessions=sessions)
+        got = _run_with_draft_model(target, draft_engine, requests, loaded_fp32.eos_token_ids, corrupt_every=4,
+                                    sessions=sessions, together=False)
         assert [[t for t, _ in got[k]] for k in got] == [[t for t, _ in plain[k]] for k in got]
         stats = draft_engine.stats()
         computed[sessions] = stats["mean_tokens_per_step"] * stats["num_steps"]

@@ -115,7 +115,7 @@ def client(serve_cluster):
         with httpx.Client(base_url=f"{BASE}/{APP}", timeout=60) as http:
             yield http
     finally:
-        serve.delete(APP)
+        serve.delete(APP, _blocking=False)  # its replicas leave while the next tests run
 
 
 def test_queue_depth_scales_each_model_up_under_load_and_back_down_without_failing_a_request(client):

@@ -41,7 +41,7 @@ def client(serve_cluster):
         with httpx.Client(base_url=f"{BASE}/{APP}", timeout=60) as http:
             yield http
     finally:
-        serve.delete(APP)
+        serve.delete(APP, _blocking=False)  # its replicas leave while the next tests run
 
 
 def _stream(client: httpx.Client, path: str, body: dict) -> tuple[httpx.Response, list]:

@@ -34,7 +34,7 @@ def faults_app(serve_cluster):
     args = {"server_factory": "tests.serve.fake_model:fake_model_server", "models": [served(name) for name in MODELS]}
     serve.run(build_app(args), name=APP, route_prefix=PREFIX)
     yield
-    serve.delete(APP)
+    serve.delete(APP, _blocking=False)  # its replicas leave while the next tests run
 
 
 async def _stats(model: str) -> dict:

@@ -78,7 +78,7 @@ def test_readiness_is_503_until_every_model_has_warmed_up(serve_cluster):
         assert 503 not in statuses[first_ready:] and set(statuses[:first_ready]) <= {404, 503}, seen
     finally:
         deploying.join()
-        serve.delete("ready")
+        serve.delete("ready", _blocking=False)  # its replicas leave while the next tests run
 
 
 def test_a_wedged_engine_fails_its_health_check_and_serve_replaces_the_replica(serve_cluster):
@@ -110,4 +110,4 @@ def test_a_wedged_engine_fails_its_health_check_and_serve_replaces_the_replica(s
             assert replaced_after_s < 60, replaced_after_s
             print(f"wedged engine: error event after {error_after_s:.1f} s, replacement serving after {replaced_after_s:.1f} s")
     finally:
-        serve.delete("wedge")
+        serve.delete("wedge", _blocking=False)  # its replicas leave while the next tests run

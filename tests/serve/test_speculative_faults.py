@@ -43,7 +43,7 @@ def spec_app(serve_cluster):
 
     serve.run(build_app(_args()), name=APP, route_prefix=PREFIX)
     yield
-    serve.delete(APP)
+    serve.delete(APP, _blocking=False)  # its replicas leave while the next tests run
 
 
 def _body(model: str) -> dict:

@@ -46,4 +46,4 @@ def test_as_a_router_every_model_is_a_deployment_and_answers_the_same(fake_app):
                 plain = client.post("/v1/completions", json={**body, "stream": False}).json()
                 assert plain["choices"][0]["text"] == echo("routed", 6)
     finally:
-        serve.delete(ROUTER_APP)
+        serve.delete(ROUTER_APP, _blocking=False)  # its replicas leave while the next tests run
