@@ -73,13 +73,20 @@ def run_engine(engine: LLMEngine, requests: list[Request], group: bool = True) -
     return {r.request_id: list(r.output_token_ids) for r in requests}
 
 
+_HF_GREEDY: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # (model, prompt) -> the longest greedy run made
+
+
 def hf_greedy(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """transformers' own generate, the reference every mode must equal."""
-    with torch.inference_mode():
-        out = loaded.model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
-        )
-    return out[0, len(prompt_ids) :].tolist()
+    """transformers' own generate, the reference every mode must equal. Remembered per model and prompt for the
+    session: with EOS masked, a shorter run is the longer one's start."""
+    key = (id(loaded.model), tuple(prompt_ids))
+    if len(_HF_GREEDY.get(key, ())) < max_tokens:
+        with torch.inference_mode():
+            out = loaded.model.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
+            )
+        _HF_GREEDY[key] = out[0, len(prompt_ids) :].tolist()
+    return _HF_GREEDY[key][:max_tokens]
 
 
 def engine_greedy_with_logprobs(loaded, prompts: list[str], max_tokens: int, **engine_fields) -> tuple[list[Request], dict]:

@@ -43,12 +43,12 @@ def test_engine_with_bf16_weights_equals_generate_on_the_same_rounded_weights(lo
                 module.weight.copy_(module.weight.bfloat16().float())
 
     tokenizer = loaded_bf16.tokenizer
-    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0, ignore_eos=True)
     requests = [Request(f"bf16-{i}", tokenizer.encode(p), params) for i, p in enumerate(PROMPTS[:6])]
     engine.add_requests(requests)  # all six in one batch
     while engine.has_unfinished_requests():
         engine.step()
     for request in requests:
         with torch.inference_mode():
-            expected = reference.generate(torch.tensor([request.prompt_token_ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+            expected = reference.generate(torch.tensor([request.prompt_token_ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
         assert request.output_token_ids == expected[0, len(request.prompt_token_ids):].tolist()

@@ -7,7 +7,7 @@ from tests.model.conftest import PROMPTS, greedy, hf_greedy, make_engine, run_en
 
 pytestmark = pytest.mark.model
 
-MAX_TOKENS = 12
+MAX_TOKENS = 16  # the greedy references are shared with test_greedy_parity.py (one transformers run per prompt)
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +24,11 @@ def references(loaded_fp32, prompt_ids):
 def test_every_mode_equals_hf_generate(loaded_fp32, prompt_ids, references, mode):
     # A small token budget makes the long prompt's prefill span several steps, mixed with decodes.
     engine = make_engine(loaded_fp32, batching=mode, max_num_batched_tokens=32)
-    requests = [Request(f"{mode}-{i}", ids, greedy(MAX_TOKENS), loaded_fp32.eos_token_ids) for i, ids in enumerate(prompt_ids)]
+    # "none" runs one sequence after another, a step per token each: every other prompt is enough there
+    chosen = list(range(len(prompt_ids)))[:: 2 if mode == "none" else 1]
+    requests = [Request(f"{mode}-{i}", prompt_ids[i], greedy(MAX_TOKENS), loaded_fp32.eos_token_ids) for i in chosen]
     outputs = run_engine(engine, requests)
-    mismatched = [PROMPTS[i] for i, r in enumerate(requests) if outputs[r.request_id] != references[i]]
+    mismatched = [PROMPTS[i] for i, r in zip(chosen, requests) if outputs[r.request_id] != references[i]]
     assert not mismatched, f"{mode}: differs from transformers generate for {mismatched}"
     assert engine.stats()["num_steps"] >= MAX_TOKENS
 

@@ -1,10 +1,9 @@
 """The engine's greedy output equals transformers' own generate, token for token (fp32)."""
 
 import pytest
-import torch
 
 from app.engine import Request, SamplingParams
-from tests.model.conftest import PROMPTS
+from tests.model.conftest import PROMPTS, hf_greedy, make_engine
 
 pytestmark = pytest.mark.model
 
@@ -20,13 +19,9 @@ async def _engine_tokens(server, prompt_ids, **params):
 @pytest.mark.parametrize("prompt", PROMPTS[:6])
 async def test_greedy_equals_hf_generate(server_fp32, loaded_fp32, prompt):
     """Through the whole server path: AsyncEngine, the engine process, paged attention."""
-    tokenizer, model = loaded_fp32.tokenizer, loaded_fp32.model
-    prompt_ids = tokenizer.encode(prompt)
-    with torch.inference_mode():
-        reference = model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
-    expected = reference[0, len(prompt_ids) :].tolist()
-    got = await _engine_tokens(server_fp32, prompt_ids, max_tokens=24, temperature=0, ignore_eos=True)
-    assert got == expected
+    prompt_ids = loaded_fp32.tokenizer.encode(prompt)
+    got = await _engine_tokens(server_fp32, prompt_ids, max_tokens=16, temperature=0, ignore_eos=True)
+    assert got == hf_greedy(loaded_fp32, prompt_ids, 16)
 
 
 async def test_seeded_sampling_reproducible(server_fp32):
@@ -62,3 +57,12 @@ def test_load_errors_name_the_model():
         load_model(ModelConfig(source="/no/such/dir"))
     with pytest.raises(ModelLoadError, match="missing.gguf"):
         load_model(ModelConfig(source="./missing.gguf"))
+
+
+def test_the_embedded_model_passes_the_load_time_parity_check(loaded_fp32):
+    """What a served model proves at start (engine.parity_check), here for the embedded model in fp32 (the served
+    test app starts it with the check off)."""
+    from app.engine.parity import check_parity
+
+    report = check_parity(make_engine(loaded_fp32), loaded_fp32)
+    assert report.max_gap < report.tolerance, report

@@ -166,11 +166,11 @@ def test_with_a_draft_model_each_prompt_alone_gives_the_targets_tokens(loaded_fp
     target = make_engine(loaded_fp32, max_model_len=512, speculative=DRAFT_MODEL)
     draft_engine = make_engine(loaded_fp32, max_model_len=512)
     tokens = NEW_TOKENS // 2  # the first half of each plain answer (EOS is masked there too: the same tokens)
-    for index, prompt in ALONE:
+    for index, prompt in ALONE[::2]:  # a draft round trip per step: four prompts alone (all 16 run in a batch above)
         request = Request(f"p-{index}", loaded_fp32.tokenizer.encode(prompt), greedy(tokens), loaded_fp32.eos_token_ids)
         _run_with_draft_model(target, draft_engine, [request], loaded_fp32.eos_token_ids, corrupt_every=4)
         assert request.output_token_ids == [t for t, _ in plain[request.request_id][:tokens]], prompt
-    assert target.stats()["spec_num_drafts"] >= len(ALONE)
+    assert target.stats()["spec_num_drafts"] >= len(ALONE[::2])
 
 
 def test_the_draft_engine_hands_each_sequences_kv_from_call_to_call(loaded_fp32, plain):
