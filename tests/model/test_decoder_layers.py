@@ -19,7 +19,7 @@ def _run(loaded, setting: str) -> dict[str, list[tuple[int, float, list]]]:
     return logprobs
 
 
-def test_fused_layers_keep_every_logprob_bit(loaded_fp32):
-    module_path, fused_path = _run(loaded_fp32, "torch"), _run(loaded_fp32, "auto")
+def test_fused_layers_keep_every_logprob_bit(loaded_rounded):
+    module_path, fused_path = _run(loaded_rounded, "torch"), _run(loaded_rounded, "auto")
     assert len(fused_path) == len(PROMPTS) and all(len(v) == 10 for v in fused_path.values())
     assert fused_path == module_path

@@ -11,22 +11,22 @@ MAX_TOKENS = 16  # the greedy references are shared with test_greedy_parity.py (
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(loaded_fp32):
-    return [loaded_fp32.tokenizer.encode(p) for p in PROMPTS]
+def prompt_ids(loaded_rounded):
+    return [loaded_rounded.tokenizer.encode(p) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def references(loaded_fp32, prompt_ids):
-    return [hf_greedy(loaded_fp32, ids, MAX_TOKENS) for ids in prompt_ids]
+def references(loaded_rounded, prompt_ids):
+    return [hf_greedy(loaded_rounded, ids, MAX_TOKENS) for ids in prompt_ids]
 
 
 @pytest.mark.parametrize("mode", ["none", "dynamic", "continuous"])
-def test_every_mode_equals_hf_generate(loaded_fp32, prompt_ids, references, mode):
+def test_every_mode_equals_hf_generate(loaded_rounded, prompt_ids, references, mode):
     # A small token budget makes the long prompt's prefill span several steps, mixed with decodes.
-    engine = make_engine(loaded_fp32, batching=mode, max_num_batched_tokens=32)
+    engine = make_engine(loaded_rounded, batching=mode, max_num_batched_tokens=32)
     # "none" runs one sequence after another, a step per token each: every other prompt is enough there
     chosen = list(range(len(prompt_ids)))[:: 2 if mode == "none" else 1]
-    requests = [Request(f"{mode}-{i}", prompt_ids[i], greedy(MAX_TOKENS), loaded_fp32.eos_token_ids) for i in chosen]
+    requests = [Request(f"{mode}-{i}", prompt_ids[i], greedy(MAX_TOKENS), loaded_rounded.eos_token_ids) for i in chosen]
     outputs = run_engine(engine, requests)
     mismatched = [PROMPTS[i] for i, r in zip(chosen, requests) if outputs[r.request_id] != references[i]]
     assert not mismatched, f"{mode}: differs from transformers generate for {mismatched}"
@@ -40,45 +40,45 @@ def _mixed_batch(loaded, count: int) -> list[list[int]]:
     return [loaded.tokenizer.encode(t) for t in text]
 
 
-def test_alone_equals_inside_a_batch_of_32(loaded_fp32):
-    prompts = _mixed_batch(loaded_fp32, 32)
-    batch = [Request(f"b{i}", ids, greedy(16), loaded_fp32.eos_token_ids) for i, ids in enumerate(prompts)]
-    batched = run_engine(make_engine(loaded_fp32, max_num_batched_tokens=256), batch, group=False)
+def test_alone_equals_inside_a_batch_of_32(loaded_rounded):
+    prompts = _mixed_batch(loaded_rounded, 32)
+    batch = [Request(f"b{i}", ids, greedy(16), loaded_rounded.eos_token_ids) for i, ids in enumerate(prompts)]
+    batched = run_engine(make_engine(loaded_rounded, max_num_batched_tokens=256), batch, group=False)
     for index in (0, 9, 17, 31):
-        alone = Request(f"alone{index}", prompts[index], greedy(16), loaded_fp32.eos_token_ids)
-        assert run_engine(make_engine(loaded_fp32), [alone])[alone.request_id] == batched[f"b{index}"]
+        alone = Request(f"alone{index}", prompts[index], greedy(16), loaded_rounded.eos_token_ids)
+        assert run_engine(make_engine(loaded_rounded), [alone])[alone.request_id] == batched[f"b{index}"]
 
 
-def test_preemption_leaves_outputs_unchanged(loaded_fp32):
-    prompts = _mixed_batch(loaded_fp32, 6)[:6]
-    make = lambda tag: [Request(f"{tag}{i}", ids[:40], greedy(40), loaded_fp32.eos_token_ids) for i, ids in enumerate(prompts)]
-    roomy = run_engine(make_engine(loaded_fp32, max_model_len=128), make("r"))
+def test_preemption_leaves_outputs_unchanged(loaded_rounded):
+    prompts = _mixed_batch(loaded_rounded, 6)[:6]
+    make = lambda tag: [Request(f"{tag}{i}", ids[:40], greedy(40), loaded_rounded.eos_token_ids) for i, ids in enumerate(prompts)]
+    roomy = run_engine(make_engine(loaded_rounded, max_model_len=128), make("r"))
     # 12 blocks of 16 tokens hold 192 tokens; six requests of up to 80 tokens need far more.
-    tight_engine = make_engine(loaded_fp32, max_model_len=128, num_kv_blocks=12)
+    tight_engine = make_engine(loaded_rounded, max_model_len=128, num_kv_blocks=12)
     tight = run_engine(tight_engine, make("t"))
     assert tight_engine.stats()["num_preemptions"] > 0
     assert [tight[f"t{i}"] for i in range(6)] == [roomy[f"r{i}"] for i in range(6)]
     assert tight_engine.blocks.num_free_blocks == tight_engine.blocks.num_blocks
 
 
-def test_shared_prefix_hits_the_cache_with_unchanged_outputs(loaded_fp32):
-    system = loaded_fp32.tokenizer.encode("You are a terse assistant who answers in one short sentence. " * 4)
-    questions = [loaded_fp32.tokenizer.encode(q) for q in (" Why is the sky blue?", " What is rain?")]
-    engine = make_engine(loaded_fp32)
-    first = Request("p0", system + questions[0], greedy(12), loaded_fp32.eos_token_ids)
+def test_shared_prefix_hits_the_cache_with_unchanged_outputs(loaded_rounded):
+    system = loaded_rounded.tokenizer.encode("You are a terse assistant who answers in one short sentence. " * 4)
+    questions = [loaded_rounded.tokenizer.encode(q) for q in (" Why is the sky blue?", " What is rain?")]
+    engine = make_engine(loaded_rounded)
+    first = Request("p0", system + questions[0], greedy(12), loaded_rounded.eos_token_ids)
     run_engine(engine, [first])
     hits_before = engine.stats()["prefix_cache_hit_tokens"]
-    second = Request("p1", system + questions[1], greedy(12), loaded_fp32.eos_token_ids)
+    second = Request("p1", system + questions[1], greedy(12), loaded_rounded.eos_token_ids)
     out = run_engine(engine, [second])["p1"]
     assert engine.stats()["prefix_cache_hit_tokens"] - hits_before >= 16 * (len(system) // 16)
     assert second.num_cached_tokens >= 16
-    assert out == hf_greedy(loaded_fp32, system + questions[1], 12)
+    assert out == hf_greedy(loaded_rounded, system + questions[1], 12)
 
 
-def test_every_block_is_free_after_aborts_and_completions(loaded_fp32):
-    engine = make_engine(loaded_fp32)
-    prompts = _mixed_batch(loaded_fp32, 8)
-    requests = [Request(f"a{i}", ids, greedy(12), loaded_fp32.eos_token_ids) for i, ids in enumerate(prompts)]
+def test_every_block_is_free_after_aborts_and_completions(loaded_rounded):
+    engine = make_engine(loaded_rounded)
+    prompts = _mixed_batch(loaded_rounded, 8)
+    requests = [Request(f"a{i}", ids, greedy(12), loaded_rounded.eos_token_ids) for i, ids in enumerate(prompts)]
     engine.add_requests(requests)
     for _ in range(3):
         engine.step()
@@ -91,19 +91,19 @@ def test_every_block_is_free_after_aborts_and_completions(loaded_fp32):
     assert all(len(r.output_token_ids) == 12 for r in requests[1::2])
 
 
-def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(loaded_fp32):
-    ids = loaded_fp32.tokenizer.encode("Write a story about a dragon:")
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(loaded_rounded):
+    ids = loaded_rounded.tokenizer.encode("Write a story about a dragon:")
     sampled = lambda rid: Request(rid, ids, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=11))
-    alone = run_engine(make_engine(loaded_fp32), [sampled("s-alone")])["s-alone"]
-    others = [Request(f"o{i}", p, SamplingParams(max_tokens=16, temperature=1.0)) for i, p in enumerate(_mixed_batch(loaded_fp32, 7))]
-    in_batch = run_engine(make_engine(loaded_fp32), [*others, sampled("s-batch")])["s-batch"]
+    alone = run_engine(make_engine(loaded_rounded), [sampled("s-alone")])["s-alone"]
+    others = [Request(f"o{i}", p, SamplingParams(max_tokens=16, temperature=1.0)) for i, p in enumerate(_mixed_batch(loaded_rounded, 7))]
+    in_batch = run_engine(make_engine(loaded_rounded), [*others, sampled("s-batch")])["s-batch"]
     assert alone == in_batch and len(alone) == 16
 
 
-def test_logprobs_match_transformers_scores(loaded_fp32):
-    ids = loaded_fp32.tokenizer.encode("The capital of France is")
-    request = Request("lp", ids, greedy(6, logprobs=3), loaded_fp32.eos_token_ids)
-    engine = make_engine(loaded_fp32)
+def test_logprobs_match_transformers_scores(loaded_rounded):
+    ids = loaded_rounded.tokenizer.encode("The capital of France is")
+    request = Request("lp", ids, greedy(6, logprobs=3), loaded_rounded.eos_token_ids)
+    engine = make_engine(loaded_rounded)
     engine.add_requests([request])
     logprobs = []
     while engine.has_unfinished_requests():
@@ -111,7 +111,7 @@ def test_logprobs_match_transformers_scores(loaded_fp32):
     import torch
 
     with torch.inference_mode():
-        out = loaded_fp32.model.generate(
+        out = loaded_rounded.model.generate(
             torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
             output_logits=True, return_dict_in_generate=True,
         )
@@ -123,10 +123,10 @@ def test_logprobs_match_transformers_scores(loaded_fp32):
     assert len(logprobs) == 6
 
 
-def test_a_finished_request_reports_its_queue_prefill_and_decode_time(loaded_fp32):
+def test_a_finished_request_reports_its_queue_prefill_and_decode_time(loaded_rounded):
     """One sequence at a time: the second request waits for the first, so its queue time covers the first's run."""
-    engine = make_engine(loaded_fp32, batching="none")
-    requests = [Request(f"t{i}", loaded_fp32.tokenizer.encode(p), greedy(6), loaded_fp32.eos_token_ids) for i, p in enumerate(PROMPTS[:2])]
+    engine = make_engine(loaded_rounded, batching="none")
+    requests = [Request(f"t{i}", loaded_rounded.tokenizer.encode(p), greedy(6), loaded_rounded.eos_token_ids) for i, p in enumerate(PROMPTS[:2])]
     engine.add_requests(requests)
     finished = {}
     while engine.has_unfinished_requests():

@@ -52,16 +52,16 @@ def _raise_while_sampling_marked(original):
 
 
 @pytest.mark.parametrize("where", ["sampling", "stop matching", "detokenizing"])
-def test_an_exception_for_one_request_fails_it_alone(loaded_fp32, where, monkeypatch):
-    alone = _requests(loaded_fp32, bad=False)
-    _run(make_engine(loaded_fp32), alone)  # the same requests without the failure
+def test_an_exception_for_one_request_fails_it_alone(loaded_rounded, where, monkeypatch):
+    alone = _requests(loaded_rounded, bad=False)
+    _run(make_engine(loaded_rounded), alone)  # the same requests without the failure
     if where == "sampling":
         monkeypatch.setattr(Sampler, "_sample", _raise_while_sampling_marked(Sampler._sample))
     else:
         name = "_find_stop" if where == "stop matching" else "_decode_new"
         monkeypatch.setattr(IncrementalDetokenizer, name, _raise_for_marked(getattr(IncrementalDetokenizer, name)))
-    requests = _requests(loaded_fp32, bad=True)
-    finals = _run(make_engine(loaded_fp32), requests)
+    requests = _requests(loaded_rounded, bad=True)
+    finals = _run(make_engine(loaded_rounded), requests)
     assert finals["bad"].finish_reason == "error" and "injected failure" in finals["bad"].error
     for request, reference in zip(requests, alone):
         if request.request_id != "bad":
@@ -69,9 +69,9 @@ def test_an_exception_for_one_request_fails_it_alone(loaded_fp32, where, monkeyp
             assert request.output_token_ids == reference.output_token_ids  # seeded ones too: the same draws
 
 
-def test_a_seed_torch_refuses_fails_at_admission_alone(loaded_fp32):
-    engine = make_engine(loaded_fp32)
-    requests = _requests(loaded_fp32, bad=False)
+def test_a_seed_torch_refuses_fails_at_admission_alone(loaded_rounded):
+    engine = make_engine(loaded_rounded)
+    requests = _requests(loaded_rounded, bad=False)
     bad = Request("bad", requests[0].prompt_token_ids, SamplingParams(max_tokens=4, temperature=1.0, seed=7), frozenset())
     bad.sampling.seed = 2**64 + 5  # past the edge's checks (the API answers 400): the engine still fails it alone
     finals = _run(engine, [*requests, bad])

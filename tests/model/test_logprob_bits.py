@@ -43,31 +43,31 @@ def _prompts(loaded):
     return system, encode(" Why is the sky blue?"), encode(" What is rain?")
 
 
-def test_a_prefix_cache_hit_gives_the_same_logprobs_as_a_cold_prefill(loaded_fp32):
-    system, question, other = _prompts(loaded_fp32)
-    eos = loaded_fp32.eos_token_ids
-    cold = _logprobs(make_engine(loaded_fp32, enable_prefix_caching=False), {"q": system + question}, eos)
-    warm_engine = make_engine(loaded_fp32)
+def test_a_prefix_cache_hit_gives_the_same_logprobs_as_a_cold_prefill(loaded_rounded):
+    system, question, other = _prompts(loaded_rounded)
+    eos = loaded_rounded.eos_token_ids
+    cold = _logprobs(make_engine(loaded_rounded, enable_prefix_caching=False), {"q": system + question}, eos)
+    warm_engine = make_engine(loaded_rounded)
     _logprobs(warm_engine, {"first": system + other}, eos)
     warm = _logprobs(warm_engine, {"q": system + question}, eos)
     assert warm_engine.stats()["prefix_cache_hit_tokens"] >= 256
     assert warm["q"] == cold["q"]
 
 
-def test_chunks_and_batch_mates_leave_logprobs_unchanged(loaded_fp32):
-    system, question, _ = _prompts(loaded_fp32)
-    eos = loaded_fp32.eos_token_ids
-    alone = _logprobs(make_engine(loaded_fp32, enable_prefix_caching=False), {"q": system + question}, eos)["q"]
+def test_chunks_and_batch_mates_leave_logprobs_unchanged(loaded_rounded):
+    system, question, _ = _prompts(loaded_rounded)
+    eos = loaded_rounded.eos_token_ids
+    alone = _logprobs(make_engine(loaded_rounded, enable_prefix_caching=False), {"q": system + question}, eos)["q"]
     # chunks of 48 tokens a step shared with five prompts of 5-97 words, and no prefix cache
-    chunked = make_engine(loaded_fp32, enable_prefix_caching=False, max_num_batched_tokens=48)
-    assert _logprobs(chunked, {**_words(loaded_fp32, 5, 23), "q": system + question}, eos)["q"] == alone
+    chunked = make_engine(loaded_rounded, enable_prefix_caching=False, max_num_batched_tokens=48)
+    assert _logprobs(chunked, {**_words(loaded_rounded, 5, 23), "q": system + question}, eos)["q"] == alone
 
 
-def test_preemption_leaves_logprobs_unchanged(loaded_fp32):
-    prompts, eos = _words(loaded_fp32, 6, 7), loaded_fp32.eos_token_ids
-    roomy = _logprobs(make_engine(loaded_fp32, max_model_len=128, enable_prefix_caching=False), prompts, eos, tokens=40)
+def test_preemption_leaves_logprobs_unchanged(loaded_rounded):
+    prompts, eos = _words(loaded_rounded, 6, 7), loaded_rounded.eos_token_ids
+    roomy = _logprobs(make_engine(loaded_rounded, max_model_len=128, enable_prefix_caching=False), prompts, eos, tokens=40)
     # 12 blocks of 16 tokens hold 192 tokens; six requests of up to 80 tokens need far more
-    tight_engine = make_engine(loaded_fp32, max_model_len=128, num_kv_blocks=12, enable_prefix_caching=False)
+    tight_engine = make_engine(loaded_rounded, max_model_len=128, num_kv_blocks=12, enable_prefix_caching=False)
     tight = _logprobs(tight_engine, prompts, eos, tokens=40)
     assert tight_engine.stats()["num_preemptions"] > 0
     assert tight == roomy

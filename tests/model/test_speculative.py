@@ -36,14 +36,14 @@ def _run_with_logprobs(engine, requests: list[Request]) -> dict[str, list]:
 
 
 @pytest.fixture(scope="module")
-def plain(loaded_fp32):
+def plain(loaded_rounded):
     """The target alone: each prompt's greedy tokens and logprobs without speculation, inside one batch."""
-    return _run_with_logprobs(make_engine(loaded_fp32, max_model_len=512), _requests(loaded_fp32, PROMPTS, "p", logprobs=0))
+    return _run_with_logprobs(make_engine(loaded_rounded, max_model_len=512), _requests(loaded_rounded, PROMPTS, "p", logprobs=0))
 
 
-def test_inside_a_batch_of_16_speculation_changes_no_token(loaded_fp32, plain):
-    engine = make_engine(loaded_fp32, max_model_len=512, speculative=NGRAM)
-    got = _run_with_logprobs(engine, _requests(loaded_fp32, PROMPTS, "p", logprobs=0))
+def test_inside_a_batch_of_16_speculation_changes_no_token(loaded_rounded, plain):
+    engine = make_engine(loaded_rounded, max_model_len=512, speculative=NGRAM)
+    got = _run_with_logprobs(engine, _requests(loaded_rounded, PROMPTS, "p", logprobs=0))
     assert [[t for t, _ in got[k]] for k in plain] == [[t for t, _ in plain[k]] for k in plain]
     if unavailable_reason() is None:  # our kernels compute a position's row the same in any step: same bits
         assert got == plain
@@ -53,25 +53,25 @@ def test_inside_a_batch_of_16_speculation_changes_no_token(loaded_fp32, plain):
     assert stats["spec_mean_acceptance_length"] == pytest.approx(1 + stats["spec_num_accepted_tokens"] / stats["spec_num_drafts"])
 
 
-def test_alone_speculation_changes_no_token(loaded_fp32, plain):
-    engine = make_engine(loaded_fp32, max_model_len=512, speculative=NGRAM)
+def test_alone_speculation_changes_no_token(loaded_rounded, plain):
+    engine = make_engine(loaded_rounded, max_model_len=512, speculative=NGRAM)
     for index, prompt in ALONE:
-        [request] = _requests(loaded_fp32, [prompt], "p", logprobs=0)
+        [request] = _requests(loaded_rounded, [prompt], "p", logprobs=0)
         request.request_id = f"p-{index}"
         got = _run_with_logprobs(engine, [request])
         assert [t for t, _ in got[request.request_id]] == [t for t, _ in plain[request.request_id]], prompt
     assert engine.stats()["spec_num_accepted_tokens"] > 0
 
 
-def test_penalties_and_sampling_see_the_drafts_before_each_position(loaded_fp32):
+def test_penalties_and_sampling_see_the_drafts_before_each_position(loaded_rounded):
     """Verification uses each position's own processed distribution: a repetition penalty counting the drafts
     before it, and sampling truncated to one token (top_k 1), both give exactly the plain decode's tokens."""
-    prompt = loaded_fp32.tokenizer.encode(PROMPTS[12])  # a repeated sentence: long n-gram matches
+    prompt = loaded_rounded.tokenizer.encode(PROMPTS[12])  # a repeated sentence: long n-gram matches
     params = [greedy(16, repetition_penalty=1.3), SamplingParams(max_tokens=16, min_tokens=16, temperature=0.8, top_k=1)]
 
     def run(**engine_fields):
-        engine = make_engine(loaded_fp32, max_model_len=512, **engine_fields)
-        requests = [Request(f"r{i}", prompt, p, loaded_fp32.eos_token_ids) for i, p in enumerate(params)]
+        engine = make_engine(loaded_rounded, max_model_len=512, **engine_fields)
+        requests = [Request(f"r{i}", prompt, p, loaded_rounded.eos_token_ids) for i, p in enumerate(params)]
         return run_engine(engine, requests), engine.stats()
 
     (plain_out, _), (spec_out, stats) = run(), run(speculative=NGRAM)
@@ -79,25 +79,25 @@ def test_penalties_and_sampling_see_the_drafts_before_each_position(loaded_fp32)
     assert stats["spec_num_drafts"] > 0
 
 
-def test_a_seeded_sampled_request_is_reproducible_with_speculation(loaded_fp32):
-    prompt = loaded_fp32.tokenizer.encode(PROMPTS[12])
+def test_a_seeded_sampled_request_is_reproducible_with_speculation(loaded_rounded):
+    prompt = loaded_rounded.tokenizer.encode(PROMPTS[12])
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=11)
 
     def run():
-        engine = make_engine(loaded_fp32, max_model_len=512, speculative=NGRAM)
-        out = run_engine(engine, [Request("seeded", prompt, params, loaded_fp32.eos_token_ids)])["seeded"]
+        engine = make_engine(loaded_rounded, max_model_len=512, speculative=NGRAM)
+        out = run_engine(engine, [Request("seeded", prompt, params, loaded_rounded.eos_token_ids)])["seeded"]
         return out, engine.stats()["spec_num_drafts"]
 
     (first, drafts), (second, _) = run(), run()
     assert first == second and len(first) >= 1 and drafts > 0
 
 
-def test_preemption_and_stop_conditions_with_speculation(loaded_fp32):
+def test_preemption_and_stop_conditions_with_speculation(loaded_rounded):
     """A pool too small for every sequence: drafts, rejected blocks and recompute still leave the output alone."""
     prompts = [PROMPTS[12], PROMPTS[3], PROMPTS[14], PROMPTS[0]]
-    expected = run_engine(make_engine(loaded_fp32, max_model_len=512), _requests(loaded_fp32, prompts, "s"))
-    engine = make_engine(loaded_fp32, max_model_len=128, num_kv_blocks=9, speculative=NGRAM)  # 144 token slots for ~180 tokens
-    got = run_engine(engine, _requests(loaded_fp32, prompts, "s"))
+    expected = run_engine(make_engine(loaded_rounded, max_model_len=512), _requests(loaded_rounded, prompts, "s"))
+    engine = make_engine(loaded_rounded, max_model_len=128, num_kv_blocks=9, speculative=NGRAM)  # 144 token slots for ~180 tokens
+    got = run_engine(engine, _requests(loaded_rounded, prompts, "s"))
     assert got == expected
     stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_num_drafts"] > 0
@@ -150,10 +150,10 @@ def _run_with_draft_model(target, draft_engine, requests, eos_token_ids, corrupt
     return seen
 
 
-def test_with_a_draft_model_inside_a_batch_of_16_no_token_changes(loaded_fp32, plain):
-    target = make_engine(loaded_fp32, max_model_len=512, speculative=DRAFT_MODEL)
-    draft_engine = make_engine(loaded_fp32, max_model_len=512)
-    got = _run_with_draft_model(target, draft_engine, _requests(loaded_fp32, PROMPTS, "p", logprobs=0), loaded_fp32.eos_token_ids)
+def test_with_a_draft_model_inside_a_batch_of_16_no_token_changes(loaded_rounded, plain):
+    target = make_engine(loaded_rounded, max_model_len=512, speculative=DRAFT_MODEL)
+    draft_engine = make_engine(loaded_rounded, max_model_len=512)
+    got = _run_with_draft_model(target, draft_engine, _requests(loaded_rounded, PROMPTS, "p", logprobs=0), loaded_rounded.eos_token_ids)
     assert [[t for t, _ in got[k]] for k in plain] == [[t for t, _ in plain[k]] for k in plain]
     stats = target.stats()
     assert stats["spec_num_accepted_tokens"] > 0  # drafts were kept ...
@@ -162,26 +162,26 @@ def test_with_a_draft_model_inside_a_batch_of_16_no_token_changes(loaded_fp32, p
     assert stats["kv_blocks_used"] == 0
 
 
-def test_with_a_draft_model_each_prompt_alone_gives_the_targets_tokens(loaded_fp32, plain):
-    target = make_engine(loaded_fp32, max_model_len=512, speculative=DRAFT_MODEL)
-    draft_engine = make_engine(loaded_fp32, max_model_len=512)
+def test_with_a_draft_model_each_prompt_alone_gives_the_targets_tokens(loaded_rounded, plain):
+    target = make_engine(loaded_rounded, max_model_len=512, speculative=DRAFT_MODEL)
+    draft_engine = make_engine(loaded_rounded, max_model_len=512)
     tokens = NEW_TOKENS // 2  # the first half of each plain answer (EOS is masked there too: the same tokens)
     for index, prompt in ALONE[::2]:  # a draft round trip per step: four prompts alone (all 16 run in a batch above)
-        request = Request(f"p-{index}", loaded_fp32.tokenizer.encode(prompt), greedy(tokens), loaded_fp32.eos_token_ids)
-        _run_with_draft_model(target, draft_engine, [request], loaded_fp32.eos_token_ids, corrupt_every=4)
+        request = Request(f"p-{index}", loaded_rounded.tokenizer.encode(prompt), greedy(tokens), loaded_rounded.eos_token_ids)
+        _run_with_draft_model(target, draft_engine, [request], loaded_rounded.eos_token_ids, corrupt_every=4)
         assert request.output_token_ids == [t for t, _ in plain[request.request_id][:tokens]], prompt
     assert target.stats()["spec_num_drafts"] >= len(ALONE[::2])
 
 
-def test_the_draft_engine_hands_each_sequences_kv_from_call_to_call(loaded_fp32, plain):
+def test_the_draft_engine_hands_each_sequences_kv_from_call_to_call(loaded_rounded, plain):
     """Each call of a sequence resumes the KV its last call left (rolled back to what the two share), where the
     prefix cache alone keeps full blocks only: fewer tokens computed, the same output."""
     computed = {}
     for sessions in (True, False):
-        target = make_engine(loaded_fp32, max_model_len=512, speculative=DRAFT_MODEL)
-        draft_engine = make_engine(loaded_fp32, max_model_len=512)
-        requests = _requests(loaded_fp32, PROMPTS[:2], "p", logprobs=0)
-        got = _run_with_draft_model(target, draft_engine, requests, loaded_fp32.eos_token_ids, corrupt_every=4,
+        target = make_engine(loaded_rounded, max_model_len=512, speculative=DRAFT_MODEL)
+        draft_engine = make_engine(loaded_rounded, max_model_len=512)
+        requests = _requests(loaded_rounded, PROMPTS[:2], "p", logprobs=0)
+        got = _run_with_draft_model(target, draft_engine, requests, loaded_rounded.eos_token_ids, corrupt_every=4,
                                     sessions=sessions, together=False)
         assert [[t for t, _ in got[k]] for k in got] == [[t for t, _ in plain[k]] for k in got]
         stats = draft_engine.stats()
@@ -190,25 +190,25 @@ def test_the_draft_engine_hands_each_sequences_kv_from_call_to_call(loaded_fp32,
     assert computed[True] < 0.5 * computed[False], computed
 
 
-def test_a_request_resuming_its_sessions_kv_computes_what_a_fresh_engine_does(loaded_fp32):
+def test_a_request_resuming_its_sessions_kv_computes_what_a_fresh_engine_does(loaded_rounded):
     """The KV a session hands on, rolled back mid-block, gives the next request the tokens and logprobs it gets
     from scratch (the last request's extra tokens are overwritten, never read)."""
-    prompt = loaded_fp32.tokenizer.encode(PROMPTS[3])
-    engine = make_engine(loaded_fp32, max_model_len=512)
-    first = Request("a", prompt, greedy(12), loaded_fp32.eos_token_ids, session_id="s")
+    prompt = loaded_rounded.tokenizer.encode(PROMPTS[3])
+    engine = make_engine(loaded_rounded, max_model_len=512)
+    first = Request("a", prompt, greedy(12), loaded_rounded.eos_token_ids, session_id="s")
     run_engine(engine, [first])
     context = first.output_token_ids[:7] + [first.output_token_ids[7] + 1]  # parts from what the session computed
-    resumed = Request("b", prompt, greedy(20, logprobs=0), loaded_fp32.eos_token_ids, output_token_ids=list(context), session_id="s")
-    fresh = Request("b", prompt, greedy(20, logprobs=0), loaded_fp32.eos_token_ids, output_token_ids=list(context))
+    resumed = Request("b", prompt, greedy(20, logprobs=0), loaded_rounded.eos_token_ids, output_token_ids=list(context), session_id="s")
+    fresh = Request("b", prompt, greedy(20, logprobs=0), loaded_rounded.eos_token_ids, output_token_ids=list(context))
     got = _run_with_logprobs(engine, [resumed])["b"]
     assert resumed.num_cached_tokens == len(prompt) + 7
-    assert got == _run_with_logprobs(make_engine(loaded_fp32, max_model_len=512), [fresh])["b"]
+    assert got == _run_with_logprobs(make_engine(loaded_rounded, max_model_len=512), [fresh])["b"]
 
 
-def test_with_a_draft_model_that_never_answers_the_target_decodes_on_alone(loaded_fp32, plain):
+def test_with_a_draft_model_that_never_answers_the_target_decodes_on_alone(loaded_rounded, plain):
     """Lost draft calls (a dead draft replica) cost time, never tokens: each wait ends after max_draft_wait_ms."""
-    target = make_engine(loaded_fp32, max_model_len=512, speculative=SpecConfig(drafter="model", draft="d", max_draft_wait_ms=1))
-    [request] = _requests(loaded_fp32, [PROMPTS[0]], "p", logprobs=0)
+    target = make_engine(loaded_rounded, max_model_len=512, speculative=SpecConfig(drafter="model", draft="d", max_draft_wait_ms=1))
+    [request] = _requests(loaded_rounded, [PROMPTS[0]], "p", logprobs=0)
     request.request_id = "p-0"
     target.add_requests([request])
     while target.has_unfinished_requests():
@@ -218,18 +218,18 @@ def test_with_a_draft_model_that_never_answers_the_target_decodes_on_alone(loade
     assert target.stats()["spec_num_drafts"] == 0 and target.stats()["kv_blocks_used"] == 0
 
 
-def test_sampled_requests_verify_the_draft_models_own_distribution(loaded_fp32):
+def test_sampled_requests_verify_the_draft_models_own_distribution(loaded_rounded):
     """At temperature 1 a draft model that is the target itself sends q = p on its top tokens, so min(1, p/q)
     accepts a first draft with probability (nearly) the mass of those tokens: measured 0.94 over ~20 drafts,
     where the same drafts verified as one-hot pass with probability p(x) (measured 0.48; the bound below sits
     3 standard deviations above that, and that the two rates differ is tested without a model:
     tests/unit/spec/test_spec_sampled_drafts.py)."""
     torch.manual_seed(0)  # the draft's and the verifier's draws (no request is seeded)
-    target = make_engine(loaded_fp32, max_model_len=512, speculative=SpecConfig(drafter="model", draft="d", adaptive=False))
-    draft_engine = make_engine(loaded_fp32, max_model_len=512)
-    requests = [Request(f"s-{i}", loaded_fp32.tokenizer.encode(p), SamplingParams(max_tokens=20, min_tokens=20, temperature=1.0),
-                        loaded_fp32.eos_token_ids) for i, p in enumerate(PROMPTS[:4])]
-    _run_with_draft_model(target, draft_engine, requests, loaded_fp32.eos_token_ids, corrupt_every=0)
+    target = make_engine(loaded_rounded, max_model_len=512, speculative=SpecConfig(drafter="model", draft="d", adaptive=False))
+    draft_engine = make_engine(loaded_rounded, max_model_len=512)
+    requests = [Request(f"s-{i}", loaded_rounded.tokenizer.encode(p), SamplingParams(max_tokens=20, min_tokens=20, temperature=1.0),
+                        loaded_rounded.eos_token_ids) for i, p in enumerate(PROMPTS[:4])]
+    _run_with_draft_model(target, draft_engine, requests, loaded_rounded.eos_token_ids, corrupt_every=0)
     assert all(len(r.output_token_ids) == 20 for r in requests)
     stats = target.stats()
     assert stats["spec_num_drafts"] > 12 and stats["kv_blocks_used"] == 0

@@ -55,23 +55,23 @@ def _assert_follow_their_grammars(texts: list[str]) -> None:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_constrained_outputs_follow_their_grammars_and_equal_their_lone_runs(loaded_fp32, temperature):
-    batch = _requests(loaded_fp32, True, temperature) + _requests(loaded_fp32, False, temperature)
-    together = run_engine(make_engine(loaded_fp32), batch)
+def test_constrained_outputs_follow_their_grammars_and_equal_their_lone_runs(loaded_rounded, temperature):
+    batch = _requests(loaded_rounded, True, temperature) + _requests(loaded_rounded, False, temperature)
+    together = run_engine(make_engine(loaded_rounded), batch)
     constrained = batch[:4]
-    _assert_follow_their_grammars(_texts(loaded_fp32, constrained, together))
+    _assert_follow_their_grammars(_texts(loaded_rounded, constrained, together))
     assert [r.status.finish_reason for r in constrained] == ["stop"] * 4  # each grammar ended with EOS
-    alone = make_engine(loaded_fp32)
+    alone = make_engine(loaded_rounded)
     for request in (batch[0], batch[3], batch[4]):  # JSON, a choice, free text: each alone, as a fresh request
         again = Request(request.request_id, request.prompt_token_ids, request.sampling, request.eos_token_ids)
         assert run_engine(alone, [again])[again.request_id] == together[request.request_id], request.request_id
 
 
-def test_a_grammar_the_engine_cannot_use_fails_that_request_alone(loaded_fp32):
-    engine = make_engine(loaded_fp32)
-    broken = Request("broken", loaded_fp32.tokenizer.encode("Hi"), SamplingParams(max_tokens=4, grammar="start: /(ab/"),
-                     loaded_fp32.eos_token_ids)
-    fine = _requests(loaded_fp32, True)[3]
+def test_a_grammar_the_engine_cannot_use_fails_that_request_alone(loaded_rounded):
+    engine = make_engine(loaded_rounded)
+    broken = Request("broken", loaded_rounded.tokenizer.encode("Hi"), SamplingParams(max_tokens=4, grammar="start: /(ab/"),
+                     loaded_rounded.eos_token_ids)
+    fine = _requests(loaded_rounded, True)[3]
     engine.add_requests([broken, fine])
     outputs = {}
     while engine.has_unfinished_requests():
@@ -82,7 +82,7 @@ def test_a_grammar_the_engine_cannot_use_fails_that_request_alone(loaded_fp32):
     assert outputs[fine.request_id].finish_reason == "stop"
 
 
-def test_with_ngram_drafts_constrained_outputs_equal_the_targets_own_and_drafts_are_kept(loaded_fp32):
+def test_with_ngram_drafts_constrained_outputs_equal_the_targets_own_and_drafts_are_kept(loaded_rounded):
     """Drafts are tried on each request's grammar and rolled back; every verified position is masked as its grammar
     stands there, so greedy output is the constrained target's own, and drafts the grammar allows are accepted."""
     example = '{"city": "Paris", "population_millions": 2, "capital": true}'
@@ -90,24 +90,24 @@ def test_with_ngram_drafts_constrained_outputs_equal_the_targets_own_and_drafts_
                "Phone numbers: 555-1234, 555-1234, 555-"]
 
     def requests() -> list[Request]:
-        return [Request(str(i), loaded_fp32.tokenizer.encode(p), SamplingParams(max_tokens=32, temperature=0, grammar=g),
-                        loaded_fp32.eos_token_ids) for i, (p, g) in enumerate(zip(prompts, [JSON, JSON, PHONE]))]
+        return [Request(str(i), loaded_rounded.tokenizer.encode(p), SamplingParams(max_tokens=32, temperature=0, grammar=g),
+                        loaded_rounded.eos_token_ids) for i, (p, g) in enumerate(zip(prompts, [JSON, JSON, PHONE]))]
 
-    plain = run_engine(make_engine(loaded_fp32, max_model_len=512), requests())
-    engine = make_engine(loaded_fp32, max_model_len=512, speculative=SpecConfig(drafter="ngram", num_speculative_tokens=4))
+    plain = run_engine(make_engine(loaded_rounded, max_model_len=512), requests())
+    engine = make_engine(loaded_rounded, max_model_len=512, speculative=SpecConfig(drafter="ngram", num_speculative_tokens=4))
     assert run_engine(engine, requests()) == plain
     stats = engine.stats()
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
 
 
-def test_preemption_keeps_each_grammar_where_its_output_is(loaded_fp32):
+def test_preemption_keeps_each_grammar_where_its_output_is(loaded_rounded):
     """A preempted request recomputes its KV, not its tokens: its matcher stays where its output is."""
     def requests(tag: str) -> list[Request]:
-        return [Request(f"{tag}{i}", loaded_fp32.tokenizer.encode(p)[:40], SamplingParams(max_tokens=40, temperature=0, grammar=g),
-                        loaded_fp32.eos_token_ids) for i, (p, g) in enumerate(zip(PROMPTS * 2, [JSON] * 8))]
+        return [Request(f"{tag}{i}", loaded_rounded.tokenizer.encode(p)[:40], SamplingParams(max_tokens=40, temperature=0, grammar=g),
+                        loaded_rounded.eos_token_ids) for i, (p, g) in enumerate(zip(PROMPTS * 2, [JSON] * 8))]
 
-    roomy = run_engine(make_engine(loaded_fp32, max_model_len=128), requests("r"))
-    tight_engine = make_engine(loaded_fp32, max_model_len=128, num_kv_blocks=8)  # 128 tokens for 8 JSON answers
+    roomy = run_engine(make_engine(loaded_rounded, max_model_len=128), requests("r"))
+    tight_engine = make_engine(loaded_rounded, max_model_len=128, num_kv_blocks=8)  # 128 tokens for 8 JSON answers
     tight = run_engine(tight_engine, requests("t"))
     assert tight_engine.stats()["num_preemptions"] > 0
     assert [tight[f"t{i}"] for i in range(8)] == [roomy[f"r{i}"] for i in range(8)]

@@ -6,16 +6,16 @@ from app.server import _warm_up
 from tests.model.conftest import make_engine
 
 
-def test_warm_up_generates_then_runs_a_step_of_the_whole_token_budget(loaded_fp32):
-    engine = make_engine(loaded_fp32, max_model_len=512, max_num_batched_tokens=96)
-    assert _warm_up(engine, loaded_fp32, 96) > 0
+def test_warm_up_generates_then_runs_a_step_of_the_whole_token_budget(loaded_rounded):
+    engine = make_engine(loaded_rounded, max_model_len=512, max_num_batched_tokens=96)
+    assert _warm_up(engine, loaded_rounded, 96) > 0
     assert not engine.has_unfinished_requests()
     assert engine.counters.last_step_tokens == 96  # the full-budget prompt, prefilled in one step
     assert engine.counters.num_generated_tokens == 3  # two tokens, then one
 
 
-def test_the_full_step_fits_a_short_context(loaded_fp32):
-    loaded = dataclasses.replace(loaded_fp32, max_model_len=40)
+def test_the_full_step_fits_a_short_context(loaded_rounded):
+    loaded = dataclasses.replace(loaded_rounded, max_model_len=40)
     engine = make_engine(loaded, max_num_batched_tokens=2048)
     _warm_up(engine, loaded, 2048)
     assert engine.counters.last_step_tokens == 39  # max_model_len - 1 prompt tokens, room for the one output
