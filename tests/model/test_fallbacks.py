@@ -20,8 +20,8 @@ def test_without_the_kernels_every_prompt_still_equals_generate_inside_a_batch(k
     assert path.kernels.startswith("off") and path.attention is None
     assert path.parts["rms_norm"] == "torch" and path.parts["argmax"] == "torch"
     assert path.parts["linear"].startswith("onednn" if onednn_supported() else "torch")
-    prompts = [loaded_fp32.tokenizer.encode(p) for p in PROMPTS[:8]]
-    requests = [Request(f"fallback-{i}", ids, greedy(16), loaded_fp32.eos_token_ids) for i, ids in enumerate(prompts)]
+    prompts = [loaded_fp32.tokenizer.encode(p) for p in PROMPTS[:6]]
+    requests = [Request(f"fallback-{i}", ids, greedy(12), loaded_fp32.eos_token_ids) for i, ids in enumerate(prompts)]
     outputs = run_engine(engine, requests)
     for request, ids in zip(requests, prompts):
-        assert outputs[request.request_id] == hf_greedy(loaded_fp32, ids, 16), request.request_id
+        assert outputs[request.request_id] == hf_greedy(loaded_fp32, ids, 12), request.request_id
