@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command in ("compare", "peer"):
         print(format_table(result))
     elif args.command == "sweep":
-        from app.bench.report import sweep_table
+        from app.bench.report_tables import sweep_table
 
         print(sweep_table(result))
     elif args.command == "soak":

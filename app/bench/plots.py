@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from app.bench.report import ServerRuns, Source
+    from app.bench.report_tables import ServerRuns, Source
 
 
 def pyplot():
