@@ -34,7 +34,8 @@ import httpx
 import psutil
 import yaml
 
-from app.bench.load import WORDS, percentiles
+from app.bench.load import percentiles
+from app.bench.prompts import WORDS
 from app.bench.server import ROOT, _stop, _wait_ready
 
 SAMPLE_EVERY_S = 10.0
