@@ -24,8 +24,9 @@ model: install
 serve: model
 	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $(BIN)/serve run serve_config.yaml
 
+# Two halves side by side (tests/run.py): the Ray tiers mostly wait on Serve while the others compute.
 test: model
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m tests.run
 
 # The benchmark report (docs/benchmarks.md): every batching mode through `serve run` + HTTP on the standard
 # workloads, a concurrency sweep, the GPTQ build batched, transformers' own batching offline, then each peer in BENCH_PEERS (naive: the FastAPI +

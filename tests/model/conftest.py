@@ -7,6 +7,7 @@ from app.config import EngineConfig, ModelConfig, ServedModelConfig
 from app.engine import LLMEngine, Request, SamplingParams
 from app.models import load_model
 from app.server import ModelServer
+from tests.conftest import TORCH_THREADS
 
 
 # Varied prompts for equality tests: prose, code, lists, unicode, a chat template, a repeated sentence.
@@ -34,7 +35,7 @@ PROMPTS = [
 def server_fp32():
     """The real embedded model in fp32 (exact comparisons), behind the real engine, batch-invariant."""
     # 512-token steps: the warm-up runs one step of the whole budget, in fp32
-    engine = EngineConfig(max_num_batched_tokens=512, batch_invariant=True)
+    engine = EngineConfig(max_num_batched_tokens=512, batch_invariant=True, torch_threads=TORCH_THREADS)
     server = ModelServer(ServedModelConfig(model=ModelConfig(dtype="float32"), engine=engine))
     yield server
     server.shutdown(timeout_s=5)

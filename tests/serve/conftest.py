@@ -9,6 +9,8 @@ import httpx
 import pytest
 import yaml
 
+from tests.conftest import TORCH_THREADS
+
 PORT = 8765
 BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "smollm2-135m-instruct"
@@ -41,6 +43,7 @@ def app_args() -> dict:
     for model in config["models"]:
         model.setdefault("engine", {})["max_num_batched_tokens"] = TEST_STEP_TOKENS
         model["engine"]["parity_check"] = False
+        model["engine"]["torch_threads"] = TORCH_THREADS
         model["engine"]["batch_invariant"] = True  # batched == alone, bit for bit: one Linear kernel for every row count
         for spec in model["engine"].get("speculative", []):
             # the twins draft at every step, paying or not: their equality tests must exercise verification
