@@ -40,12 +40,16 @@ NUM_REQUESTS = 16
 # Run in a subprocess with the cluster's environment (its auth settings), not in pytest's process, which may
 # hold a Ray of its own: every replica of the app with its node, and every alive node's custom resources.
 PLACEMENT_PROBE = """
-import json, sys
+import json, sys, time
 from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 from ray.util.state import list_nodes
-address, app = sys.argv[1], sys.argv[2]
-details = ServeSubmissionClient(address).get_serve_details()
-application = details.get("applications", {}).get(app, {})
+address, app, deadline = sys.argv[1], sys.argv[2], time.monotonic() + float(sys.argv[3])
+while True:  # one process polls until the app settles (each probe process costs seconds of imports)
+    details = ServeSubmissionClient(address).get_serve_details()
+    application = details.get("applications", {}).get(app, {})
+    if application.get("status") in ("RUNNING", "DEPLOY_FAILED") or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
 replicas = [
     {"deployment": name, "state": r["state"], "node_id": r.get("node_id"), "log": r.get("log_file_path")}
     for name, deployment in application.get("deployments", {}).items() for r in deployment.get("replicas", [])
@@ -53,7 +57,6 @@ replicas = [
 nodes = {n.node_id: sorted(n.resources_total) for n in list_nodes(address=address) if n.state == "ALIVE"}
 print(json.dumps({"status": application.get("status"), "replicas": replicas, "nodes": nodes}))
 """
-
 
 def start_node(command: list[str], env: dict[str, str], log_path: pathlib.Path) -> subprocess.Popen:
     with open(log_path, "w") as log:
@@ -103,9 +106,10 @@ def two_nodes():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def placement(address: str, env: dict[str, str]) -> dict:
-    result = subprocess.run([sys.executable, "-c", PLACEMENT_PROBE, address, APP], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+def placement(address: str, env: dict[str, str], timeout_s: float) -> dict:
+    """Serve's view of the app once it is RUNNING or failed (or ``timeout_s`` passed), with the alive nodes."""
+    result = subprocess.run([sys.executable, "-c", PLACEMENT_PROBE, address, APP, str(timeout_s)], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=timeout_s + 60)  # fmt: skip
     if result.returncode != 0:
         return {"status": "PROBE_ERROR", "replicas": [], "nodes": {}, "error": result.stderr[-2000:]}
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -141,11 +145,7 @@ def test_replicas_spread_over_two_nodes_and_serve(two_nodes, tmp_path):
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     try:
         # RUNNING: both replicas started, which max_replicas_per_node 1 only allows with the second node joined
-        deadline = time.monotonic() + DEPLOY_TIMEOUT_S
-        state = placement(address, env)
-        while state["status"] not in ("RUNNING", "DEPLOY_FAILED") and time.monotonic() < deadline:
-            time.sleep(1)
-            state = placement(address, env)
+        state = placement(address, env, DEPLOY_TIMEOUT_S)
         assert state["status"] == "RUNNING", f"{state}\n{head_log.read_text()[-3000:]}"
         assert app_status(address, env, APP)[0] == "RUNNING"  # what `serve status` tells a user
 

@@ -3,7 +3,7 @@
 import pytest
 
 from app.engine import Request, SamplingParams
-from tests.model.conftest import PROMPTS, hf_greedy, make_engine
+from tests.model.conftest import PROMPTS, hf_greedy
 
 pytestmark = pytest.mark.model
 
@@ -58,11 +58,3 @@ def test_load_errors_name_the_model():
     with pytest.raises(ModelLoadError, match="missing.gguf"):
         load_model(ModelConfig(source="./missing.gguf"))
 
-
-def test_the_embedded_model_passes_the_load_time_parity_check(loaded_fp32):
-    """What a served model proves at start (engine.parity_check), here for the embedded model in fp32 (the served
-    test app starts it with the check off)."""
-    from app.engine.parity import check_parity
-
-    report = check_parity(make_engine(loaded_fp32), loaded_fp32)
-    assert report.max_gap < report.tolerance, report

@@ -37,7 +37,8 @@ def app_args() -> dict:
     the same reason a sequence waits for its draft model's answer however long it takes: on two cores the
     draft replica answers a batch of 16 calls in 1.5-3 s, past the shipped 500 ms wait. Both models skip
     their load-time parity check (~14 s and ~5 s of the app's start on two cores), which the model tier runs
-    at the same settings (tests/model/test_quantized_models.py, tests/model/test_greedy_parity.py)."""
+    at the same settings: the GPTQ model's in tests/model/test_quantized_models.py, the embedded model's at
+    the start of the ``server_fp32`` fixture (tests/model/conftest.py), which fails if it does."""
     config = yaml.safe_load(open("configs/smollm2-cpu.yaml"))
     config["models"][0]["model"]["dtype"] = "float32"
     for model in config["models"]:
