@@ -24,7 +24,7 @@ NO_TESTS = 5  # pytest's exit status when no test was selected
 
 
 def main(options: list[str]) -> int:
-    cores = len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     pytest = [sys.executable, "-m", "pytest", "-q", *options]
     if cores < 2:
         return subprocess.call(pytest)
