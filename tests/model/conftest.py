@@ -53,8 +53,7 @@ def loaded_rounded():
     """The embedded model with its Linear weights rounded to bf16 and held in fp32 (activations, KV and every sum
     stay fp32), for the engine's equality tests: transformers runs these very numbers, so equality with it is as
     exact as on the checkpoint's own weights; our kernel keeps bf16-exact weights as bf16 panels, so a decode
-    step streams half the bytes (~1.5x faster steps on a 2-core AVX2 machine). The same values the default CPU
-    path serves where bf16 is not native. The checkpoint's own fp32 weights: ``loaded_fp32``, ``server_fp32``."""
+    step streams half the bytes. The checkpoint's own fp32 weights: ``loaded_fp32``, ``server_fp32``."""
     loaded = load_model(ModelConfig(dtype="float32"))
     with torch.no_grad():
         for module in loaded.model.modules():
@@ -90,20 +89,13 @@ def run_engine(engine: LLMEngine, requests: list[Request], group: bool = True) -
     return {r.request_id: list(r.output_token_ids) for r in requests}
 
 
-_HF_GREEDY: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # (model, prompt) -> the longest greedy run made
-
-
 def hf_greedy(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """transformers' own generate, the reference every mode must equal. Remembered per model and prompt for the
-    session: with EOS masked, a shorter run is the longer one's start."""
-    key = (id(loaded.model), tuple(prompt_ids))
-    if len(_HF_GREEDY.get(key, ())) < max_tokens:
-        with torch.inference_mode():
-            out = loaded.model.generate(
-                torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
-            )
-        _HF_GREEDY[key] = out[0, len(prompt_ids) :].tolist()
-    return _HF_GREEDY[key][:max_tokens]
+    """transformers' own generate, the reference every mode must equal."""
+    with torch.inference_mode():
+        out = loaded.model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def engine_greedy_with_logprobs(loaded, prompts: list[str], max_tokens: int, **engine_fields) -> tuple[list[Request], dict]:

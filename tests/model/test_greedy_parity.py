@@ -57,4 +57,3 @@ def test_load_errors_name_the_model():
         load_model(ModelConfig(source="/no/such/dir"))
     with pytest.raises(ModelLoadError, match="missing.gguf"):
         load_model(ModelConfig(source="./missing.gguf"))
-
