@@ -66,18 +66,20 @@ def test_sampled_requests_are_verified_against_what_the_draft_replica_sampled_fr
     """At temperature 1 the draft (the embedded model) and the target (its GPTQ build) mostly agree in
     distribution: verified against the q each draft was drawn from, a first draft passes with about the mass
     they share (one-hot drafts would pass with p(x), about half as often: tests/model/test_speculative.py).
-    One stream at a time: inside a batch this machine's draft replica answers slower than a sequence waits."""
+    One stream at a time: inside a batch this machine's draft replica answers slower than a sequence waits. Six
+    of them (~30 first drafts): the kept share is a count of random draws, and the bound sits below what verified
+    drafts keep on a loaded machine, above what one-hot ones would."""
     handle = serve.get_app_handle("default")
     before = handle.model_stats.remote(GPTQ_MODEL).result()["spec_by_name"][GPTQ_SPEC_MODEL]
     body = {"model": GPTQ_SPEC_MODEL, "max_tokens": MAX_TOKENS, "temperature": 1.0, "ignore_eos": True}
     with httpx.Client(base_url=BASE, timeout=120) as http:
-        for prompt in PROMPTS[:3]:
+        for prompt in PROMPTS[:6]:
             response = http.post("/v1/completions", json={**body, "prompt": prompt})
             assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == MAX_TOKENS
     after = handle.model_stats.remote(GPTQ_MODEL).result()["spec_by_name"][GPTQ_SPEC_MODEL]
     drafts = after["num_drafts"] - before["num_drafts"]
     first_kept = after["num_accepted_tokens_per_pos"][0] - before["num_accepted_tokens_per_pos"][0]
-    assert drafts >= 8 and first_kept / drafts > 0.6, (drafts, first_kept)
+    assert drafts >= 16 and first_kept / drafts > 0.55, (drafts, first_kept)
 
 
 def test_the_plain_name_is_never_drafted_for(serve_app):
