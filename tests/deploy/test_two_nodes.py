@@ -58,6 +58,7 @@ nodes = {n.node_id: sorted(n.resources_total) for n in list_nodes(address=addres
 print(json.dumps({"status": application.get("status"), "replicas": replicas, "nodes": nodes}))
 """
 
+
 def start_node(command: list[str], env: dict[str, str], log_path: pathlib.Path) -> subprocess.Popen:
     with open(log_path, "w") as log:
         return subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
