@@ -37,26 +37,6 @@ NODE_RESOURCES = ("node_a", "node_b")  # one custom resource per node: which nod
 DEPLOY_TIMEOUT_S = 60
 NUM_REQUESTS = 16
 
-# Run in a subprocess with the cluster's environment (its auth settings), not in pytest's process, which may
-# hold a Ray of its own: every replica of the app with its node, and every alive node's custom resources.
-PLACEMENT_PROBE = """
-import json, sys, time
-from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
-from ray.util.state import list_nodes
-address, app, deadline = sys.argv[1], sys.argv[2], time.monotonic() + float(sys.argv[3])
-while True:  # one process polls until the app settles (each probe process costs seconds of imports)
-    details = ServeSubmissionClient(address).get_serve_details()
-    application = details.get("applications", {}).get(app, {})
-    if application.get("status") in ("RUNNING", "DEPLOY_FAILED") or time.monotonic() > deadline:
-        break
-    time.sleep(0.5)
-replicas = [
-    {"deployment": name, "state": r["state"], "node_id": r.get("node_id"), "log": r.get("log_file_path")}
-    for name, deployment in application.get("deployments", {}).items() for r in deployment.get("replicas", [])
-]
-nodes = {n.node_id: sorted(n.resources_total) for n in list_nodes(address=address) if n.state == "ALIVE"}
-print(json.dumps({"status": application.get("status"), "replicas": replicas, "nodes": nodes}))
-"""
 
 
 def start_node(command: list[str], env: dict[str, str], log_path: pathlib.Path) -> subprocess.Popen:
@@ -107,13 +87,35 @@ def two_nodes():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def auth_headers(env: dict[str, str]) -> dict[str, str]:
+    """The token header the dashboard asks for when the cluster runs with token authentication (as the CLI sends it)."""
+    if env.get("RAY_AUTH_MODE") != "token":
+        return {}
+    token = env.get("RAY_AUTH_TOKEN") or (pathlib.Path(env.get("HOME", str(pathlib.Path.home()))) / ".ray" / "auth_token").read_text()
+    return {"Authorization": f"Bearer {token.strip()}"}
+
+
 def placement(address: str, env: dict[str, str], timeout_s: float) -> dict:
-    """Serve's view of the app once it is RUNNING or failed (or ``timeout_s`` passed), with the alive nodes."""
-    result = subprocess.run([sys.executable, "-c", PLACEMENT_PROBE, address, APP, str(timeout_s)], env=env, cwd=ROOT,
-                            capture_output=True, text=True, timeout=timeout_s + 60)  # fmt: skip
-    if result.returncode != 0:
-        return {"status": "PROBE_ERROR", "replicas": [], "nodes": {}, "error": result.stderr[-2000:]}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    """Serve's view of the app once it is RUNNING or failed (or ``timeout_s`` passed), with every alive node's custom
+    resources: the dashboard's REST API, which ``serve status`` and ``ray list nodes`` read, polled from here (a
+    driver of this cluster would cost a process and seconds of imports)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=address, headers=auth_headers(env), timeout=10) as http:
+        while True:
+            details = http.get("/api/serve/applications/")
+            details.raise_for_status()
+            application = details.json().get("applications", {}).get(APP, {})
+            if application.get("status") in ("RUNNING", "DEPLOY_FAILED") or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        listed = http.get("/api/v0/nodes", params={"limit": 100})
+        listed.raise_for_status()
+    replicas = [
+        {"deployment": name, "state": r["state"], "node_id": r.get("node_id"), "log": r.get("log_file_path")}
+        for name, deployment in application.get("deployments", {}).items() for r in deployment.get("replicas", [])
+    ]
+    nodes = {n["node_id"]: sorted(n["resources_total"]) for n in listed.json()["data"]["result"]["result"] if n["state"] == "ALIVE"}
+    return {"status": application.get("status"), "replicas": replicas, "nodes": nodes}
 
 
 def served(log: pathlib.Path) -> bool:
@@ -123,10 +125,10 @@ def served(log: pathlib.Path) -> bool:
 
 def complete(http_port: int, index: int) -> tuple[int, str, str]:
     prompt = f"request {index} "
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 40}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 20}
     reply = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=30)
     text = reply.json()["choices"][0]["text"] if reply.status_code == 200 else reply.text
-    return reply.status_code, text, (prompt * 40)[:40]  # the fake model echoes the prompt
+    return reply.status_code, text, (prompt * 20)[:20]  # the fake model echoes the prompt
 
 
 def test_replicas_spread_over_two_nodes_and_serve(two_nodes, tmp_path):
@@ -144,29 +146,26 @@ def test_replicas_spread_over_two_nodes_and_serve(two_nodes, tmp_path):
         assert refused.returncode != 0 and "Authentication required" in refused.stdout + refused.stderr
     deployed = serve_cli(address, env, "deploy", str(config))
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-    try:
-        # RUNNING: both replicas started, which max_replicas_per_node 1 only allows with the second node joined
-        state = placement(address, env, DEPLOY_TIMEOUT_S)
-        assert state["status"] == "RUNNING", f"{state}\n{head_log.read_text()[-3000:]}"
-        assert app_status(address, env, APP)[0] == "RUNNING"  # what `serve status` tells a user
+    # RUNNING: both replicas started, which max_replicas_per_node 1 only allows with the second node joined
+    state = placement(address, env, DEPLOY_TIMEOUT_S)
+    assert state["status"] == "RUNNING", f"{state}\n{head_log.read_text()[-3000:]}"
+    assert app_status(address, env, APP)[0] == "RUNNING"  # what `serve status` tells a user
 
-        running = [r for r in state["replicas"] if r["state"] == "RUNNING"]
-        assert len(running) == 2 and {r["deployment"] for r in running} == {"OpenAIIngress"}, state
-        assert len(state["nodes"]) == 2, state
-        labels = {node: [name for name in NODE_RESOURCES if name in resources] for node, resources in state["nodes"].items()}
-        assert sorted(label for r in running for label in labels[r["node_id"]]) == list(NODE_RESOURCES), (labels, running)
+    running = [r for r in state["replicas"] if r["state"] == "RUNNING"]
+    assert len(running) == 2 and {r["deployment"] for r in running} == {"OpenAIIngress"}, state
+    assert len(state["nodes"]) == 2, state
+    labels = {node: [name for name in NODE_RESOURCES if name in resources] for node, resources in state["nodes"].items()}
+    assert sorted(label for r in running for label in labels[r["node_id"]]) == list(NODE_RESOURCES), (labels, running)
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
-            replies = list(pool.map(lambda i: complete(http_port, i), range(NUM_REQUESTS)))
-        assert [status for status, _, _ in replies] == [200] * NUM_REQUESTS, replies
-        assert all(text == expected for _, text, expected in replies), replies
-        # both replicas served some: each one's access log (Serve writes it on the replica's node; both nodes
-        # here keep their logs in the one session directory) has completions answered 200
-        logs = {r["node_id"]: temp_dir / "session_latest" / "logs" / r["log"].lstrip("/") for r in running}
-        deadline = time.monotonic() + 10
-        while not all(served(log) for log in logs.values()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert {labels[node][0]: served(log) for node, log in logs.items()} == {"node_a": True, "node_b": True}, logs
-    finally:
-        shutdown = serve_cli(address, env, "shutdown", "-y")
-    assert shutdown.returncode == 0, shutdown.stdout + shutdown.stderr
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        replies = list(pool.map(lambda i: complete(http_port, i), range(NUM_REQUESTS)))
+    assert [status for status, _, _ in replies] == [200] * NUM_REQUESTS, replies
+    assert all(text == expected for _, text, expected in replies), replies
+    # both replicas served some: each one's access log (Serve writes it on the replica's node; both nodes
+    # here keep their logs in the one session directory) has completions answered 200
+    logs = {r["node_id"]: temp_dir / "session_latest" / "logs" / r["log"].lstrip("/") for r in running}
+    deadline = time.monotonic() + 10
+    while not all(served(log) for log in logs.values()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert {labels[node][0]: served(log) for node, log in logs.items()} == {"node_a": True, "node_b": True}, logs
+    # no `serve shutdown`: the app goes with the nodes (a shutdown would first drain its replicas, seconds spent)

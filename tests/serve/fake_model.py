@@ -33,7 +33,7 @@ from app.server import ModelServer
 from app.spec.remote import DraftCall
 from tests.unit.fakes import CountingCore
 
-STEP_S = 0.005  # a (very fast) model's step; long answers stay cancellable without busy CPU
+STEP_S = 0.02  # a small model's decode step: long answers stay cancellable, and a stream costs little CPU
 MAX_MODEL_LEN = 1_000_000  # room for answers far longer than any test waits for
 EOS_TOKEN_ID = 0  # never in a test prompt, so the echo only stops at max_tokens
 SECRET = "secret internal detail"  # an exception's text, which must never reach a client

@@ -36,7 +36,7 @@ AUTOSCALING = {
 def _served(name: str) -> dict:
     return {
         "model": {"source": name},
-        "engine": {"separate_process": False, "stream_interval_ms": 100},  # fewer chunks: the proxy shares 2 cores
+        "engine": {"separate_process": False, "stream_interval_ms": 250},  # fewer chunks: the proxy shares 2 cores
         "replica": {"num_cpus": 0, "num_replicas": "auto", "target_queue_depth": 2, "autoscaling_config": AUTOSCALING},
     }
 
@@ -122,13 +122,13 @@ def test_queue_depth_scales_each_model_up_under_load_and_back_down_without_faili
     assert _running_replicas() == {HOSTED: 1, SEPARATE: 1}
     load = Load(client)
     try:
-        heavy = [load.start(model, STREAMS, max_tokens=300) for model in DEPLOYMENTS]  # 1.5 s answers, back to back
+        heavy = [load.start(model, STREAMS, max_tokens=75) for model in DEPLOYMENTS]  # 1.5 s answers, back to back
         _until_both_report_a_queue()  # what Serve reads
         up_s = _wait_for(2, timeout_s=40)
         for stop in heavy:
             stop.set()
         for model in DEPLOYMENTS:  # a trickle, below the target: one replica is enough, and it keeps being served
-            load.start(model, 1, max_tokens=40)
+            load.start(model, 1, max_tokens=10)
         down_s = _wait_for(1, timeout_s=40)
     finally:
         load.join()  # each client finishes the request it has in flight, those on the replica that left too

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.serve
 
 APP = "backpressure"
 BOUNDED, DEADLINE = "bounded", "deadline"
-LONG = 400  # tokens: 2 s of the fake's 5 ms steps, far longer than the burst takes to arrive
+LONG = 100  # tokens: 2 s of the fake's 20 ms steps, far longer than the burst takes to arrive
 
 
 def _served(name: str, **engine) -> dict:

@@ -28,7 +28,7 @@ STREAM_LIMIT_S = 60  # no stream may take longer: a hang fails the test
 
 def _args(step_timeout_s: float = 60.0) -> dict:
     def served(name: str) -> dict:
-        engine = {"separate_process": False, "stream_interval_ms": 50, "step_timeout_s": step_timeout_s}
+        engine = {"separate_process": False, "stream_interval_ms": 200, "step_timeout_s": step_timeout_s}
         return {"model": {"source": name}, "engine": engine, "replica": {"num_cpus": 0}}
 
     return {"server_factory": "tests.serve.fake_model:fake_model_server", "models": [served(LOCAL), served(REMOTE)]}
@@ -107,8 +107,8 @@ async def _run_streams(max_tokens: list[int], during) -> tuple[list[dict], float
 
 async def test_a_redeploy_while_16_streams_run_lets_them_finish(serve_cluster):
     await asyncio.to_thread(_deploy, _app(_args()))
-    # ~2000 fake steps of 5 ms: the streams outlast the redeploy, not the default 60 s grace period
-    outcomes, took = await _run_streams([2000] * NUM_STREAMS, lambda: _deploy(_app(_args(step_timeout_s=30.0))))
+    # ~500 fake steps of 20 ms: the streams outlast the redeploy, not the default 60 s grace period
+    outcomes, took = await _run_streams([500] * NUM_STREAMS, lambda: _deploy(_app(_args(step_timeout_s=30.0))))
     assert [o["outcome"] for o in outcomes] == ["complete"] * NUM_STREAMS, outcomes
     async with httpx.AsyncClient(base_url=BASE + PREFIX, timeout=30) as http:
         for model in (LOCAL, REMOTE):  # the new replicas serve
@@ -122,7 +122,7 @@ async def test_a_redeploy_while_16_streams_run_lets_them_finish(serve_cluster):
 async def test_a_delete_while_16_streams_run_finishes_short_ones_and_ends_the_rest_with_an_error_event(serve_cluster):
     grace_s = 8.0
     await asyncio.to_thread(_deploy, _app(_args(), graceful_shutdown_timeout_s=grace_s))
-    short, endless = 300, 100_000  # ~2 s of fake steps / ~10 min: cut at the end of the drain window
+    short, endless = 75, 100_000  # ~1.5 s of fake steps / ~30 min: cut at the end of the drain window
     started = time.monotonic()
     # by fours: short on each model, then endless on each model (_model alternates)
     lengths = [short, short, endless, endless] * (NUM_STREAMS // 4)

@@ -137,7 +137,7 @@ def test_concurrent_requests_to_both_models_each_get_their_own_answer(fake_app):
 
 def test_http_disconnect_aborts_the_request_in_the_engine(fake_client):
     aborted = _stats(MODEL_A)["num_aborted"]
-    body = {"model": MODEL_A, "prompt": "endless", "max_tokens": 100_000, "stream": True}  # ~8 min of fake steps
+    body = {"model": MODEL_A, "prompt": "endless", "max_tokens": 100_000, "stream": True}  # ~30 min of fake steps
     with fake_client.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()  # keep it: a dropped line iterator closes the connection
         assert response.status_code == 200 and next(lines).startswith("data:")

@@ -98,7 +98,7 @@ def test_a_killed_replica_is_a_503_telling_to_retry(fake_client):
         assert streaming.status_code == 200 and next(lines).startswith("data:")
         reader = threading.Thread(target=read, args=(lines,))
         reader.start()
-        killed_at = time.monotonic()  # the killer's replica exits two fake steps (~10 ms) after it arrives
+        killed_at = time.monotonic()  # the killer's replica exits two fake steps (~40 ms) after it arrives
         killer = fake_client.post("/v1/completions", json={"model": FRAGILE_MODEL, "prompt": "kill-replica-after-2", "max_tokens": 9})
         reader.join(timeout=30)
     assert not reader.is_alive(), "the stream did not end after its replica died"

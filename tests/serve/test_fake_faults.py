@@ -1,8 +1,8 @@
 """Clients that go away under load, on the fake model: their requests stop in the engine and free their KV,
 the others go on to their full answers.
 
-An app of its own, whose streams send a chunk every 50 ms at most: 16 streams of one token per 5 ms
-step would otherwise be ~3000 chunks a second through the proxy, more than a 2-core machine relays.
+An app of its own, whose streams send a chunk every 200 ms at most: each chunk costs the proxy and the
+replicas ~4 ms of CPU, and 16 streams of a chunk per 20 ms token would keep a 2-core machine busy relaying.
 """
 
 import asyncio
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.serve
 APP, PREFIX = "faults", "/faults"
 MODELS = ["faults-local", "faults-remote"]  # the one the ingress hosts, and one behind it (relayed through a handle)
 NUM_STREAMS = 16
-KEPT_TOKENS = 1500  # ~1500 fake steps of 5 ms: still running well after the others left
+KEPT_TOKENS = 400  # ~400 fake steps of 20 ms: still running well after the others left
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def faults_app(serve_cluster):
     from deployments.builder import build_app
 
     def served(name: str) -> dict:
-        engine = {"separate_process": False, "stream_interval_ms": 50}
+        engine = {"separate_process": False, "stream_interval_ms": 200}
         return {"model": {"source": name}, "engine": engine, "replica": {"num_cpus": 0}}
 
     args = {"server_factory": "tests.serve.fake_model:fake_model_server", "models": [served(name) for name in MODELS]}
