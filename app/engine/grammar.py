@@ -12,6 +12,7 @@ pay nothing. A grammar that reaches its end allows only EOS, so the request stop
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -21,6 +22,8 @@ import torch
 # vocabulary costs ~4x more on a CPU).
 _NEG_INF_BITS = int(torch.tensor(float("-inf")).view(torch.int32).item())
 _CACHED_GRAMMARS = 256
+# llguidance's view of each tokenizer (~1 s to build), shared by every engine of the process on that tokenizer
+_LLG_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class GrammarError(ValueError):
@@ -28,7 +31,7 @@ class GrammarError(ValueError):
 
 
 class Grammars:
-    """One engine's grammar state: the tokenizer as llguidance sees it (made on first use, ~1 s), compiled
+    """One engine's grammar state: the tokenizer as llguidance sees it (made on first use, ~1 s, once per process), compiled
     grammars by their text, and the step's masks."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
@@ -105,12 +108,7 @@ class Grammars:
 
     def _llg_tokenizer(self):
         if self._tokenizer is None:
-            import llguidance.hf
-
-            try:
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos)
-            except ValueError as exc:  # a slow (Python) tokenizer: llguidance reads fast tokenizers only
-                raise GrammarError(f"structured outputs need a fast tokenizer for this model: {exc}") from exc
+            self._tokenizer = _llg_tokenizer(self._hf_tokenizer, self.vocab_size, self._eos)
         return self._tokenizer
 
     def _parallel(self):
@@ -119,6 +117,23 @@ class Grammars:
 
             self._executor = llguidance.LLExecutor()
         return self._executor
+
+
+def _llg_tokenizer(hf_tokenizer, vocab_size: int, eos: list[int] | None):
+    """llguidance's tokenizer for ``hf_tokenizer``, built once per process for each vocabulary size and EOS set."""
+    import llguidance.hf
+
+    key = (vocab_size, tuple(eos or ()))
+    try:
+        built = _LLG_TOKENIZERS.setdefault(hf_tokenizer, {})
+    except TypeError:  # a tokenizer that takes no weak reference: built for this engine alone
+        built = {}
+    if key not in built:
+        try:
+            built[key] = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+        except ValueError as exc:  # a slow (Python) tokenizer: llguidance reads fast tokenizers only
+            raise GrammarError(f"structured outputs need a fast tokenizer for this model: {exc}") from exc
+    return built[key]
 
 
 def _write_masks(logits: torch.Tensor, bits: torch.Tensor) -> None:

@@ -62,11 +62,15 @@ def loaded_rounded():
     return loaded
 
 
+TEST_MAX_MODEL_LEN = 2048  # room for every prompt and answer of these tests; each engine zeroes a KV pool this long
+
+
 def make_engine(loaded, max_model_len: int | None = None, **engine_fields) -> LLMEngine:
     """An engine over already-loaded weights; a small KV pool unless the test asks otherwise. Batch-invariant unless
     the test asks otherwise: the equality tests compare a row's bits alone and among batch-mates."""
     engine_fields.setdefault("batch_invariant", True)
-    if max_model_len is not None:
+    max_model_len = max_model_len or min(loaded.max_model_len, TEST_MAX_MODEL_LEN)
+    if max_model_len != loaded.max_model_len:
         loaded = dataclasses.replace(loaded, max_model_len=max_model_len)
     engine_fields.setdefault("num_kv_blocks", max(loaded.max_model_len // 16, 64) + 64)
     return LLMEngine(loaded, EngineConfig(**engine_fields))

@@ -57,7 +57,7 @@ def quantized(request):
     return request.param, _loaded(request.param)
 
 
-GREEDY_TOKENS = 24
+GREEDY_TOKENS = 16
 
 
 @functools.cache
@@ -102,7 +102,7 @@ def test_gptq_is_small_and_close_to_full_precision(loaded_fp32):
     gptq = _loaded("gptq")
     stored, bf16 = quantized_linear_bytes(gptq.model)
     assert stored <= 0.40 * bf16, (stored, bf16)
-    text = heldout_text()[:4000]  # ~900 tokens: two of the perplexity's 512-token windows
+    text = heldout_text()[:2000]  # ~440 tokens, one perplexity window (measured: GPTQ 1.09x the fp32 model's)
     with torch.inference_mode():
         assert perplexity(gptq, text) <= 1.15 * perplexity(loaded_fp32, text)
 
