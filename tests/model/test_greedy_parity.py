@@ -1,5 +1,7 @@
 """The engine's greedy output equals transformers' own generate, token for token (fp32)."""
 
+import asyncio
+
 import pytest
 
 from app.engine import Request, SamplingParams
@@ -16,12 +18,13 @@ async def _engine_tokens(server, prompt_ids, **params):
     return tokens
 
 
-@pytest.mark.parametrize("prompt", PROMPTS[:6])
-async def test_greedy_equals_hf_generate(server_fp32, loaded_fp32, prompt):
-    """Through the whole server path: AsyncEngine, the engine process, paged attention."""
-    prompt_ids = loaded_fp32.tokenizer.encode(prompt)
-    got = await _engine_tokens(server_fp32, prompt_ids, max_tokens=16, temperature=0, ignore_eos=True)
-    assert got == hf_greedy(loaded_fp32, prompt_ids, 16)
+async def test_greedy_equals_hf_generate(server_fp32, loaded_fp32):
+    """Through the whole server path: AsyncEngine, the engine process, paged attention; the prompts sent together
+    (the engine is batch-invariant: each answers as it would alone, tests/model/test_engine_modes.py)."""
+    prompts = [loaded_fp32.tokenizer.encode(prompt) for prompt in PROMPTS[:6]]
+    got = await asyncio.gather(*(_engine_tokens(server_fp32, ids, max_tokens=16, temperature=0, ignore_eos=True) for ids in prompts))
+    mismatched = [PROMPTS[i] for i, ids in enumerate(prompts) if got[i] != hf_greedy(loaded_fp32, ids, 16)]
+    assert not mismatched, f"differs from transformers generate for {mismatched}"
 
 
 async def test_seeded_sampling_reproducible(server_fp32):
