@@ -39,7 +39,7 @@ EOS_TOKEN_ID = 0  # never in a test prompt, so the echo only stops at max_tokens
 SECRET = "secret internal detail"  # an exception's text, which must never reach a client
 TROUBLE_AFTER_TOKENS = 2
 WEDGE_RELEASE = threading.Event()  # set: a wedged step returns (only within this process)
-SLOW_WARMUP_S = 4.0
+SLOW_WARMUP_S = 8.0
 MAX_DRAFT_WAIT_S = 0.5  # how long a drafting sequence waits for its draft model's answer
 
 
