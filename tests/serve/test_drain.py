@@ -1,9 +1,14 @@
-"""Graceful drain: a redeploy or a delete while 16 streams run loses none of them silently.
+"""Streams that end before their answer, on the fake model: clients that go away under load (their requests stop
+in the engine and free their KV, the others go on to their full answers), and replicas that go, a redeploy or a
+delete while 16 streams run (graceful drain: none of them lost silently).
 
-Each stream either completes with the full answer (the fake model's ``echo``) or ends with an explicit
-error event (then ``[DONE]``); a stream that hangs, or ends without ``[DONE]`` and without an error
-event, fails the test. The app is the fake model in an app of its own: one model hosted by the ingress,
-one behind it in an LLMServer deployment (relayed through the ingress), so both drain paths are used.
+Each drained stream either completes with the full answer (the fake model's ``echo``) or ends with an explicit
+error event (then ``[DONE]``); a stream that hangs, or ends without ``[DONE]`` and without an error event, fails
+the test. The app is the fake model in an app of its own: one model hosted by the ingress, one behind it in an
+LLMServer deployment (relayed through the ingress), so both paths are used. Its streams send a chunk every 200 ms
+at most: each chunk costs the proxy and the replicas ~4 ms of CPU, and 16 streams of a chunk per 20 ms token would
+keep a 2-core machine busy relaying. The tests run in this order on one app: the clients leave, then the redeploy
+replaces its replicas, then the delete.
 """
 
 import asyncio
@@ -20,10 +25,11 @@ from tests.serve.fake_model import echo
 
 pytestmark = pytest.mark.serve
 
-APP, PREFIX = "drain", "/drain"
-LOCAL, REMOTE = "drain-local", "drain-remote"  # hosted by the ingress / an LLMServer deployment of its own
+APP, PREFIX = "streams", "/streams"
+LOCAL, REMOTE = "streams-local", "streams-remote"  # hosted by the ingress / an LLMServer deployment of its own
 NUM_STREAMS = 16
 STREAM_LIMIT_S = 60  # no stream may take longer: a hang fails the test
+KEPT_TOKENS = 400  # ~400 fake steps of 20 ms: still running well after the clients that leave have left
 
 
 def _args(step_timeout_s: float = 60.0) -> dict:
@@ -46,6 +52,13 @@ def _app(args: dict, graceful_shutdown_timeout_s: float | None = None) -> Applic
 
 def _deploy(app: Application) -> None:
     serve.run(app, name=APP, route_prefix=PREFIX)
+
+
+@pytest.fixture(scope="module")
+def streams_app(serve_cluster):
+    _deploy(_app(_args()))
+    yield
+    serve.delete(APP, _blocking=False)  # gone already after the delete test; its replicas leave while the next tests run
 
 
 def _model(i: int) -> str:
@@ -105,8 +118,63 @@ async def _run_streams(max_tokens: list[int], during) -> tuple[list[dict], float
     return outcomes, took
 
 
-async def test_a_redeploy_while_16_streams_run_lets_them_finish(serve_cluster):
-    await asyncio.to_thread(_deploy, _app(_args()))
+async def _stats(model: str) -> dict:
+    return await serve.get_app_handle(APP).model_stats.remote(model)
+
+
+async def _wait_for(model: str, done, timeout_s: float = 10) -> dict:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    stats = await _stats(model)
+    while not done(stats) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+        stats = await _stats(model)
+    return stats
+
+
+async def test_half_of_16_streams_disconnecting_stops_their_work_and_the_rest_finish(streams_app):
+    models = [LOCAL, REMOTE]
+    before = {model: await _stats(model) for model in models}
+    assert all(stats["num_running"] == 0 for stats in before.values()), before
+    started = [asyncio.Event() for _ in range(NUM_STREAMS)]
+    leave = asyncio.Event()
+
+    async def stream(i: int, http: httpx.AsyncClient) -> str | None:
+        """Even streams leave after their first chunk; odd ones read to the end and return the text."""
+        body = {"model": models[(i // 2) % 2], "prompt": f"client {i} ", "max_tokens": KEPT_TOKENS if i % 2 else 100_000,
+                "stream": True}
+        text = []
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                started[i].set()
+                text.append(json.loads(line[len("data: "):])["choices"][0]["text"])
+                if i % 2 == 0 and leave.is_set():
+                    return None  # leaving the block closes the connection mid-stream
+        return "".join(text)
+
+    async with httpx.AsyncClient(base_url=BASE + PREFIX, timeout=60) as http:
+        tasks = [asyncio.ensure_future(stream(i, http)) for i in range(NUM_STREAMS)]
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout=30)
+        loaded = {model: await _stats(model) for model in models}
+        assert all(stats["num_running"] == NUM_STREAMS // 2 for stats in loaded.values()), loaded
+        leave.set()
+        # the leavers' requests end in the engine (aborted, KV freed) while the kept ones still run
+        for model in models:
+            stats = await _wait_for(model, lambda s: s["num_running"] == NUM_STREAMS // 4)
+            assert stats["num_running"] == NUM_STREAMS // 4, stats
+            assert stats["num_aborted"] == before[model]["num_aborted"] + NUM_STREAMS // 4, stats
+        texts = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+    for i, text in enumerate(texts):
+        assert text == (echo(f"client {i} ", KEPT_TOKENS) if i % 2 else None), i
+    for model in models:  # all done: nothing left running, every stream's blocks back in the pool
+        stats = await _wait_for(model, lambda s: s["num_running"] == 0 and s["num_requests"] == 0)
+        assert stats["num_running"] == 0 and stats["num_requests"] == 0, stats
+        assert stats["num_finished"] == before[model]["num_finished"] + NUM_STREAMS // 4, stats
+
+
+async def test_a_redeploy_while_16_streams_run_lets_them_finish(streams_app):
     # ~500 fake steps of 20 ms: the streams outlast the redeploy, not the default 60 s grace period
     outcomes, took = await _run_streams([500] * NUM_STREAMS, lambda: _deploy(_app(_args(step_timeout_s=30.0))))
     assert [o["outcome"] for o in outcomes] == ["complete"] * NUM_STREAMS, outcomes
@@ -119,7 +187,7 @@ async def test_a_redeploy_while_16_streams_run_lets_them_finish(serve_cluster):
         assert (await ingress.model_stats.remote(model))["num_finished"] == 1
 
 
-async def test_a_delete_while_16_streams_run_finishes_short_ones_and_ends_the_rest_with_an_error_event(serve_cluster):
+async def test_a_delete_while_16_streams_run_finishes_short_ones_and_ends_the_rest_with_an_error_event(streams_app):
     grace_s = 8.0
     await asyncio.to_thread(_deploy, _app(_args(), graceful_shutdown_timeout_s=grace_s))
     short, endless = 75, 100_000  # ~1.5 s of fake steps / ~30 min: cut at the end of the drain window
