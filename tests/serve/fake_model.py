@@ -15,7 +15,8 @@ A prompt can ask for trouble, to test what failures look like to clients:
   request of that engine stops, and only the health check's step bound notices (``WEDGE_RELEASE``
   lets a test's own process go on).
 
-A model whose name contains ``slow-warmup`` takes ``SLOW_WARMUP_S`` to load and warm up (readiness tests).
+A model whose name contains ``slow-warmup`` loads and warms up until its test releases it (``warmup_release``: a
+file this machine's processes all see), or ``SLOW_WARMUP_S`` at most (readiness tests).
 
 A model with a ``drafter: model`` (``DraftingEchoCore``) asks its draft model, another fake, for proposals
 through the real path (the front's draft calls, Serve handles, the draft replica's ``propose``) and emits
@@ -23,6 +24,8 @@ those that match its own next bytes: its text never depends on the drafts, only 
 """
 
 import os
+import pathlib
+import tempfile
 import threading
 import time
 
@@ -39,7 +42,7 @@ EOS_TOKEN_ID = 0  # never in a test prompt, so the echo only stops at max_tokens
 SECRET = "secret internal detail"  # an exception's text, which must never reach a client
 TROUBLE_AFTER_TOKENS = 2
 WEDGE_RELEASE = threading.Event()  # set: a wedged step returns (only within this process)
-SLOW_WARMUP_S = 8.0
+SLOW_WARMUP_S = 60.0
 MAX_DRAFT_WAIT_S = 0.5  # how long a drafting sequence waits for its draft model's answer
 
 
@@ -231,9 +234,16 @@ class DraftingEchoCore(EchoCore):
         return super().abort_request(request_id)
 
 
+def warmup_release(model_name: str) -> pathlib.Path:
+    """The file whose existence ends ``model_name``'s slow warm-up."""
+    return pathlib.Path(tempfile.gettempdir()) / f"llm-serve-test-{model_name}.release"
+
+
 def build_fake_core(config: ServedModelConfig) -> tuple[EchoCore, CoreInfo]:
-    if "slow-warmup" in config.model.name:
-        time.sleep(SLOW_WARMUP_S)  # as loading weights and the warm-up generation take time
+    if "slow-warmup" in config.model.name:  # as loading weights and the warm-up generation take time
+        deadline = time.monotonic() + SLOW_WARMUP_S
+        while not warmup_release(config.model.name).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     tokenizer = ByteTokenizer()
     info = CoreInfo(config.model.name, tokenizer, MAX_MODEL_LEN, frozenset({EOS_TOKEN_ID}), 256, 0.0)
     drafters = {i: spec.num_speculative_tokens for i, spec in enumerate(config.engine.drafters) if spec.drafter == "model"}

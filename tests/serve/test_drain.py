@@ -188,7 +188,7 @@ async def test_a_redeploy_while_16_streams_run_lets_them_finish(streams_app):
 
 
 async def test_a_delete_while_16_streams_run_finishes_short_ones_and_ends_the_rest_with_an_error_event(streams_app):
-    grace_s = 8.0
+    grace_s = 5.0
     await asyncio.to_thread(_deploy, _app(_args(), graceful_shutdown_timeout_s=grace_s))
     short, endless = 75, 100_000  # ~1.5 s of fake steps / ~30 min: cut at the end of the drain window
     started = time.monotonic()

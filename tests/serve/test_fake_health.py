@@ -15,12 +15,12 @@ import pytest
 from ray import serve
 
 from tests.serve.conftest import BASE, FAKE_MODELS, FAKE_TWIN, FRAGILE_MODEL, with_deployment_options
-from tests.serve.fake_model import echo
+from tests.serve.fake_model import echo, warmup_release
 
 pytestmark = pytest.mark.serve
 
 APP, PREFIX = "probes", "/probes"
-FRONT, SLOW, WEDGED = "probes-front", "probes-slow-warmup", "probes-wedge"  # "slow-warmup": SLOW_WARMUP_S to warm up
+FRONT, SLOW, WEDGED = "probes-front", "probes-slow-warmup", "probes-wedge"  # "slow-warmup": warms up until released
 STEP_TIMEOUT_S, HEALTH_PERIOD_S = 2.0, 1.0
 _deployed: list[str] = []  # the app, once a test of this module has deployed it
 
@@ -69,6 +69,8 @@ def test_readiness_is_200_when_every_model_is_warm(fake_client):
 
 
 def test_readiness_is_503_until_every_model_has_warmed_up(probes_app):
+    release = warmup_release(SLOW)  # the slow model warms up until this file exists: once a probe has seen it warming
+    release.unlink(missing_ok=True)
     deploying = threading.Thread(target=serve.run, args=(_app(),), kwargs={"name": APP, "route_prefix": PREFIX})
     deploying.start()
     seen = []
@@ -77,6 +79,8 @@ def test_readiness_is_503_until_every_model_has_warmed_up(probes_app):
             while deploying.is_alive():
                 response = http.get("/health/ready")
                 seen.append((response.status_code, _json(response)))
+                if response.status_code == 503:
+                    release.touch()
                 time.sleep(0.3)
             deploying.join()
             _deployed.append(APP)
@@ -93,7 +97,9 @@ def test_readiness_is_503_until_every_model_has_warmed_up(probes_app):
         first_ready = statuses.index(200) if 200 in statuses else len(statuses)
         assert 503 not in statuses[first_ready:] and set(statuses[:first_ready]) <= {404, 503}, seen
     finally:
+        release.touch()  # a failed probe must not leave the deploy waiting
         deploying.join()
+        release.unlink(missing_ok=True)
 
 
 def test_a_wedged_engine_fails_its_health_check_and_serve_replaces_the_replica(probes_app):
