@@ -2,6 +2,7 @@
 API) loads without torch or transformers, which only the process that runs a model needs: a replica that
 routes, or serves from an engine process, starts seconds sooner and smaller."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,15 +10,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _loaded_after(module: str, heavy: tuple[str, ...]) -> list[str]:
-    code = f"import sys, {module}; print(' '.join(m for m in {heavy!r} if m in sys.modules))"
+def _first_to_load(modules: tuple[str, ...], heavy: tuple[str, ...]) -> dict[str, list[str]]:
+    """Import ``modules`` in order in one fresh interpreter; for each, which of ``heavy`` were loaded once it was
+    (the first module that loads one names the culprit)."""
+    code = ("import importlib, json, sys; loaded = {}\n"
+            f"for module in {modules!r}:\n"
+            "    importlib.import_module(module)\n"
+            f"    loaded[module] = [m for m in {heavy!r} if m in sys.modules]\n"
+            "print(json.dumps(loaded))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return out.split()
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_the_serving_path_imports_neither_torch_nor_transformers():
-    for module in ("deployments.ingress", "deployments.replica", "app.server", "app.api.serving", "app.spec.remote"):
-        assert _loaded_after(module, ("torch", "transformers")) == [], module
+    modules = ("deployments.ingress", "deployments.replica", "app.server", "app.api.serving", "app.spec.remote")
+    loaded = _first_to_load(modules, ("torch", "transformers"))
+    assert loaded == {module: [] for module in modules}, loaded
 
 
 def test_app_never_imports_ray():
