@@ -35,8 +35,8 @@ PROMPTS = [
 def server_fp32():
     """The real embedded model in fp32 (exact comparisons), behind the real engine, batch-invariant; its start runs
     the load-time parity check (engine.parity_check, on by default) and fails if the check does."""
-    # 512-token steps: the warm-up runs one step of the whole budget, in fp32
-    engine = EngineConfig(max_num_batched_tokens=512, batch_invariant=True, torch_threads=TORCH_THREADS)
+    # 256-token steps: the warm-up runs one step of the whole budget, in fp32
+    engine = EngineConfig(max_num_batched_tokens=256, batch_invariant=True, torch_threads=TORCH_THREADS)
     server = ModelServer(ServedModelConfig(model=ModelConfig(dtype="float32"), engine=engine))
     yield server
     server.shutdown(timeout_s=5)
