@@ -31,8 +31,8 @@ def run_step_profile(spec: LoadSpec, batches: list[int], dtype: str, steps: int,
     prompts = [loaded.tokenizer.encode(p) for p in make_prompts(LoadSpec(**{**spec.__dict__, "num_requests": max(batches)}))]
     kernels = kernels or {}
     report: dict = {"dtype": dtype, **kernels, "threads": torch.get_num_threads(), "batches": {}}
+    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(batches), **kernels))  # one start for every batch size
     for batch in batches:
-        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=batch, **kernels))
         report["batches"][batch] = _profile_batch(engine, prompts[:batch], steps, profiled_steps)
         row = report["batches"][batch]
         print(f"batch {batch}: {row['step_ms']} ms a step, {row['tok_per_s']} tok/s", flush=True)

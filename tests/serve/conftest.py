@@ -23,14 +23,14 @@ FAKE_BASE = f"{BASE}/fake"
 FAKE_MODELS = ["fake-a", "fake-b"]
 FRAGILE_MODEL = "fake-fragile"  # the one whose replica a test kills
 FAKE_TWIN = "fake-a-ngram"  # fake-a's speculative twin: the same model under a second name
-TEST_STEP_TOKENS = 512  # real engines' step budget in tests (their warm-up runs one full step)
+TEST_STEP_TOKENS = 256  # real engines' step budget in tests (their warm-up runs one full step)
 GPTQ_STEP_TOKENS = 128
 
 
 def app_args() -> dict:
     """The shipped config, with the bf16 model in fp32: batched == alone must hold exactly, and bf16
     rounding depends on how many rows a matmul has (a near-tie can then flip a greedy token). Steps of
-    512 tokens (the GPTQ build's 128): each engine's warm-up runs one step of the whole budget, and the suite
+    256 tokens (the GPTQ build's 128): each engine's warm-up runs one step of the whole budget, and the suite
     starts many. The
     speculative twins draft at every step (``adaptive: false``): on a fast target the policy may find the
     draft model too dear and draft nothing, which would leave their equality tests nothing to verify. For
