@@ -24,7 +24,7 @@ model: install
 serve: model
 	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $(BIN)/serve run serve_config.yaml
 
-# Two halves side by side (tests/run.py): the Ray tiers mostly wait on Serve while the others compute.
+# Three pytest runs side by side (tests/run.py): the Ray tiers mostly wait on Serve while the others compute.
 test: model
 	$(BIN)/python -m tests.run
 

@@ -29,11 +29,9 @@ def kernels_off():
 
 
 # Threads of torch in this process and of the engines the tests start (engine.torch_threads; 0: every core).
-# `make test` runs two tiers side by side on a 2-core machine, each on one thread: two 2-thread OpenMP pools on
-# 2 cores stall each other at every parallel region.
+# `make test` runs the tiers side by side on a 2-core machine, each on one thread: two 2-thread OpenMP pools on
+# 2 cores stall each other at every parallel region. torch reads OMP_NUM_THREADS when it starts (set here, before
+# any test module imports it; the Ray tier's process never does).
 TORCH_THREADS = int(os.environ.get("LLM_SERVE_TEST_THREADS", "0"))
 if TORCH_THREADS:
     os.environ["OMP_NUM_THREADS"] = str(TORCH_THREADS)
-    import torch
-
-    torch.set_num_threads(TORCH_THREADS)

@@ -1,13 +1,13 @@
-"""``make test``: the whole suite as two pytest runs side by side, each on half of the cores.
+"""``make test``: the whole suite as three pytest runs side by side, each torch on half of the cores.
 
-One half is the tiers on a Ray cluster (tests/serve, tests/deploy), which mostly wait on Serve: replicas starting,
-health checks, drains, autoscaling delays. The other (tests/model, tests/unit) mostly computes. Side by side, one's
-waits overlap the other's work. Each half's torch, and every engine it starts, runs on half of the cores
-(``LLM_SERVE_TEST_THREADS``, read by tests/conftest.py): two OpenMP pools each as wide as the machine would stall
-each other at every parallel region.
+The tiers on Ray (tests/serve on one local cluster; tests/deploy, which starts a two-node cluster of its own)
+mostly wait on Serve: replicas starting, health checks, drains, autoscaling. The other run (tests/model,
+tests/unit) mostly computes. Side by side, the waits overlap the work. Each run's torch, and every engine it
+starts, runs on half of the cores (``LLM_SERVE_TEST_THREADS``, read by tests/conftest.py): two OpenMP pools each
+as wide as the machine would stall each other at every parallel region.
 
-The computing half reports as it goes; the Ray half's report follows when it ends. The exit status is the first
-failure of either. Options (``-x``, ``-k EXPR``, ``--durations=N``) go to both runs; to run chosen test files,
+The computing run reports as it goes; the Ray runs' reports follow when they end. The exit status is the first
+failure of any. Options (``-x``, ``-k EXPR``, ``--durations=N``) go to every run; to run chosen test files,
 call pytest itself. On a single core, one pytest run of everything.
 """
 
@@ -18,8 +18,9 @@ import subprocess
 import sys
 import tempfile
 
-RAY_HALF = ("tests/serve", "tests/deploy")
-COMPUTE_HALF = ("tests/model", "tests/unit")
+RAY_TIER = ("tests/serve",)
+CLUSTER_TESTS = ("tests/deploy",)  # a two-node Ray cluster of their own, started and stopped beside the rest
+COMPUTE_TIERS = ("tests/model", "tests/unit")
 NO_TESTS = 5  # pytest's exit status when no test was selected
 COMPUTE_NICENESS = 5
 
@@ -30,27 +31,32 @@ def main(options: list[str]) -> int:
     if cores < 2:
         return subprocess.call(pytest)
     env = {**os.environ, "LLM_SERVE_TEST_THREADS": str(cores // 2)}
-    print(f"{' '.join(COMPUTE_HALF)} and {' '.join(RAY_HALF)} side by side, {cores // 2} thread(s) each", flush=True)
-    with tempfile.TemporaryFile(mode="w+") as ray_log:
-        ray_run = subprocess.Popen([*pytest, "-o", "cache_dir=.pytest_cache/ray", *RAY_HALF], env=env,
+    runs = [COMPUTE_TIERS, RAY_TIER, CLUSTER_TESTS]
+    print(f"{', '.join(' '.join(paths) for paths in runs)} side by side, {cores // 2} thread(s) each", flush=True)
+    with tempfile.TemporaryFile(mode="w+") as ray_log, tempfile.TemporaryFile(mode="w+") as cluster_log:
+        ray_run = subprocess.Popen([*pytest, "-o", "cache_dir=.pytest_cache/ray", *RAY_TIER], env=env,
                                    stdout=ray_log, stderr=subprocess.STDOUT)
-        compute_status = subprocess.call([*pytest, "-o", "cache_dir=.pytest_cache/compute", *COMPUTE_HALF], env=env,
-                                         preexec_fn=_yield_to_the_ray_half)
-        ray_status = ray_run.wait()
-        ray_log.seek(0)
-        print(f"\n---- {' '.join(RAY_HALF)} ----", flush=True)
-        sys.stdout.write(ray_log.read())
-    return _combined(compute_status, ray_status)
+        cluster_run = subprocess.Popen([*pytest, "-o", "cache_dir=.pytest_cache/cluster", *CLUSTER_TESTS], env=env,
+                                       stdout=cluster_log, stderr=subprocess.STDOUT)
+        compute_status = subprocess.call([*pytest, "-o", "cache_dir=.pytest_cache/compute", *COMPUTE_TIERS], env=env,
+                                         preexec_fn=_yield_to_the_ray_runs)
+        statuses = [compute_status]
+        for run, log, paths in ((ray_run, ray_log, RAY_TIER), (cluster_run, cluster_log, CLUSTER_TESTS)):
+            statuses.append(run.wait())
+            log.seek(0)
+            print(f"\n---- {' '.join(paths)} ----", flush=True)
+            sys.stdout.write(log.read())
+    return _combined(*statuses)
 
 
-def _yield_to_the_ray_half() -> None:
-    """The computing half runs at a lower priority: the Ray half is the longer one, and its waits on Serve (replicas
-    starting, health checks, drains) stretch when its processes queue behind the other half's compute."""
+def _yield_to_the_ray_runs() -> None:
+    """The computing run goes at a lower priority: the Ray runs' waits on Serve (replicas starting, health checks,
+    drains) stretch when their processes queue behind its compute."""
     os.nice(COMPUTE_NICENESS)
 
 
 def _combined(*statuses: int) -> int:
-    """The first failure; a half whose tests ``-k`` deselected all (pytest's 5) fails only if both did."""
+    """The first failure; a run whose tests ``-k`` deselected all (pytest's 5) fails only if every run's did."""
     failed = [status for status in statuses if status not in (0, NO_TESTS)]
     return failed[0] if failed else (NO_TESTS if all(s == NO_TESTS for s in statuses) else 0)
 

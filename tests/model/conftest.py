@@ -8,27 +8,9 @@ from app.engine import LLMEngine, Request, SamplingParams
 from app.models import load_model
 from app.server import ModelServer
 from tests.conftest import TORCH_THREADS
+from tests.prompts import PROMPTS  # noqa: F401 (the model tier's tests import it from here)
 
 
-# Varied prompts for equality tests: prose, code, lists, unicode, a chat template, a repeated sentence.
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "1, 2, 3, 4,",
-    "Translate to French: good morning",
-    "Ünïcödé and emoji 🙂 test:",
-    "The three primary colors are",
-    "import numpy as np\nx = np.",
-    "Q: What is 12 times 12?\nA:",
-    "<|im_start|>user\nName a planet.<|im_end|>\n<|im_start|>assistant\n",
-    "A haiku about autumn:\n",
-    "SELECT name FROM users WHERE",
-    "The quick brown fox jumps over the lazy dog. " * 6,
-    "Water boils at",
-    "List: apples, pears,",
-    "In 1492,",
-]
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from ray import serve
 
-from tests.model.conftest import PROMPTS
+from tests.prompts import PROMPTS
 from tests.serve.conftest import BASE, GPTQ_MODEL, GPTQ_NGRAM_MODEL, GPTQ_SPEC_MODEL
 
 pytestmark = pytest.mark.serve
