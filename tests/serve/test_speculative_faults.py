@@ -25,7 +25,7 @@ pytestmark = pytest.mark.serve
 APP, PREFIX = "specfaults", "/specfaults"
 TARGET, TWIN, DRAFT = "target", "target-spec", "draft"
 PROMPT = "one, two, three, four, five, six, seven, eight, nine, ten, "
-MAX_TOKENS = 120  # 120 fake steps of 20 ms at most, a draft round trip per 5 bytes: the kill lands mid-generation
+MAX_TOKENS = 80  # 80 fake steps of 20 ms at most, a draft round trip per 5 bytes: the kill lands mid-generation
 
 
 def _args() -> dict:
