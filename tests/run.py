@@ -1,4 +1,4 @@
-"""``make test``: the whole suite as three pytest runs side by side, each torch on half of the cores.
+"""``make test``: the whole suite as three pytest runs side by side, each on half of the cores.
 
 The tiers on Ray (tests/serve on one local cluster; tests/deploy, which starts a two-node cluster of its own)
 mostly wait on Serve: replicas starting, health checks, drains, autoscaling. The other run (tests/model,

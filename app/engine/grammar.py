@@ -31,8 +31,8 @@ class GrammarError(ValueError):
 
 
 class Grammars:
-    """One engine's grammar state: the tokenizer as llguidance sees it (made on first use, ~1 s, once per process), compiled
-    grammars by their text, and the step's masks."""
+    """One engine's grammar state: the tokenizer as llguidance sees it (made on first use, ~1 s, once per process),
+    compiled grammars by their text, and the step's masks."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self._hf_tokenizer = tokenizer

@@ -38,7 +38,6 @@ DEPLOY_TIMEOUT_S = 60
 NUM_REQUESTS = 16
 
 
-
 def start_node(command: list[str], env: dict[str, str], log_path: pathlib.Path) -> subprocess.Popen:
     with open(log_path, "w") as log:
         return subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -91,7 +90,8 @@ def auth_headers(env: dict[str, str]) -> dict[str, str]:
     """The token header the dashboard asks for when the cluster runs with token authentication (as the CLI sends it)."""
     if env.get("RAY_AUTH_MODE") != "token":
         return {}
-    token = env.get("RAY_AUTH_TOKEN") or (pathlib.Path(env.get("HOME", str(pathlib.Path.home()))) / ".ray" / "auth_token").read_text()
+    home = pathlib.Path(env.get("HOME", str(pathlib.Path.home())))
+    token = env.get("RAY_AUTH_TOKEN") or (home / ".ray" / "auth_token").read_text()
     return {"Authorization": f"Bearer {token.strip()}"}
 
 
@@ -114,7 +114,8 @@ def placement(address: str, env: dict[str, str], timeout_s: float) -> dict:
         {"deployment": name, "state": r["state"], "node_id": r.get("node_id"), "log": r.get("log_file_path")}
         for name, deployment in application.get("deployments", {}).items() for r in deployment.get("replicas", [])
     ]
-    nodes = {n["node_id"]: sorted(n["resources_total"]) for n in listed.json()["data"]["result"]["result"] if n["state"] == "ALIVE"}
+    alive = [n for n in listed.json()["data"]["result"]["result"] if n["state"] == "ALIVE"]
+    nodes = {n["node_id"]: sorted(n["resources_total"]) for n in alive}
     return {"status": application.get("status"), "replicas": replicas, "nodes": nodes}
 
 

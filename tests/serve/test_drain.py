@@ -58,7 +58,7 @@ def _deploy(app: Application) -> None:
 def streams_app(serve_cluster):
     _deploy(_app(_args()))
     yield
-    serve.delete(APP, _blocking=False)  # gone already after the delete test; its replicas leave while the next tests run
+    serve.delete(APP, _blocking=False)  # (gone after the delete test) its replicas leave while the next tests run
 
 
 def _model(i: int) -> str:
