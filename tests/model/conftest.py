@@ -11,8 +11,6 @@ from tests.conftest import TORCH_THREADS
 from tests.prompts import PROMPTS  # noqa: F401 (the model tier's tests import it from here)
 
 
-
-
 @pytest.fixture(scope="session")
 def server_fp32():
     """The real embedded model in fp32 (exact comparisons), behind the real engine, batch-invariant; its start runs

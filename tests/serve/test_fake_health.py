@@ -22,7 +22,6 @@ pytestmark = pytest.mark.serve
 APP, PREFIX = "probes", "/probes"
 FRONT, SLOW, WEDGED = "probes-front", "probes-slow-warmup", "probes-wedge"  # "slow-warmup": warms up until released
 STEP_TIMEOUT_S, HEALTH_PERIOD_S = 2.0, 1.0
-_deployed: list[str] = []  # the app, once a test of this module has deployed it
 
 
 def _args(names: list[str], **engine) -> dict:
@@ -83,7 +82,6 @@ def test_readiness_is_503_until_every_model_has_warmed_up(probes_app):
                     release.touch()
                 time.sleep(0.3)
             deploying.join()
-            _deployed.append(APP)
             ready = _poll(http, "/health/ready", lambda r: r.status_code == 200, timeout_s=10)
             assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
             served = http.post("/v1/completions", json={"model": SLOW, "prompt": "warm", "max_tokens": 4})
@@ -104,9 +102,10 @@ def test_readiness_is_503_until_every_model_has_warmed_up(probes_app):
 
 def test_a_wedged_engine_fails_its_health_check_and_serve_replaces_the_replica(probes_app):
     wedged, step_timeout_s, period_s = WEDGED, STEP_TIMEOUT_S, HEALTH_PERIOD_S
-    if APP not in _deployed:  # run without the readiness test
+    if APP not in serve.status().applications:  # run without the readiness test, which deploys it
+        warmup_release(SLOW).touch()  # no one watches the slow model warm up here
         serve.run(_app(), name=APP, route_prefix=PREFIX)
-        _deployed.append(APP)
+        warmup_release(SLOW).unlink()
     with httpx.Client(base_url=BASE + PREFIX, timeout=30) as http:
         started = time.monotonic()
         body = {"model": wedged, "prompt": "wedge-engine", "max_tokens": 50, "stream": True}
