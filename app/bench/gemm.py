@@ -14,9 +14,11 @@ so they are a different model numerically, as is our own bf16 kernel (``avx512-b
 report says whether a row computed alone has the same bits as inside a batch of ``rows``
 (``batch_invariant``), which the engine's bit-exact batching needs.
 
-The 4-bit routes take the same shapes as GPTQ layers (random codes, a zero and an fp16 scale per group of 32
-inputs and column): ``torch-int4`` is torch's ``_weight_int4pack_mm_for_cpu`` as GPTQModel calls it on CPU,
-``gptq-int4`` ours (``app/cpu/gptq.py``, CPUs with avx512_bf16): ``--kernels gptq-int4 torch-int4``.
+The 4-bit routes (``app/cpu/int4_kernels.py``) take the same shapes as GPTQ layers (random weights quantized to
+4-bit codes, a zero and an fp16 scale per group of 32 inputs and column): ``torch-int4`` is torch's
+``_weight_int4pack_mm_for_cpu`` as GPTQModel calls it on CPU, ``int4-avx512-bf16`` ours (CPUs with avx512_bf16),
+``dequant-fp32`` / ``dequant-bf16`` the weight rebuilt at each call and one dense product:
+``--kernels torch-int4 dequant-fp32``.
 """
 
 from __future__ import annotations
@@ -81,34 +83,24 @@ def _torch_bf16(weights: list[torch.Tensor]):
     return lambda inputs: [torch.nn.functional.linear(inputs[w.shape[1]].bfloat16(), w) for w in dense]
 
 
-def _int4_codes(weights: list[torch.Tensor], group_size: int = 32):
-    for w in weights:
-        n, k = w.shape
-        yield (torch.randint(0, 16, (n, k), dtype=torch.uint8), (torch.rand(k // group_size, n) * 0.02).half().float(),
-               torch.randint(4, 12, (k // group_size, n)).float(), n, k)
+def _int4_route(name: str):
+    """A 4-bit kernel of ``int4_kernels.py`` on GPTQ-like layers of the same shapes (random codes, a zero and an fp16
+    scale per group of 32 inputs and column)."""
+
+    def pack(weights: list[torch.Tensor]):
+        from app.cpu.int4_kernels import Int4Weights, available_int4_kernels
+
+        kernel = available_int4_kernels().get(name)
+        if kernel is None:
+            raise SystemExit(f"{name} does not run on this CPU or torch build")
+        layers = [(kernel.pack(Int4Weights.from_dense(w, 32)), w.shape[0], w.shape[1]) for w in weights]
+        return lambda inputs: [kernel.apply(inputs[k], packed, None, n) for packed, n, k in layers]
+
+    return pack
 
 
-def _gptq_int4(weights: list[torch.Tensor]):
-    from app.cpu.gptq import Int4Linear
-    from app.cpu.ops import load_ops
-
-    if (reason := load_ops()) is not None:
-        raise SystemExit(f"gptq-int4 needs the CPU kernels: {reason}")
-    layers = [(Int4Linear(codes, scales, zeros, 32, None), k) for codes, scales, zeros, n, k in _int4_codes(weights)]
-    return lambda inputs: [layer(inputs[k]) for layer, k in layers]
-
-
-def _torch_int4(weights: list[torch.Tensor]):
-    layers = []
-    for codes, scales, zeros, n, k in _int4_codes(weights):
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
-        offsets = (8 - zeros) * scales  # GPTQModel's zero offsets for torch's (code - 8) * scale + offset
-        layers.append((packed, torch.stack([scales, offsets], dim=-1).bfloat16().contiguous(), k))
-    return lambda inputs: [torch.ops.aten._weight_int4pack_mm_for_cpu(inputs[k].bfloat16(), packed, 32, sz)
-                           for packed, sz, k in layers]
-
-
-BF16_ROUTES = {"onednn-bf16": _onednn_bf16, "torch-bf16": _torch_bf16, "gptq-int4": _gptq_int4, "torch-int4": _torch_int4}
+INT4_ROUTES = ("int4-avx512-bf16", "torch-int4", "dequant-fp32", "dequant-bf16")
+BF16_ROUTES = {"onednn-bf16": _onednn_bf16, "torch-bf16": _torch_bf16, **{name: _int4_route(name) for name in INT4_ROUTES}}
 
 
 def batch_invariant(fn, rows: int) -> bool:

@@ -16,7 +16,7 @@ CPU_ATTENTION_KERNELS = ("auto", "torch")  # app/cpu/attention.py
 CPU_NORM_KERNELS = ("auto", "torch")  # app/cpu/norm.py
 CPU_ROTARY_KERNELS = ("auto", "torch")  # app/cpu/rotary.py
 CPU_DECODER_LAYERS = ("auto", "torch")  # app/cpu/decoder.py
-CPU_GPTQ_KERNELS = ("auto", "torch")  # app/cpu/gptq.py
+CPU_GPTQ_KERNELS = ("auto", "torch", "int4-avx512-bf16", "torch-int4", "dequant-fp32", "dequant-bf16")  # app/cpu/gptq.py
 _CPU_CHOICES = {
     "cpu_linear_kernel": CPU_LINEAR_KERNELS, "cpu_attention_kernel": CPU_ATTENTION_KERNELS, "cpu_norm_kernel": CPU_NORM_KERNELS,
     "cpu_rotary_kernel": CPU_ROTARY_KERNELS, "cpu_decoder_layer": CPU_DECODER_LAYERS, "cpu_gptq_kernel": CPU_GPTQ_KERNELS,
@@ -126,7 +126,9 @@ class EngineConfig:
     cpu_norm_kernel: str = "auto"  # fp32 RMSNorm on CPU: auto (ours where it builds and matches the model's) | torch
     cpu_rotary_kernel: str = "auto"  # fp32 RoPE in one-frame decoder layers: auto (ours where it gives the model's bits) | torch
     cpu_decoder_layer: str = "auto"  # packed CPU layers: auto (one-frame forward where it gives the module's bits) | torch
-    cpu_gptq_kernel: str = "auto"  # GPTQ 4-bit layers on CPU: auto (ours where the CPU has avx512_bf16) | torch (GPTQModel's)
+    # GPTQ 4-bit layers on CPU: auto (per shape and row count, as timed on this CPU) | torch (GPTQModel's layers) |
+    # int4-avx512-bf16 | torch-int4 | dequant-fp32 | dequant-bf16 (one kernel for every row count; app/cpu/int4_kernels.py)
+    cpu_gptq_kernel: str = "auto"
     # Requests a replica holds waiting for a place in the running batch (beyond max_num_seqs running); one more
     # gets 503 with Retry-After instead of waiting behind an ever longer queue (docs/configuration.md: Backpressure).
     max_queued_requests: int = 64

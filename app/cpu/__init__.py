@@ -4,7 +4,7 @@ Layout: ``kernels/*.c`` (AVX2/FMA C kernels; ``linear_avx512bf16.c`` for CPUs wi
 ``csrc/ops.cpp`` (their typed torch ops, ``torch.ops.llm_serve.*``), ``build.py`` + ``ops.py`` (build
 once, load, fake implementations), and one Python face per part: ``linear`` (prepacked GEMM on the kernels of
 ``linear_kernels``, chosen per shape and row count by ``kernel_choice``; fused
-sibling projections, gated MLPs), ``gptq`` (GPTQ 4-bit layers on CPUs with avx512_bf16), ``attention``
+sibling projections, gated MLPs), ``gptq`` (GPTQ 4-bit layers on the kernels of ``int4_kernels``, chosen as the Linear ones), ``attention``
 (paged attention read in place), ``norm`` (RMSNorm), ``rotary`` (RoPE), ``decoder`` (a decoder layer's
 forward in one frame), ``argmax`` (greedy sampling).
 
@@ -27,7 +27,6 @@ from app.cpu.attention import PagedAttentionKernel
 from app.cpu.decoder import fuse_decoder_layers, unfuse_decoder_layers
 from app.cpu.gptq import pack_gptq_linears
 from app.cpu.linear import describe_packed, pack_cpu_linears
-from app.cpu.linear_kernels import bf16_products_available
 from app.cpu.norm import fuse_rms_norms, unfuse_rms_norms
 from app.cpu.ops import unavailable_reason
 
@@ -60,10 +59,9 @@ def install_fast_path(model: nn.Module, config: EngineConfig, dtype: torch.dtype
         return _logged(path)
     pack_cpu_linears(model, config.cpu_linear_kernel, weight_dtype or torch.float32, bf16_products, config.batch_invariant)
     path.parts["linear"] = describe_packed(model)
-    if config.cpu_gptq_kernel == "auto" and bf16_products_available():
-        gptq = pack_gptq_linears(model)  # GPTQ 4-bit layers: our int4 kernel instead of torch's
-        if gptq:
-            path.parts["gptq linear"] = f"int4-avx512-bf16 ({gptq} layers)"
+    gptq = pack_gptq_linears(model, config.cpu_gptq_kernel, config.batch_invariant)  # GPTQ 4-bit layers
+    if gptq:
+        path.parts["gptq linear"] = gptq
     unfuse_rms_norms(model)  # a model an earlier engine of this process fused with other settings
     norms = fuse_rms_norms(model) if config.cpu_norm_kernel == "auto" else 0
     path.parts["rms_norm"] = f"kernel ({norms} modules)" if norms else "torch"

@@ -1,89 +1,67 @@
-"""GPTQ 4-bit Linear layers on our kernel (``llm_serve::linear_int4_bf16dot``) on CPUs with avx512_bf16.
+"""GPTQ 4-bit layers on the fastest 4-bit kernel of this CPU for each row count (``int4_kernels.py``).
 
-GPTQModel runs a 4-bit layer on CPU through torch's ``_weight_int4pack_mm_for_cpu``, whose cost grows with
-every few rows as if each were a fresh pass over the weights (on a 2-core AVX-512 EPYC a 576 x 1536 layer:
-~30 us at 1 row, ~90 at 8, ~450 at 40): a step that verifies speculative drafts, or a batch of decodes, pays
-for each row nearly in full. Ours turns each code into bf16 in registers by a table lookup (cheap enough to
-redo for every tile of 6 rows), multiplies with ``vdpbf16ps`` as the bf16 kernel does, and applies a group's
-zero and scale once to its sum. Served, a GPTQ model runs 1.3-1.6x faster on it than on GPTQModel's kernel
-(docs/quantization.md; the products alone: ``python -m app.bench gemm --kernels gptq-int4 torch-int4``).
+GPTQModel runs a 4-bit layer on CPU through torch's ``_weight_int4pack_mm_for_cpu`` after gathering its input and
+casting it at every call; that op's cost grows with every few rows as if each were a fresh pass over the weights
+(a 576 x 1536 layer on a 2-core AVX-512 EPYC: ~30 us at 1 row, ~90 at 8, ~450 at 40), so a batch of decodes, a step
+verifying speculative drafts and above all a prefill chunk pay for each row nearly in full. The engine therefore
+takes each layer this module can read exactly into an :class:`Int4Linear` on the kernels of ``int4_kernels.py``.
+With ``engine.cpu_gptq_kernel: auto`` each layer shape and row bucket runs on the fastest of them, timed on this
+CPU at the first start and cached (``kernel_choice.py``, the Linear layers' mechanism; the incumbent is ours where
+the CPU has avx512_bf16, else torch's op, and a challenger must beat it by the margin): on a 2-core AVX2 EPYC
+torch's op keeps up to 64 rows and the rebuilt weight on MKL takes prefill chunks. With ``engine.batch_invariant``
+only our fixed-order kernel is taken (where the CPU lacks it, GPTQModel's layers stay). ``torch`` leaves GPTQModel's
+layers; a kernel's name runs it for every row count.
 
-Numbers: activations are rounded to bf16, as torch's int4 kernel rounds them; the codes are exact in bf16, so
-each product ``x * code`` is exact and summed in fp32 over a group, then ``scale * (sum - zero * sum of x)``
-in fp32 with the checkpoint's own fp16 scales, where GPTQModel's CPU path rounds scales and zeros to bf16 first
-(~20x further from the checkpoint's weights). Scales stay fp16 and zeros bytes, so the layer is as small as
-GPTQ's own packing. Every output is summed in one fixed order: a row has the same bits alone or in any batch.
-
-Only layers this layout describes exactly are taken: 4-bit, input features in whole groups in order (no
-act-order permutation), no adapter, not yet run by GPTQModel (which repacks its weights on the first call);
-the codes read back must give GPTQModel's own dequantized weight, or the layer is left as it is.
+Only layers the 4-bit layout describes exactly are taken: 4-bit, input features in whole groups in order (no
+act-order permutation), no adapter, not yet run by GPTQModel (which repacks its weights on the first call); the
+codes read back must give GPTQModel's own dequantized weight, or the layer is left as it is. A shape whose buckets
+pick two kernels holds two 4-bit copies of its codes (the log line says so).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 from torch import nn
 
-from app.cpu.ops import OPS
+from app.config import CPU_GPTQ_KERNELS
+from app.cpu import kernel_choice
+from app.cpu.build import build_id
+from app.cpu.int4_kernels import (
+    FIXED_ORDER_INT4,
+    Int4Weights,
+    available_int4_kernels,
+)
+from app.cpu.kernel_choice import BUCKETS, LinearShape
+from app.cpu.linear import bucketed
+from app.cpu.linear_kernels import RowBucketKernel
+from app.cpu.ops import available
 
 logger = logging.getLogger(__name__)
 
-GROUP_COLS = 64  # columns per group of the packed layout (the bf16 kernel's)
-
 
 class Int4Linear(nn.Module):
-    """A GPTQ layer's weights in the kernel's layout; ``forward`` is the kernel."""
+    """A GPTQ layer's codes in its kernel's layout (one per kernel where a shape mixes them); ``forward`` is the kernel."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None) -> None:
+    def __init__(self, weights: Int4Weights, bias: torch.Tensor | None, kernel) -> None:
         super().__init__()
-        self.out_features, self.in_features = codes.shape
-        self.group_size = group_size
-        self.register_buffer("codes", pack_codes(codes))
-        self.register_buffer("scales", pack_per_group(scales, torch.float16))
-        self.register_buffer("zeros", pack_per_group(zeros, torch.uint8))
+        self.out_features, self.in_features = weights.codes.shape
+        self.group_size, self.kernel = weights.group_size, kernel
+        self.packed = kernel.pack(weights)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return OPS.linear_int4_bf16dot(x, self.codes, self.scales, self.zeros, self.bias, self.out_features, self.group_size)
+        return self.kernel.apply(x, self.packed, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, kernel=int4-avx512-bf16"
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, kernel={self.kernel.name}"
 
 
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """``codes`` [out, in] (0..15) -> [group of 64 columns][input pair][half][32 bytes]: byte j of half h holds
-    value j of panel 2h (16 columns) in its low nibble and of panel 2h + 1 in its high one, value v of a panel
-    being its column v // 2 at input 2 * pair + v % 2 (the bf16 kernel's order). Padded columns: code 0."""
-    n, k = codes.shape
-    groups = -(-n // GROUP_COLS)
-    padded = codes.new_zeros(groups * GROUP_COLS, k, dtype=torch.uint8)
-    padded[:n] = codes
-    values = padded.view(groups, 4, 16, k // 2, 2).permute(0, 3, 1, 2, 4).reshape(groups, k // 2, 2, 2, 32)
-    return (values[:, :, :, 0] | (values[:, :, :, 1] << 4)).contiguous().view(-1)
-
-
-def pack_per_group(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Scales (fp16) or zero codes (uint8) [in / group_size, out] -> [group of 64 columns][quantization group][64];
-    padded columns 0."""
-    quant_groups, n = values.shape
-    groups = -(-n // GROUP_COLS)
-    padded = values.new_zeros(quant_groups, groups * GROUP_COLS, dtype=dtype)
-    padded[:, :n] = values
-    return padded.view(quant_groups, groups, GROUP_COLS).permute(1, 0, 2).contiguous().view(-1)
-
-
-def dequantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The [out, in] fp32 weight the layer stands for: (code - zero) * scale."""
-    per_input = lambda t: t.float().repeat_interleave(group_size, dim=0).t()  # noqa: E731  [out, in]
-    return (codes.float() - per_input(zeros)) * per_input(scales)
-
-
-def gptq_codes(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(codes [out, in], scales, zeros [in / group_size, out]) of a GPTQModel 4-bit layer this layout describes
-    exactly, else None (the reason at debug level)."""
+def gptq_weights(module: nn.Module) -> Int4Weights | None:
+    """The codes, scales and zeros of a GPTQModel 4-bit layer the 4-bit layout describes exactly, else None (the
+    reason at debug level)."""
     reason = _unsupported(module)
     if reason is not None:
         logger.debug("GPTQ layer left to GPTQModel's kernel: %s", reason)
@@ -97,11 +75,12 @@ def gptq_codes(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     if not torch.equal(scales.half().float(), scales):
         logger.debug("GPTQ layer left to GPTQModel's kernel: its scales are not fp16 values")
         return None
+    weights = Int4Weights(codes, scales, zeros, group_size)
     reference = module.dequantize_weight().float().t()  # GPTQModel's own reading of the same tensors
-    if not torch.equal(reference, dequantized(codes, scales, zeros, group_size).to(module.scales.dtype).float()):
+    if not torch.equal(reference, weights.dequantized().to(module.scales.dtype).float()):
         logger.debug("GPTQ layer left to GPTQModel's kernel: its dequantized weight differs from the codes' reading")
         return None
-    return codes, scales, zeros
+    return weights
 
 
 def _unsupported(module: nn.Module) -> str | None:
@@ -121,16 +100,83 @@ def _unsupported(module: nn.Module) -> str | None:
     return None
 
 
-def pack_gptq_linears(model: nn.Module) -> int:
-    """Replace every GPTQ 4-bit layer of ``model`` this kernel runs exactly by an :class:`Int4Linear`; returns how many."""
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not hasattr(child, "qweight") or not hasattr(child, "dequantize_weight"):
-                continue
-            found = gptq_codes(child)
-            if found is None:
-                continue
-            setattr(parent, name, Int4Linear(*found, child.group_size, getattr(child, "bias", None)))
-            replaced += 1
-    return replaced
+def pack_gptq_linears(model: nn.Module, choice: str = "auto", batch_invariant: bool = False) -> str | None:
+    """Replace every GPTQ 4-bit layer of ``model`` this module reads exactly by an :class:`Int4Linear` on the kernel(s)
+    ``choice`` (``engine.cpu_gptq_kernel``) gives; returns what runs them, for the start-up log (None: none replaced)."""
+    if choice == "torch":
+        return None
+    found = [(parent, name, child, weights) for parent in list(model.modules()) for name, child in list(parent.named_children())
+             if hasattr(child, "qweight") and hasattr(child, "dequantize_weight") and (weights := gptq_weights(child)) is not None]
+    if not found:
+        return None
+    shapes = {_shape_of(weights) for *_, weights in found}
+    kernels = choose_int4_kernels(choice, batch_invariant, sorted(shapes))
+    if kernels is None:
+        return None
+    replaced = []
+    for parent, name, child, weights in found:
+        layer = Int4Linear(weights, getattr(child, "bias", None), kernels[_shape_of(weights)])
+        setattr(parent, name, layer)
+        replaced.append(layer)
+    return describe(replaced)
+
+
+def choose_int4_kernels(choice: str, batch_invariant: bool, shapes: list[tuple[int, int, int]]) -> dict | None:
+    """(out, in, group size) -> the kernel for it: the one named, else with ``auto`` the bake-off's per row bucket;
+    None where GPTQModel's layers should stay (batch-invariant mode on a CPU without our fixed-order kernel)."""
+    kernels = available_int4_kernels()
+    if choice != "auto":
+        if choice not in CPU_GPTQ_KERNELS:
+            raise ValueError(f"engine.cpu_gptq_kernel {choice!r} is not one of {', '.join(CPU_GPTQ_KERNELS)}")
+        if choice not in kernels:
+            raise ValueError(f"engine.cpu_gptq_kernel is {choice!r}, which this CPU or torch build does not run "
+                             f"({'avx512_bf16 and the CPU kernels' if choice == 'int4-avx512-bf16' else 'oneDNN bf16 or int4 ops'} "
+                             f"missing); it runs: {', '.join(['auto', 'torch', *kernels])}")
+        if batch_invariant and choice not in FIXED_ORDER_INT4:
+            raise ValueError(f"engine.batch_invariant needs a fixed-order kernel, and engine.cpu_gptq_kernel is {choice!r}: "
+                             "use auto or int4-avx512-bf16")
+        return dict.fromkeys(shapes, kernels[choice])
+    fixed = [kernels[name] for name in FIXED_ORDER_INT4 if name in kernels]
+    if batch_invariant or len(kernels) < 2:
+        return dict.fromkeys(shapes, fixed[0]) if fixed else None
+    incumbent = fixed[0].name if fixed else "torch-int4"
+    chosen = {}
+    for group_size in sorted({g for *_, g in shapes}):
+        timed = {name: TimedOnDense(kernel, group_size) for name, kernel in kernels.items()}
+        linear_shapes = [LinearShape(n, k, weight_bytes=0.5) for n, k, g in shapes if g == group_size]
+        decisions = kernel_choice.choose(linear_shapes, timed, incumbent, f"gptq-int4 group {group_size}",
+                                         build_id() if available() else None)
+        for shape in linear_shapes:
+            chosen[(shape.out_features, shape.in_features, group_size)] = bucketed(decisions[shape.key], kernels)
+    return chosen
+
+
+class TimedOnDense:
+    """A 4-bit kernel as the bake-off times it: on random dense weights quantized here."""
+
+    def __init__(self, kernel, group_size: int) -> None:
+        self.kernel, self.name, self.group_size = kernel, kernel.name, group_size
+
+    def pack(self, weight: torch.Tensor):
+        return self.kernel.pack(Int4Weights.from_dense(weight, self.group_size))
+
+    def apply(self, x: torch.Tensor, packed, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+        return self.kernel.apply(x, packed, bias, out_features)
+
+
+def _shape_of(weights: Int4Weights) -> tuple[int, int, int]:
+    return (*weights.codes.shape, weights.group_size)
+
+
+def describe(layers: list[Int4Linear]) -> str:
+    """Which kernels run the 4-bit layers, how many, and the memory of the second copies where a shape mixes two."""
+    kernels = Counter(layer.kernel.name for layer in layers)
+    second = sum(_bytes(layer.packed[1:]) for layer in layers if isinstance(layer.kernel, RowBucketKernel))
+    extra = f", {second / 2**20:.0f} MB in second copies of their codes" if second else ""
+    return ", ".join(f"{name}: {count} layers" for name, count in kernels.most_common()) + extra
+
+
+def _bytes(packed) -> int:
+    if isinstance(packed, torch.Tensor):
+        return packed.numel() * packed.element_size()
+    return sum(_bytes(part) for part in packed) if isinstance(packed, tuple) else 0

@@ -72,11 +72,13 @@ BUCKETS = (Bucket(1, 1, 1), Bucket(2, 8, 4), Bucket(9, 64, 32), Bucket(65, None,
 @dataclass(frozen=True)
 class LinearShape:
     """A packed weight's shape as the timing needs it: ``bf16_exact`` weights are stored at half the bytes by our
-    kernel, so they are timed that way."""
+    kernel, so they are timed that way; ``weight_bytes`` per weight sets how many copies stream from memory (0.5 for
+    4-bit codes)."""
 
     out_features: int
     in_features: int
     bf16_exact: bool = False
+    weight_bytes: float = 4.0
 
     @property
     def key(self) -> str:
@@ -108,7 +110,7 @@ def time_candidates(shape: LinearShape, kernels: dict[str, object], buckets=BUCK
     weights from memory, not cache; from :data:`COMPUTE_BOUND_ROWS` rows, where each weight byte serves that many
     products, one copy), the kernels alternate, and the fastest of :data:`_REPEATS` passes counts."""
     columns = min(shape.out_features, MAX_TIMED_COLUMNS)
-    copies = min(MAX_COPIES, max(1, math.ceil(STREAM_BYTES / (columns * shape.in_features * 4))))
+    copies = min(MAX_COPIES, max(1, math.ceil(STREAM_BYTES / (columns * shape.in_features * shape.weight_bytes))))
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(columns, shape.in_features, generator=generator) / math.sqrt(shape.in_features)
                for _ in range(copies)]

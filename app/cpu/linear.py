@@ -223,10 +223,11 @@ def choose_kernels(choice: str, weight_dtype: torch.dtype, bf16_products: bool, 
         return one_for_all
     family = "bf16-products" if bf16_products else ("bf16-weights" if weight_dtype == torch.bfloat16 else "fp32")
     decisions = kernel_choice.choose(shapes, candidates, fixed.name, family, build_id() if available() else None)
-    return {(shape.out_features, shape.in_features): _bucketed(decisions[shape.key], candidates) for shape in shapes}
+    return {(shape.out_features, shape.in_features): bucketed(decisions[shape.key], candidates) for shape in shapes}
 
 
-def _bucketed(choice: dict[str, str], candidates: dict[str, LinearKernel]) -> LinearKernel:
+def bucketed(choice: dict[str, str], candidates: dict[str, LinearKernel]) -> LinearKernel:
+    """One kernel where the bake-off chose one for every bucket, else each bucket on its own."""
     names = [choice[bucket.name] for bucket in BUCKETS]
     if len(set(names)) == 1:
         return candidates[names[0]]

@@ -9,7 +9,8 @@ from bitsandbytes import functional as bnb_functional
 
 from app.bench.fidelity import heldout_text, perplexity
 from app.config import ModelConfig
-from app.cpu.gptq import Int4Linear, dequantized, gptq_codes
+from app.cpu.gptq import Int4Linear, gptq_weights
+from app.cpu.int4_kernels import OursInt4Kernel, TorchInt4Kernel, available_int4_kernels
 from app.cpu.linear_kernels import bf16_products_available
 from app.engine import Request
 from app.models import ModelLoadError, load_model
@@ -107,30 +108,50 @@ def test_gptq_is_small_and_close_to_full_precision(loaded_fp32):
         assert perplexity(gptq, text) <= 1.15 * perplexity(loaded_fp32, text)
 
 
-def test_the_gptq_model_passes_the_load_time_parity_check():
+@pytest.mark.parametrize("kernel", ["batch-invariant", "dequant-fp32"])
+def test_the_gptq_model_passes_the_load_time_parity_check(kernel):
     """What a served GPTQ model proves at start (engine.parity_check), run here once for every test app that
-    starts it with the check off."""
+    starts it with the check off: on the batch-invariant kernels the equality tests use, and with every 4-bit layer
+    on the weight rebuilt at each call (the kernel ``auto`` takes for prefill chunks where it wins)."""
     from app.engine.parity import check_parity
 
-    loaded = _loaded("gptq")
-    report = check_parity(make_engine(loaded), loaded)
+    loaded = _loaded("gptq") if kernel == "batch-invariant" else _load("gptq")
+    engine = make_engine(loaded) if kernel == "batch-invariant" else make_engine(loaded, batch_invariant=False, cpu_gptq_kernel=kernel)
+    if kernel != "batch-invariant":
+        assert {m.kernel.name for m in loaded.model.modules() if isinstance(m, Int4Linear)} == {kernel}
+    report = check_parity(engine, loaded)
     assert report.max_gap < report.tolerance, report
+
+
+def test_torch_int4_is_gptqmodels_own_layer_bit_for_bit():
+    """Where ``auto`` keeps torch's int4 op it computes what GPTQModel's CPU layer computes, bit for bit (same op,
+    scales and offsets), without the layer's per-call input gather."""
+    if "torch-int4" not in available_int4_kernels():
+        pytest.skip("this torch build has no CPU int4 ops")
+    loaded = _load("gptq")
+    modules = [m for m in loaded.model.modules() if type(m).__name__ == LAYER_CLASSES["gptq"]][:7]  # every shape
+    torch.manual_seed(0)
+    for module in modules:
+        ours = Int4Linear(gptq_weights(module), module.bias, TorchInt4Kernel())
+        x = torch.randn(5, module.in_features)
+        with torch.inference_mode():
+            assert torch.equal(ours(x), module(x))
 
 
 @pytest.mark.skipif(not bf16_products_available(), reason="our int4 kernel needs the CPU kernels and avx512_bf16")
 def test_the_engine_runs_every_gptq_layer_on_our_int4_kernel_closer_to_the_checkpoint_than_gptqmodels():
-    """Where the CPU has avx512_bf16 the engine swaps each GPTQ layer for ours: same codes, zeros and fp16 scales,
-    applied in fp32, where GPTQModel's CPU kernel rounds scales and zeros to bf16 first."""
+    """Where the CPU has avx512_bf16 the batch-invariant engine swaps each GPTQ layer for ours: same codes, zeros and
+    fp16 scales, applied in fp32, where GPTQModel's CPU kernel rounds scales and zeros to bf16 first."""
     loaded = _load("gptq")
     originals = [m for m in loaded.model.modules() if type(m).__name__ == LAYER_CLASSES["gptq"]]
-    sampled = [(m, gptq_codes(m)) for m in originals[:4]]
+    sampled = [(m, gptq_weights(m)) for m in originals[:4]]
     make_engine(loaded)
     assert sum(isinstance(m, Int4Linear) for m in loaded.model.modules()) == len(originals) == 210
     torch.manual_seed(0)
-    for module, (codes, scales, zeros) in sampled:
+    for module, weights in sampled:
         x = torch.randn(8, module.in_features)
-        exact = x.bfloat16().double() @ dequantized(codes, scales, zeros, module.group_size).double().T
-        ours = Int4Linear(codes, scales, zeros, module.group_size, None)(x).double()
+        exact = x.bfloat16().double() @ weights.dequantized().double().T
+        ours = Int4Linear(weights, None, OursInt4Kernel())(x).double()
         with torch.inference_mode():
             theirs = module(x).double()
         assert (ours - exact).abs().max() < 1e-4 * exact.abs().max()  # fp32 sums of exact products

@@ -8,7 +8,7 @@ batch sizes and thread counts, and read from a real GPTQModel layer in tests/mod
 import pytest
 import torch
 
-from app.cpu.gptq import dequantized, pack_codes, pack_per_group
+from app.cpu.int4_kernels import Int4Weights, pack_codes, pack_per_group
 from app.cpu.linear_kernels import bf16_products_available
 from app.cpu.ops import OPS, unavailable_reason
 
@@ -38,7 +38,7 @@ def test_the_product_is_the_exactly_dequantized_weights_times_bf16_activations(n
     layer = _layer(n, k, group_size, seed=n + k + rows)
     x, bias = torch.randn(rows, k), torch.randn(n)
     got = _run(x, layer, group_size, bias)
-    weight = dequantized(*layer, group_size).double()
+    weight = Int4Weights(*layer, group_size).dequantized().double()
     want = x.bfloat16().double() @ weight.T + bias.double()
     assert got.shape == (rows, n) and got.dtype == torch.float32
     # fp32 sums of exact products, then a zero and a scale per group: a few ulps of the sum of magnitudes
