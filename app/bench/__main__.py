@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "engine":
         from app.bench.engine_bench import run_engine_bench
 
-        result = run_engine_bench(spec, args.modes, dtype=_engine_dtype(args.dtype), **_kernel_args(args))
+        result = run_engine_bench(spec, args.modes, dtype=_engine_dtype(args.dtype), **_kernel_args(args),
+                                  source=args.model_source, quantization=args.quantization)
     elif args.command == "quant":
         result = quant(args, spec)
     elif args.command == "profile":
@@ -264,7 +265,8 @@ def _kernel_args(args: argparse.Namespace) -> dict:
     """The engine's CPU kernel settings the command line picked (EngineConfig field names)."""
     kernels = {"cpu_linear_kernel": args.linear_kernel, "cpu_attention_kernel": args.attention_kernel,
                "cpu_norm_kernel": args.norm_kernel, "cpu_rotary_kernel": args.rotary_kernel,
-               "cpu_decoder_layer": args.decoder_layer, "batch_invariant": args.batch_invariant}
+               "cpu_decoder_layer": args.decoder_layer, "batch_invariant": args.batch_invariant,
+               "cpu_gptq_kernel": args.gptq_kernel}
     return {"kernels": kernels}
 
 
@@ -345,7 +347,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-plots", action="store_true", help="report: tables only")
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare: the app config to serve")
     parser.add_argument("--model-source", default=None,
-                        help="compare, peer --launch ours: serve this checkpoint (a directory, e.g. from `shape`) as --model instead of the config's")
+                        help="compare, peer --launch ours: serve this checkpoint (a directory, e.g. from `shape`) as --model instead of the config's; "
+                             "engine: run it (with --quantization, e.g. smollm2-135m-instruct-gptq --quantization gptq)")
+    parser.add_argument("--quantization", default="none", choices=["none", "bnb-int8", "bnb-nf4", "gptq"],
+                        help="engine: the --model-source checkpoint's quantization")
     parser.add_argument("--shape", default="llama-371m", help="shape: the seeded random checkpoint to build (app/bench/shapes.py)")
     parser.add_argument("--seed", type=int, default=0, help="shape: the weights' seed")
     parser.add_argument("--modes", nargs="+", default=["none", "dynamic", "continuous"])
@@ -371,7 +376,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="spec: sample at this temperature (0: greedy); "
                         "answers then run to --max-tokens, so every run does the same work")
     parser.add_argument("--gptq-kernel", default="auto", choices=CPU_GPTQ_KERNELS,
-                        help="spec: the GPTQ target's 4-bit layers: auto (ours on CPUs with avx512_bf16) | torch (GPTQModel's)")
+                        help="spec, engine: GPTQ 4-bit layers: auto (per row bucket, as timed on this CPU) | torch (GPTQModel's) | a 4-bit kernel's name")
     parser.add_argument("--decoder-layer", default="auto", choices=CPU_DECODER_LAYERS,
                         help="profile, engine: one-frame decoder layer forward (auto) or the module's (torch)")
     parser.add_argument("--port", type=int, default=8010)
