@@ -370,7 +370,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--linear-kernel", default="auto", choices=CPU_LINEAR_KERNELS, help="profile, engine: the fp32 Linear kernel")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="profile, engine: one fixed-order Linear kernel for every row count (engine.batch_invariant)")
-    parser.add_argument("--attention-kernel", default="auto", choices=CPU_ATTENTION_KERNELS, help="profile, engine: decode attention on CPU")
+    parser.add_argument("--attention-kernel", default="auto", choices=CPU_ATTENTION_KERNELS, help="profile, engine: paged attention on CPU (auto: per kind of step, timed)")
     parser.add_argument("--norm-kernel", default="auto", choices=CPU_NORM_KERNELS, help="profile, engine: RMSNorm on CPU")
     parser.add_argument("--rotary-kernel", default="auto", choices=CPU_ROTARY_KERNELS, help="profile, engine: RoPE on CPU")
     parser.add_argument("--temperature", type=float, default=0.0, help="spec: sample at this temperature (0: greedy); "

@@ -12,7 +12,7 @@ BATCHING_MODES = ("none", "dynamic", "continuous")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")  # auto: the dtype the model computes in (bf16 products: bfloat16)
 # The CPU fast path (app/cpu/): each part can be turned back to torch's ops.
 CPU_LINEAR_KERNELS = ("auto", "avx2", "avx512-bf16", "onednn", "onednn-bf16", "torch")  # app/cpu/linear_kernels.py
-CPU_ATTENTION_KERNELS = ("auto", "torch")  # app/cpu/attention.py
+CPU_ATTENTION_KERNELS = ("auto", "kernel", "torch")  # app/cpu/attention.py, app/engine/attention_choice.py
 CPU_NORM_KERNELS = ("auto", "torch")  # app/cpu/norm.py
 CPU_ROTARY_KERNELS = ("auto", "torch")  # app/cpu/rotary.py
 CPU_DECODER_LAYERS = ("auto", "torch")  # app/cpu/decoder.py
@@ -122,7 +122,9 @@ class EngineConfig:
     # true: one fixed-order kernel for every row count, so a token's logprob bits never depend on its batch-mates
     # (auto then never mixes kernels; the cost per CPU class is in docs/performance.md)
     batch_invariant: bool = False
-    cpu_attention_kernel: str = "auto"  # fp32 on CPU, every step: auto (ours where it builds) | torch (gather + SDPA)
+    # fp32 on CPU: auto (ours where it builds, for the kinds of step it wins on this CPU, timed) | kernel (ours for
+    # every step) | torch (gather + SDPA)
+    cpu_attention_kernel: str = "auto"
     cpu_norm_kernel: str = "auto"  # fp32 RMSNorm on CPU: auto (ours where it builds and matches the model's) | torch
     cpu_rotary_kernel: str = "auto"  # fp32 RoPE in one-frame decoder layers: auto (ours where it gives the model's bits) | torch
     cpu_decoder_layer: str = "auto"  # packed CPU layers: auto (one-frame forward where it gives the module's bits) | torch

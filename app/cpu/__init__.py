@@ -69,7 +69,7 @@ def install_fast_path(model: nn.Module, config: EngineConfig, dtype: torch.dtype
     rotary_kernel = config.cpu_rotary_kernel == "auto" and reason is None
     layers = fuse_decoder_layers(model, rotary_kernel) if config.cpu_decoder_layer == "auto" else 0
     path.parts["decoder layers"] = f"one frame ({layers}, rope {'kernel' if rotary_kernel else 'torch'})" if layers else "module forward"
-    if reason is None and config.cpu_attention_kernel == "auto" and dtype == torch.float32 and kv_dtype in KERNEL_KV_DTYPES:
+    if reason is None and config.cpu_attention_kernel != "torch" and dtype == torch.float32 and kv_dtype in KERNEL_KV_DTYPES:
         path.attention = PagedAttentionKernel()
     path.parts["attention"] = "kernel" if path.attention else "gather + SDPA"
     path.parts["KV cache"] = str(kv_dtype).removeprefix("torch.")

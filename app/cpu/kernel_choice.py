@@ -138,29 +138,38 @@ def choose(shapes: list[LinearShape], kernels: dict[str, object], incumbent: str
            kernel_build: str | None, cache: ChoiceCache | None = None) -> dict[str, dict[str, str]]:
     """Per shape key, bucket name -> kernel name: from this machine's cache, else timed now (and logged, and cached
     unless other work on the machine disturbed the timing: then the incumbent everywhere, timed again next start)."""
+    by_key = {shape.key: shape for shape in shapes}
+    return choose_timed(list(by_key), lambda key: time_candidates(by_key[key], kernels), incumbent, family, kernel_build,
+                        lambda entry: _usable(entry, kernels), cache, "Linear kernels")
+
+
+def choose_timed(keys: list[str], timer: Callable[[str], dict[str, dict[str, float]]], incumbent: str, family: str,
+                 kernel_build: str | None, usable: Callable[[dict | None], bool], cache: ChoiceCache | None = None,
+                 what: str = "kernels") -> dict[str, dict[str, str]]:
+    """The bake-off for any op family: per key, bucket -> the candidate :func:`decide` keeps, read from the cache
+    where ``usable`` accepts its entry, else from ``timer(key)`` (bucket -> candidate -> seconds), then cached."""
     cache = cache or ChoiceCache()
     machine = machine_key(kernel_build)
     decisions, measured = {}, {}
     started, cpu_started = time.perf_counter(), time.process_time()
-    for shape in shapes:
-        entry = cache.get(machine, family, shape.key)
-        if not _usable(entry, kernels):
-            times = time_candidates(shape, kernels)
+    for key in keys:
+        entry = cache.get(machine, family, key)
+        if not usable(entry):
+            times = timer(key)
             entry = {"choice": decide(times, incumbent), "measured": time.strftime("%Y-%m-%d %H:%M"),
                      "us": {bucket: {name: round(s * 1e6, 1) for name, s in by_kernel.items()} for bucket, by_kernel in times.items()}}
-            measured[shape.key] = entry
-        decisions[shape.key] = entry["choice"]
+            measured[key] = entry
+        decisions[key] = entry["choice"]
     if not measured:
         return decisions
     wall = time.perf_counter() - started
     share = (time.process_time() - cpu_started) / (wall * torch.get_num_threads())
     if share < MIN_CPU_SHARE:
-        logger.warning("Linear kernel timing disturbed by other work on this machine (it had %.0f%% of its %d threads' "
-                       "time): our kernels kept for every row count; timed again at the next start", 100 * share,
-                       torch.get_num_threads())
+        logger.warning("%s timing disturbed by other work on this machine (it had %.0f%% of its %d threads' time): "
+                       "our kernels kept everywhere; timed again at the next start", what, 100 * share, torch.get_num_threads())
         return {key: dict.fromkeys(choice, incumbent) if key in measured else choice for key, choice in decisions.items()}
     cache.put(machine, family, measured)
-    logger.info("Linear kernels timed on this CPU in %.1f s (%s, %.0f%% of its threads' time, cached in %s):\n%s", wall,
+    logger.info("%s timed on this CPU in %.1f s (%s, %.0f%% of its threads' time, cached in %s):\n%s", what, wall,
                 family, 100 * share, cache.path, describe_table(measured))
     return decisions
 
@@ -171,7 +180,8 @@ def describe_table(entries: dict[str, dict]) -> str:
     for shape, entry in entries.items():
         for bucket, by_kernel in entry["us"].items():
             cells = [f"{'*' if name == entry['choice'][bucket] else ' '}{name} {us:9.1f} us" for name, us in by_kernel.items()]
-            lines.append(f"  {shape:>22} {bucket:>5} rows: " + " | ".join(cells))
+            rows = " rows" if bucket[0].isdigit() else ""
+            lines.append(f"  {shape:>22} {bucket:>5}{rows}: " + " | ".join(cells))
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from app.config import EngineConfig
 from app.cpu import install_fast_path
+from app.engine.attention_choice import attention_route
 from app.engine.grammar import Grammars
 from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import PagedBatch, SequenceSlice, register_paged_attention
@@ -101,6 +102,7 @@ class ModelRunner:
         self.last_attended: dict[int, int | None] = {}  # the last step's attention layers (index -> window)
         # plain fp32 CPU Linear layers only (quantized ones run as loaded); bf16 weights where the loader chose them
         self.fast_path = install_fast_path(self.model, config, loaded.dtype, kv_dtype, loaded.weight_dtype, loaded.bf16_products)
+        self.attention = attention_route(self.fast_path.attention, config, self.model.config, kv_dtype)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MB)", self.num_blocks, self.block_size, self.kv_bytes / 2**20)
 
     @property
@@ -128,7 +130,7 @@ class ModelRunner:
             if item.samples:  # the last token, and each draft after it, predicts the next one
                 sample_rows.extend(range(len(token_ids) - 1 - item.num_spec_tokens, len(token_ids)))
                 sampling.append(item)
-        batch = PagedBatch.build(self.kv_pool, self.block_size, slices, self.fast_path.attention)
+        batch = PagedBatch.build(self.kv_pool, self.block_size, slices, self.attention.for_step(slices))
         self.step.batch = batch
         try:
             with torch.inference_mode():
