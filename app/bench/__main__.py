@@ -254,9 +254,13 @@ def quant(args, spec: LoadSpec) -> dict:
     # one concrete dtype for every row, so the rows compare like with like
     dtype = _concrete_dtype(args.dtype, device)
     report = {"config": args.config, "dtype": dtype, "device": device, "cpu_native_bf16": cpu_has_native_bf16()}
-    report["fidelity"] = q.fidelity_report(args.methods or q.METHODS, model["source"], args.gptq_source, dtype, device, args.agreement_tokens, 512)
+    if not args.skip_fidelity:
+        report["fidelity"] = q.fidelity_report(args.methods or q.METHODS, model["source"], args.gptq_source, dtype, device,
+                                               args.agreement_tokens, 512)
     if not args.skip_serving:
         rows = [row for row in q.ROWS if row[1] in (args.methods or q.METHODS)]
+        if args.gptq_kernel != "auto":
+            report["gptq_kernel"] = base["models"][0].setdefault("engine", {})["cpu_gptq_kernel"] = args.gptq_kernel
         report["serving"] = q.serving_report(rows, base, spec, args.port, args.gptq_source, dtype, device, RESULTS)
     return report
 
@@ -360,6 +364,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="quant: cpu or cuda (default: the config's model.device)")
     parser.add_argument("--agreement-tokens", type=int, default=32, help="quant: greedy tokens per agreement prompt")
     parser.add_argument("--skip-serving", action="store_true", help="quant: fidelity only, no serve run")
+    parser.add_argument("--skip-fidelity", action="store_true", help="quant: serving only (no perplexity or agreement runs)")
     parser.add_argument("--single-stream-modes", nargs="*", default=["continuous"], help="modes that also run W2")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="profile, gemm, grammar: sequences per decode step (gemm: rows)")
     parser.add_argument("--kernels", nargs="+", default=["avx2", "onednn", "torch"], help="gemm: the Linear kernels to compare (auto, avx2, avx2-bf16, onednn, torch; "
@@ -376,7 +381,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0, help="spec: sample at this temperature (0: greedy); "
                         "answers then run to --max-tokens, so every run does the same work")
     parser.add_argument("--gptq-kernel", default="auto", choices=CPU_GPTQ_KERNELS,
-                        help="spec, engine: GPTQ 4-bit layers: auto (per row bucket, as timed on this CPU) | torch (GPTQModel's) | a 4-bit kernel's name")
+                        help="spec, engine, quant (serving): GPTQ 4-bit layers: auto (per row bucket, as timed on this CPU) | torch (GPTQModel's) | a 4-bit kernel's name")
     parser.add_argument("--decoder-layer", default="auto", choices=CPU_DECODER_LAYERS,
                         help="profile, engine: one-frame decoder layer forward (auto) or the module's (torch)")
     parser.add_argument("--port", type=int, default=8010)

@@ -68,7 +68,7 @@ def markdown(report: dict) -> str:
     lines = ["### Fidelity", "",
              "| quantization | weights (MB) | quantized layers (MB, vs bf16) | process RSS (MB) | perplexity (vs unquantized) | greedy prefix agreement | identical greedy outputs |",
              "|---|---|---|---|---|---|---|"]
-    for method, row in report["fidelity"].items():
+    for method, row in report.get("fidelity", {}).items():
         g = row["greedy_agreement"]
         gpu = f" (GPU {row['gpu_mb']})" if row.get("gpu_mb") else ""
         layers = f"{row['quantized_layers_mb']} ({row.get('quantized_layers_fraction_of_bf16', 1.0):.0%})" if row["quantized_layers_mb"] else "-"
@@ -78,7 +78,7 @@ def markdown(report: dict) -> str:
         lines += ["", "### Serving (W1: 32 concurrent x 128 tokens, through HTTP)", "",
                   "| setup | weights (MB) | output tok/s | E2E p50 (s) | TTFT p50 (s) | TPOT p50 (ms) |", "|---|---|---|---|---|---|"]
         for label, r in report["serving"].items():
-            weights = report["fidelity"].get(r["quantization"], {}).get("weight_mb", "?")
+            weights = report.get("fidelity", {}).get(r["quantization"], {}).get("weight_mb", "?")
             if not r.get("num_requests"):
                 lines.append(f"| {label} | {weights} | failed: {r.get('first_error', '?')[:60]} | | | |")
                 continue

@@ -41,6 +41,9 @@ from app.cpu.ops import available
 
 logger = logging.getLogger(__name__)
 
+_NEEDS = {"int4-avx512-bf16": "the CPU kernels and avx512_bf16", "torch-int4": "torch's CPU int4 ops",
+          "dequant-bf16": "oneDNN's bf16 products (AVX-512 or AMX)"}
+
 
 class Int4Linear(nn.Module):
     """A GPTQ layer's codes in its kernel's layout (one per kernel where a shape mixes them); ``forward`` is the kernel."""
@@ -129,9 +132,8 @@ def choose_int4_kernels(choice: str, batch_invariant: bool, shapes: list[tuple[i
         if choice not in CPU_GPTQ_KERNELS:
             raise ValueError(f"engine.cpu_gptq_kernel {choice!r} is not one of {', '.join(CPU_GPTQ_KERNELS)}")
         if choice not in kernels:
-            raise ValueError(f"engine.cpu_gptq_kernel is {choice!r}, which this CPU or torch build does not run "
-                             f"({'avx512_bf16 and the CPU kernels' if choice == 'int4-avx512-bf16' else 'oneDNN bf16 or int4 ops'} "
-                             f"missing); it runs: {', '.join(['auto', 'torch', *kernels])}")
+            raise ValueError(f"engine.cpu_gptq_kernel is {choice!r}, which needs {_NEEDS.get(choice, 'nothing more')} and "
+                             f"does not run on this CPU or torch build; it runs: {', '.join(['auto', 'torch', *kernels])}")
         if batch_invariant and choice not in FIXED_ORDER_INT4:
             raise ValueError(f"engine.batch_invariant needs a fixed-order kernel, and engine.cpu_gptq_kernel is {choice!r}: "
                              "use auto or int4-avx512-bf16")
