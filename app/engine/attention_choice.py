@@ -1,18 +1,17 @@
-"""Which attention path runs which kind of step, decided by timing both on this CPU (``cpu_attention_kernel: auto``).
+"""Which attention path runs which part of a step, decided by timing both on this CPU (``cpu_attention_kernel: auto``).
 
-Two paths attend a step over the paged KV pool (``paged_attention.py``): our CPU kernel, which reads each key and
-value in place through the step's slot lists, and torch's, which gathers each sequence's keys and values into a
-copy that SDPA then reads (torch's flash-attention CPU kernel, vectorised for whatever ISA torch was built for). Which
-is faster depends on the CPU and on the step: a decode step is a few queries over many keys (bound by reading the
-pool), a prefill chunk many queries over many keys (bound by arithmetic), and a step can carry both. So at load,
-for the model's head layout and KV dtype, both paths attend each kind of step on random keys, through the same
-attention function a step calls: ``decode`` (16 sequences of 512 keys, one query each: also what a step verifying
-drafts, a few queries a sequence, is classed as), ``prefill`` (a 512-token prompt, whole: each query sees the keys
-up to its own, so half the products of the full square are masked) and ``mixed`` (that prompt beside those 16
-decodes). The kernel is the incumbent; torch's path replaces it for a kind of step only
-where it is faster by the Linear bake-off's margin. The decision is cached
-beside the Linear one (``kernel_choice.py``, family ``attention``). With ``engine.batch_invariant`` the kernel runs
-every step: it attends a query with the same bits whichever step computes it.
+Our CPU kernel reads each key and value in place through the step's slot lists and attends every query the same
+way, so it leads where reading the pool dominates (decode steps); torch's SDPA has a flash-attention CPU kernel
+that tiles queries against keys, which can lead on a long prompt's causal square, but the engine's general torch
+path first gathers keys out of the pool and builds an explicit mask (SDPA then computes the masked half too). So at
+load, for the model's head layout and KV dtype, two choices are timed on random keys through the same attention
+function a step calls: ``decode`` (a decode-only step of 16 sequences of 512 keys: the kernel or gather + SDPA) and
+``prompt`` (a whole 1,024-token prompt: the kernel, or SDPA's causal kernel over the prompt's own keys, no gather and
+no mask; with it, every whole prompt of at least ``SDPA_PROMPT_MIN`` tokens in any step goes to SDPA and the step's
+other queries stay on the kernel). The kernel is the incumbent; the other path replaces it only where it is faster
+by the Linear bake-off's margin. The decision is cached beside the Linear one (``kernel_choice.py``, family
+``attention``). With ``engine.batch_invariant`` the kernel attends everything: a query gets the same bits
+whichever step computes it.
 """
 
 from __future__ import annotations
@@ -27,39 +26,37 @@ import torch
 
 from app.cpu import kernel_choice
 from app.engine.paged_attention import paged_attention_forward
-from app.engine.paged_batch import PagedBatch, SequenceSlice
+from app.engine.paged_batch import SDPA_PROMPT_MIN, PagedBatch, SequenceSlice
 
-PHASES = ("decode", "prefill", "mixed")
-CHUNK_QUERIES = 16  # a sequence with this many queries in a step is prefilling (fewer: decoding or verifying drafts)
-_DECODE_SEQS, _DECODE_KEYS = 16, 512
-_PREFILL_QUERIES, _PREFILL_KEYS = 512, 512  # a prompt prefilled whole, the common case (measured, AVX2 EPYC: the
-# kernel 4.5 ms, torch 5.6; a 256-query chunk deep in a 1,024-token prompt flips it, 7.7 against 6.1, but served
-# long prompts gained nothing from torch's path there: its explicit mask computes the masked half too)
 logger = logging.getLogger(__name__)
 
+PHASES = ("decode", "prompt")
+_DECODE_SEQS, _DECODE_KEYS = 16, 512
+_PROMPT_TOKENS = 1024  # measured (AVX2 EPYC, 9x3x64 heads): SDPA's causal kernel ties ours at 512, leads 1.34x here
 _REPEATS = 2  # timed passes per path and kind of step (the fastest counts), after one untimed
 _CALLS = 3  # attention calls per pass (a step calls it once per layer)
 
 
 @dataclass
 class AttentionRoute:
-    """The CPU kernel (None: torch's path for every step) and the kinds of step it attends."""
+    """The CPU kernel (None: torch's path for every step) and the parts of a step it attends."""
 
     kernel: object | None = None
     phases: frozenset[str] = field(default_factory=lambda: frozenset(PHASES))
 
-    def for_step(self, slices: Sequence[SequenceSlice]):
-        """The kernel if it attends this kind of step, else None (torch's path)."""
-        if self.kernel is None or len(self.phases) == len(PHASES):
-            return self.kernel
-        return self.kernel if step_kind(slices) in self.phases else None
+    def batch(self, kv_pool: torch.Tensor, block_size: int, slices: Sequence[SequenceSlice]) -> PagedBatch:
+        """The step's metadata for this route."""
+        decode_only = all(s.num_queries == 1 for s in slices)
+        kernel = self.kernel if "decode" in self.phases or not decode_only else None
+        return PagedBatch.build(kv_pool, block_size, slices, kernel, sdpa_prompts="prompt" not in self.phases)
 
     def describe(self) -> str:
         if self.kernel is None:
             return "gather + SDPA"
         if self.phases == frozenset(PHASES):
             return "kernel"
-        return ", ".join(f"{phase}: {'kernel' if phase in self.phases else 'gather + SDPA'}" for phase in PHASES)
+        return (f"decode steps: {'kernel' if 'decode' in self.phases else 'gather + SDPA'}, whole prompts of "
+                f"{SDPA_PROMPT_MIN}+ tokens: {'kernel' if 'prompt' in self.phases else 'SDPA causal'}, the rest: kernel")
 
 
 def attention_route(kernel, config, model_config, kv_dtype: torch.dtype) -> AttentionRoute:
@@ -78,11 +75,6 @@ def attention_route(kernel, config, model_config, kv_dtype: torch.dtype) -> Atte
     return route
 
 
-def step_kind(slices: Sequence[SequenceSlice]) -> str:
-    chunks = sum(1 for s in slices if s.num_queries >= CHUNK_QUERIES)
-    return "decode" if chunks == 0 else ("prefill" if chunks == len(slices) else "mixed")
-
-
 def choose_route(kernel, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, block_size: int,
                  kernel_build: str | None, cache: kernel_choice.ChoiceCache | None = None) -> AttentionRoute:
     """The timed (or cached) route for this head layout: the kernel for the kinds of step it wins or ties."""
@@ -95,34 +87,32 @@ def choose_route(kernel, num_heads: int, num_kv_heads: int, head_dim: int, kv_dt
 
 def time_paths(kernel, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
                block_size: int) -> dict[str, dict[str, float]]:
-    """Seconds per attention call of each path (``kernel``, ``torch``) for each phase, on random keys and values."""
+    """Seconds per attention call of each path for each choice, on random keys and values: ``decode`` (``kernel``,
+    ``torch``: gather + SDPA) and ``prompt`` (``kernel``, ``torch``: SDPA's causal kernel)."""
     generator = torch.Generator().manual_seed(0)
-    steps = {"decode": [SequenceSlice(i, 1, _DECODE_KEYS - 1, []) for i in range(_DECODE_SEQS)],
-             "prefill": [SequenceSlice(0, _PREFILL_QUERIES, _PREFILL_KEYS - _PREFILL_QUERIES, [])],
-             "mixed": [SequenceSlice(0, _PREFILL_QUERIES, _PREFILL_KEYS - _PREFILL_QUERIES, [])]
-             + [SequenceSlice(_PREFILL_QUERIES + i, 1, _DECODE_KEYS - 1, []) for i in range(_DECODE_SEQS)]}
-    blocks_per_seq = math.ceil(max(_DECODE_KEYS, _PREFILL_KEYS) / block_size)
-    next_block = 0
-    for slices in steps.values():
-        for s in slices:
-            s.block_table = list(range(next_block, next_block + blocks_per_seq))
-            next_block += blocks_per_seq
-    kv_pool = torch.randn(1, 2, next_block * block_size, num_kv_heads, head_dim, generator=generator).to(kv_dtype)
-    layer = _Layer()
+    decode = [SequenceSlice(i, 1, _DECODE_KEYS - 1, []) for i in range(_DECODE_SEQS)]
+    prompt = [SequenceSlice(0, _PROMPT_TOKENS, 0, [])]
+    blocks_per_seq = math.ceil(max(_DECODE_KEYS, _PROMPT_TOKENS) / block_size)
+    for index, s in enumerate(decode + prompt):
+        s.block_table = list(range(index * blocks_per_seq, (index + 1) * blocks_per_seq))
+    slots = (len(decode) + 1) * blocks_per_seq * block_size
+    kv_pool = torch.randn(1, 2, slots, num_kv_heads, head_dim, generator=generator).to(kv_dtype)
+    routes = {"decode": (decode, {"kernel": PagedBatch.build(kv_pool, block_size, decode, kernel),
+                                  "torch": PagedBatch.build(kv_pool, block_size, decode, None)}),
+              "prompt": (prompt, {"kernel": PagedBatch.build(kv_pool, block_size, prompt, kernel),
+                                  "torch": PagedBatch.build(kv_pool, block_size, prompt, kernel, sdpa_prompts=True)})}
     times: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
-        for phase, slices in steps.items():
+        for phase, (slices, batches) in routes.items():
             tokens = sum(s.num_queries for s in slices)
             query = torch.randn(1, num_heads, tokens, head_dim, generator=generator)
             new = torch.randn(1, num_kv_heads, tokens, head_dim, generator=generator)
-            batches = {"kernel": PagedBatch.build(kv_pool, block_size, slices, kernel),
-                       "torch": PagedBatch.build(kv_pool, block_size, slices, None)}
             best = dict.fromkeys(batches, math.inf)
             for attempt in range(_REPEATS + 1):
                 for path, batch in batches.items():
                     started = time.perf_counter()
                     for _ in range(_CALLS):
-                        paged_attention_forward(layer, query, new, new, None, head_dim ** -0.5, paged_batch=batch)
+                        paged_attention_forward(_Layer(), query, new, new, None, head_dim ** -0.5, paged_batch=batch)
                     if attempt:  # the first pass builds the masks and warms caches
                         best[path] = min(best[path], (time.perf_counter() - started) / _CALLS)
             times[phase] = best

@@ -113,6 +113,8 @@ def paged_attention_forward(
     # a bf16 pool under an fp32 model (the bf16-product path) stores keys and values rounded to bf16
     k_pool.index_copy_(0, paged_batch.slot_mapping, key[0].transpose(0, 1).to(k_pool.dtype))
     v_pool.index_copy_(0, paged_batch.slot_mapping, value[0].transpose(0, 1).to(v_pool.dtype))
+    if kernel is not None and paged_batch.prompts and options.window is None:
+        return _whole_prompts_through_sdpa(kernel, query, key, value, k_pool, v_pool, paged_batch, scale), None
     if kernel is not None:
         q = paged_batch.windowed_queries(options.window)
         return kernel.prefill(query, k_pool, v_pool, q.key_slots, q.query_seq, q.query_keys, scale), None
@@ -128,6 +130,24 @@ def paged_attention_forward(
         else:
             out[group.query_index[group.real_rows]] = group_out[group.real_rows]
     return out.unsqueeze(0), None  # [1, T, H, D], as transformers' SDPA path returns
+
+
+def _whole_prompts_through_sdpa(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
+                                v_pool: torch.Tensor, paged_batch: PagedBatch, scale: float) -> torch.Tensor:
+    """Each whole prompt through SDPA's causal kernel over its own keys (this step's, as the pool stores them: no
+    gather, no mask), the step's other queries through our kernel; [1, T, H, D]."""
+    _, num_heads, num_tokens, head_dim = query.shape
+    out = query.new_empty(1, num_tokens, num_heads, head_dim)
+    if paged_batch.rest is not None:
+        rest, rows = paged_batch.rest, paged_batch.rest_rows
+        out[0, rows] = kernel.prefill(query[:, :, rows], k_pool, v_pool, rest.key_slots, rest.query_seq, rest.query_keys, scale)[0]
+    for prompt in paged_batch.prompts:
+        span = slice(prompt.query_start, prompt.query_start + prompt.length)
+        keys = key[:, :, span].to(k_pool.dtype).to(query.dtype)  # [1, Hkv, L, D]; a bf16 pool's rounding, as read back
+        values = value[:, :, span].to(v_pool.dtype).to(query.dtype)
+        attended = F.scaled_dot_product_attention(query[:, :, span], keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        out[0, span] = attended[0].transpose(0, 1)
+    return out
 
 
 def _unpaged(module, query, key, value, attention_mask, scaling, dropout, **kwargs):

@@ -7,7 +7,10 @@ each layer reads it. Two routes read it:
   sequence, any other step as one row of key slots per sequence and the number of keys each query sees;
 - torch's SDPA over keys gathered from the pool, in at most two padded groups (decodes with one query each,
   and prefill chunks), built on first use (a step on the kernel builds them only if a layer needs torch: one
-  with attention logit softcapping).
+  with attention logit softcapping);
+- on a kernel step with ``sdpa_prompts`` (where SDPA's causal kernel was timed faster on this CPU), each whole
+  prompt of at least :data:`SDPA_PROMPT_MIN` tokens (prefilled in one step, nothing cached before it) attends
+  through SDPA's causal kernel over its own keys, and every other query of the step through the kernel.
 
 Sliding-window layers (``window``: a query at position p sees keys p-window+1 .. p, as transformers' mask)
 read a windowed variant, built once per step and window: the torch route masks keys that left the window;
@@ -17,10 +20,15 @@ may have been handed back to the pool already, ``BlockManager.release_before``).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+# A whole prompt this long may take SDPA's causal kernel (its keys are exactly its queries': no mask to build; shorter
+# prompts gain nothing measurable, and most steps' prompts are short)
+SDPA_PROMPT_MIN = 256
 
 if TYPE_CHECKING:  # the engine core takes the kernel from the runner; it does not load it
     from app.cpu.attention import PagedAttentionKernel
@@ -83,6 +91,14 @@ class KernelQueries:
 
 
 @dataclass
+class WholePrompt:
+    """A prompt prefilled whole in this step, attended by SDPA's causal kernel over its own keys (the step's)."""
+
+    query_start: int
+    length: int
+
+
+@dataclass
 class PagedBatch:
     """Per-step attention metadata. The runner makes one per step; every attention layer reads it and
     records that it did (``attended``: layer index -> the window it attended with), so a layer that took
@@ -95,6 +111,9 @@ class PagedBatch:
     kernel: PagedAttentionKernel | None = None  # the CPU kernel attends this step (fp32 queries)
     kernel_decode: KernelDecode | None = None  # set for a decode-only step on the kernel
     kernel_queries: KernelQueries | None = None  # set for any other step on the kernel
+    prompts: list[WholePrompt] = field(default_factory=list)  # whole prompts for SDPA's causal kernel
+    rest: KernelQueries | None = None  # beside them, the kernel's metadata for the step's other queries,
+    rest_rows: torch.Tensor | None = None  # and where those lie in the packed row
     attended: dict[int, int | None] = field(default_factory=dict)
     _groups: list[AttentionGroup] | None = None
     _windowed: dict = field(default_factory=dict)
@@ -106,7 +125,7 @@ class PagedBatch:
     @classmethod
     def build(
         cls, kv_pool: torch.Tensor, block_size: int, slices: Sequence[SequenceSlice],
-        kernel: PagedAttentionKernel | None = None,
+        kernel: PagedAttentionKernel | None = None, sdpa_prompts: bool = False,
     ) -> "PagedBatch":
         device = kv_pool.device
         if kernel is not None and all(s.num_queries == 1 for s in slices):
@@ -114,10 +133,27 @@ class PagedBatch:
             return cls(kv_pool, block_size, slices, slot_mapping, kernel, kernel_decode=decode)
         if kernel is not None:
             queries, slot_mapping = _kernel_queries(slices, block_size)
-            return cls(kv_pool, block_size, slices, slot_mapping, kernel, kernel_queries=queries)
+            batch = cls(kv_pool, block_size, slices, slot_mapping, kernel, kernel_queries=queries)
+            if sdpa_prompts:
+                batch._split_whole_prompts()
+            return batch
         slot_mapping = torch.empty(sum(s.num_queries for s in slices), dtype=torch.long)  # filled by _torch_groups
         groups = _torch_groups(slices, block_size, device, slot_mapping)
         return cls(kv_pool, block_size, slices, slot_mapping.to(device), _groups=groups)
+
+    def _split_whole_prompts(self) -> None:
+        """Whole prompts of at least :data:`SDPA_PROMPT_MIN` tokens to SDPA; the kernel's metadata for the rest, their
+        queries renumbered in packed order (the kernel attends them as a row of their own)."""
+        whole = [s for s in self.slices if s.num_computed == 0 and s.num_queries >= SDPA_PROMPT_MIN]
+        if not whole:
+            return
+        self.prompts = [WholePrompt(s.query_start, s.num_queries) for s in whole]
+        rest = [s for s in self.slices if all(s is not w for w in whole)]
+        if rest:
+            starts = itertools.accumulate((s.num_queries for s in rest), initial=0)
+            compact = [SequenceSlice(start, s.num_queries, s.num_computed, s.block_table) for s, start in zip(rest, starts)]
+            self.rest = _kernel_queries(compact, self.block_size)[0]
+            self.rest_rows = torch.cat([torch.arange(s.query_start, s.query_start + s.num_queries) for s in rest])
 
     def torch_groups(self) -> list[AttentionGroup]:
         if self._groups is None:  # a kernel step with a layer torch must attend

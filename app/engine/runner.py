@@ -21,7 +21,7 @@ from app.cpu import install_fast_path
 from app.engine.attention_choice import attention_route
 from app.engine.grammar import Grammars
 from app.engine.kv_cache import BlockManager
-from app.engine.paged_attention import PagedBatch, SequenceSlice, register_paged_attention
+from app.engine.paged_attention import SequenceSlice, register_paged_attention
 from app.engine.request import Request, TokenLogprob
 from app.engine.sampling import Sampler, has_penalty, token_logprobs
 from app.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -130,7 +130,7 @@ class ModelRunner:
             if item.samples:  # the last token, and each draft after it, predicts the next one
                 sample_rows.extend(range(len(token_ids) - 1 - item.num_spec_tokens, len(token_ids)))
                 sampling.append(item)
-        batch = PagedBatch.build(self.kv_pool, self.block_size, slices, self.attention.for_step(slices))
+        batch = self.attention.batch(self.kv_pool, self.block_size, slices)
         self.step.batch = batch
         try:
             with torch.inference_mode():

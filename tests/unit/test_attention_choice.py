@@ -12,7 +12,7 @@ from app.cpu import kernel_choice
 from app.cpu.attention import PagedAttentionKernel
 from app.cpu.kernel_choice import ChoiceCache
 from app.engine import attention_choice
-from app.engine.attention_choice import PHASES, AttentionRoute, attention_route, choose_route, step_kind
+from app.engine.attention_choice import PHASES, AttentionRoute, attention_route, choose_route
 from app.engine.paged_attention import SequenceSlice
 from tests.unit.cpu.conftest import loaded_ops, needs_kernels
 from tests.unit.test_paged_attention import Sequences
@@ -21,39 +21,51 @@ MODEL = SimpleNamespace(num_attention_heads=6, num_key_value_heads=2, hidden_siz
 
 
 def _slices(*queries: int) -> list[SequenceSlice]:
-    return [SequenceSlice(0, n, 0, []) for n in queries]
+    return [SequenceSlice(i, n, 0, [0] * 80) for i, n in enumerate(queries)]
 
 
-def test_steps_are_classed_by_their_longest_and_shortest_chunks():
-    assert step_kind(_slices(1, 1, 1)) == "decode"
-    assert step_kind(_slices(5, 5, 3)) == "decode"  # verifying drafts: a few queries a sequence
-    assert step_kind(_slices(256)) == step_kind(_slices(16, 900)) == "prefill"
-    assert step_kind(_slices(256, 1, 1)) == "mixed"
+POOL = torch.zeros(1, 2, 80 * 16, 2, 8)
 
 
-def test_the_route_gives_the_kernel_only_to_its_kinds_of_step():
-    kernel = object()
-    route = AttentionRoute(kernel, frozenset({"decode", "mixed"}))
-    assert route.for_step(_slices(1, 1)) is kernel and route.for_step(_slices(300, 1)) is kernel
-    assert route.for_step(_slices(300)) is None
-    assert route.describe() == "decode: kernel, prefill: gather + SDPA, mixed: kernel"
-    assert AttentionRoute(kernel).describe() == "kernel" and AttentionRoute(None).for_step(_slices(1)) is None
+def test_the_route_gives_each_part_of_a_step_its_path(monkeypatch):
+    kernel = PagedAttentionKernel()
+    monkeypatch.setattr(attention_choice, "SDPA_PROMPT_MIN", 256)
+    prompts_on_sdpa = AttentionRoute(kernel, frozenset({"decode"}))
+    decodes = prompts_on_sdpa.batch(POOL, 16, _slices(1, 1))
+    assert decodes.kernel is kernel and decodes.kernel_decode is not None
+    mixed = prompts_on_sdpa.batch(POOL, 16, [SequenceSlice(0, 300, 0, [0] * 80), SequenceSlice(300, 1, 40, [1] * 80)])
+    assert [(p.query_start, p.length) for p in mixed.prompts] == [(0, 300)] and mixed.rest_rows.tolist() == [300]
+    assert AttentionRoute(kernel).batch(POOL, 16, _slices(300)).prompts == []
+    decodes_on_torch = AttentionRoute(kernel, frozenset({"prompt"})).batch(POOL, 16, _slices(1, 1))
+    assert decodes_on_torch.kernel is None
+    assert prompts_on_sdpa.describe() == "decode steps: kernel, whole prompts of 256+ tokens: SDPA causal, the rest: kernel"
+    assert AttentionRoute(kernel).describe() == "kernel" and AttentionRoute(None).batch(POOL, 16, _slices(1)).kernel is None
 
 
-def test_torch_takes_a_kind_of_step_only_beyond_the_margin_and_the_decision_is_cached(tmp_path, monkeypatch):
+def test_torch_takes_a_choice_only_beyond_the_margin_and_the_decision_is_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_choice, "MIN_CPU_SHARE", 0.0)
     cache, timed = ChoiceCache(tmp_path / "choices.json"), []
-    times = {"decode": {"kernel": 1e-3, "torch": 2e-3}, "prefill": {"kernel": 10e-3, "torch": 7e-3},
-             "mixed": {"kernel": 10e-3, "torch": 9.5e-3}}  # 5% faster: noise, the kernel stays
+    times = {"decode": {"kernel": 1e-3, "torch": 0.95e-3},  # 5% faster: noise, the kernel stays
+             "prompt": {"kernel": 10e-3, "torch": 7e-3}}
     monkeypatch.setattr(attention_choice, "time_paths", lambda *args: timed.append(args) or times)
     first = choose_route("K", 6, 2, 8, torch.float32, 16, "build", cache)
     again = choose_route("K", 6, 2, 8, torch.float32, 16, "build", cache)
-    assert first.phases == again.phases == frozenset({"decode", "mixed"}) and len(timed) == 1
+    assert first.phases == again.phases == frozenset({"decode"}) and len(timed) == 1
     choose_route("K", 6, 2, 8, torch.bfloat16, 16, "build", cache)  # another KV dtype: timed for itself
     assert len(timed) == 2
 
 
-def test_batch_invariance_or_a_named_kernel_runs_the_kernel_for_every_step_untimed(monkeypatch):
+def test_auto_takes_the_timed_route_for_the_models_head_layout(monkeypatch, caplog):
+    chosen = []
+    monkeypatch.setattr(attention_choice, "choose_route", lambda kernel, *layout: chosen.append(layout[:4])
+                        or AttentionRoute(kernel, frozenset({"decode"})))
+    with caplog.at_level("INFO", logger="app.engine.attention_choice"):
+        route = attention_route("K", EngineConfig(), MODEL, torch.bfloat16)
+    assert chosen == [(6, 2, 8, torch.bfloat16)] and route.phases == frozenset({"decode"})
+    assert "whole prompts of 256+ tokens: SDPA causal" in caplog.text
+
+
+def test_batch_invariance_or_a_named_kernel_runs_the_kernel_for_everything_untimed(monkeypatch):
     monkeypatch.setattr(attention_choice, "time_paths", lambda *args: pytest.fail("timed"))
     for config in (EngineConfig(batch_invariant=True), EngineConfig(cpu_attention_kernel="kernel")):
         assert attention_route("K", config, MODEL, torch.float32).phases == frozenset(PHASES)
@@ -61,12 +73,16 @@ def test_batch_invariance_or_a_named_kernel_runs_the_kernel_for_every_step_untim
 
 
 @needs_kernels
-def test_a_sequence_prefilled_through_sdpa_and_decoded_on_the_kernel_is_attended_exactly(monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_whole_prompts_through_sdpa_beside_kernel_queries_equal_causal_attention(monkeypatch, kv_dtype):
+    """A whole prompt through SDPA's causal kernel, in steps beside decodes and a chunk on the kernel, and each
+    sequence's later steps on the kernel: every output is causal attention over the sequence (a bf16 pool's keys
+    rounded as stored, for SDPA too)."""
     loaded_ops()
-    monkeypatch.setattr(attention_choice, "CHUNK_QUERIES", 3)  # the test pool's sequences are short
-    route = AttentionRoute(PagedAttentionKernel(), frozenset({"decode"}))
-    sequences = Sequences()
-    for new_tokens in ({"a": 5, "b": 4}, {"a": 1, "b": 1}, {"c": 6, "a": 1}, {"a": 1, "b": 1, "c": 1}):
-        sequences.decode_kernel = route.for_step(_slices(*new_tokens.values()))
-        got, expected, _ = sequences.step(new_tokens)
+    monkeypatch.setattr("app.engine.paged_batch.SDPA_PROMPT_MIN", 5)  # the test pool's sequences are short
+    sequences = Sequences(PagedAttentionKernel(), kv_dtype)
+    sequences.sdpa_prompts = True
+    for new_tokens in ({"a": 6, "b": 3}, {"a": 1, "b": 1, "c": 7}, {"c": 1, "a": 1, "b": 2}, {"a": 1, "b": 1, "c": 1}):
+        got, expected, batch = sequences.step(new_tokens)
+        assert len(batch.prompts) == sum(1 for name, n in new_tokens.items() if n >= 5 and len(sequences.keys[name][0]) == n)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
