@@ -18,10 +18,13 @@ which the load-time parity check turns into a refusal to serve.
 Requests are attended in at most two padded groups (decodes with one query each, and prefill
 chunks), so a step costs two SDPA calls per layer whatever the batch size. A step of decodes only
 (the steady state) attends the queries where they lie, with no gather of queries or scatter of
-outputs. On AVX2 CPUs with fp32 activations (fp32 or bf16 pool) every step runs our kernel instead (``app/cpu/attention.py``),
+outputs. On AVX2 CPUs with fp32 activations (fp32 or bf16 pool) steps run our kernel instead (``app/cpu/attention.py``),
 which reads each key and value once in the pool instead of gathering copies for SDPA, and attends
 each query, prefill or decode, with one computation: a token's bits do not depend on how its
-sequence was cut into steps or on its batch-mates (SDPA's do). A softcapped layer takes the torch route.
+sequence was cut into steps or on its batch-mates (SDPA's do). Where SDPA was timed faster on this CPU
+(``attention_choice.py``), decode-only steps take the torch route, or whole long prompts SDPA's causal kernel
+over their own keys beside the kernel's other queries; ``engine.batch_invariant`` keeps the kernel for everything.
+A softcapped layer takes the torch route.
 The model's own Linear layers are untouched, so bitsandbytes and GPTQ layers run as loaded.
 """
 
