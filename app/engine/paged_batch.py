@@ -8,9 +8,10 @@ each layer reads it. Two routes read it:
 - torch's SDPA over keys gathered from the pool, in at most two padded groups (decodes with one query each,
   and prefill chunks), built on first use (a step on the kernel builds them only if a layer needs torch: one
   with attention logit softcapping);
-- on a kernel step with ``sdpa_prompts`` (where SDPA's causal kernel was timed faster on this CPU), each whole
-  prompt of at least :data:`SDPA_PROMPT_MIN` tokens (prefilled in one step, nothing cached before it) attends
-  through SDPA's causal kernel over its own keys, and every other query of the step through the kernel.
+- on a kernel step with ``sdpa_prompts`` (where SDPA's causal kernel was timed faster on this CPU), each prompt
+  whose keys all come in this step (the whole prompt or its first chunk, nothing cached before it) and number at
+  least :data:`SDPA_PROMPT_MIN` attends through SDPA's causal kernel over those keys, and every other query of
+  the step through the kernel.
 
 Sliding-window layers (``window``: a query at position p sees keys p-window+1 .. p, as transformers' mask)
 read a windowed variant, built once per step and window: the torch route masks keys that left the window;
@@ -92,7 +93,7 @@ class KernelQueries:
 
 @dataclass
 class WholePrompt:
-    """A prompt prefilled whole in this step, attended by SDPA's causal kernel over its own keys (the step's)."""
+    """A prompt whose keys all come in this step (whole, or its first chunk), attended by SDPA's causal kernel."""
 
     query_start: int
     length: int
@@ -111,7 +112,7 @@ class PagedBatch:
     kernel: PagedAttentionKernel | None = None  # the CPU kernel attends this step (fp32 queries)
     kernel_decode: KernelDecode | None = None  # set for a decode-only step on the kernel
     kernel_queries: KernelQueries | None = None  # set for any other step on the kernel
-    prompts: list[WholePrompt] = field(default_factory=list)  # whole prompts for SDPA's causal kernel
+    prompts: list[WholePrompt] = field(default_factory=list)  # prompts from their first token, for SDPA's causal kernel
     rest: KernelQueries | None = None  # beside them, the kernel's metadata for the step's other queries,
     rest_rows: torch.Tensor | None = None  # and where those lie in the packed row
     attended: dict[int, int | None] = field(default_factory=dict)
