@@ -82,7 +82,7 @@ def test_whole_prompts_through_sdpa_beside_kernel_queries_equal_causal_attention
     monkeypatch.setattr("app.engine.paged_batch.SDPA_PROMPT_MIN", 5)  # the test pool's sequences are short
     sequences = Sequences(PagedAttentionKernel(), kv_dtype)
     sequences.sdpa_prompts = True
-    for new_tokens in ({"a": 6, "b": 3}, {"a": 1, "b": 1, "c": 7}, {"c": 1, "a": 1, "b": 2}, {"a": 1, "b": 1, "c": 1}):
+    for new_tokens in ({"a": 6, "b": 3}, {"a": 1, "b": 1, "c": 7}, {"c": 3, "a": 1, "b": 2}, {"a": 1, "b": 1, "c": 1}):
         got, expected, batch = sequences.step(new_tokens)
         assert len(batch.prompts) == sum(1 for name, n in new_tokens.items() if n >= 5 and len(sequences.keys[name][0]) == n)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
