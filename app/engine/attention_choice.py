@@ -43,12 +43,13 @@ class AttentionRoute:
 
     kernel: object | None = None
     phases: frozenset[str] = field(default_factory=lambda: frozenset(PHASES))
+    prompt_min: int = SDPA_PROMPT_MIN  # the load-time parity check lowers it, so its short prompts take SDPA's path too
 
     def batch(self, kv_pool: torch.Tensor, block_size: int, slices: Sequence[SequenceSlice]) -> PagedBatch:
         """The step's metadata for this route."""
         decode_only = all(s.num_queries == 1 for s in slices)
         kernel = self.kernel if "decode" in self.phases or not decode_only else None
-        return PagedBatch.build(kv_pool, block_size, slices, kernel, sdpa_prompts="prompt" not in self.phases)
+        return PagedBatch.build(kv_pool, block_size, slices, kernel, "prompt" not in self.phases, self.prompt_min)
 
     def describe(self) -> str:
         if self.kernel is None:

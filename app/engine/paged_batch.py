@@ -126,7 +126,7 @@ class PagedBatch:
     @classmethod
     def build(
         cls, kv_pool: torch.Tensor, block_size: int, slices: Sequence[SequenceSlice],
-        kernel: PagedAttentionKernel | None = None, sdpa_prompts: bool = False,
+        kernel: PagedAttentionKernel | None = None, sdpa_prompts: bool = False, sdpa_prompt_min: int = SDPA_PROMPT_MIN,
     ) -> "PagedBatch":
         device = kv_pool.device
         if kernel is not None and all(s.num_queries == 1 for s in slices):
@@ -136,16 +136,16 @@ class PagedBatch:
             queries, slot_mapping = _kernel_queries(slices, block_size)
             batch = cls(kv_pool, block_size, slices, slot_mapping, kernel, kernel_queries=queries)
             if sdpa_prompts:
-                batch._split_whole_prompts()
+                batch._split_whole_prompts(sdpa_prompt_min)
             return batch
         slot_mapping = torch.empty(sum(s.num_queries for s in slices), dtype=torch.long)  # filled by _torch_groups
         groups = _torch_groups(slices, block_size, device, slot_mapping)
         return cls(kv_pool, block_size, slices, slot_mapping.to(device), _groups=groups)
 
-    def _split_whole_prompts(self) -> None:
-        """Whole prompts of at least :data:`SDPA_PROMPT_MIN` tokens to SDPA; the kernel's metadata for the rest, their
-        queries renumbered in packed order (the kernel attends them as a row of their own)."""
-        whole = [s for s in self.slices if s.num_computed == 0 and s.num_queries >= SDPA_PROMPT_MIN]
+    def _split_whole_prompts(self, min_tokens: int) -> None:
+        """Prompts from their first token, of at least ``min_tokens`` in this step, to SDPA; the kernel's metadata for
+        the rest, their queries renumbered in packed order (the kernel attends them as a row of their own)."""
+        whole = [s for s in self.slices if s.num_computed == 0 and s.num_queries >= min_tokens]
         if not whole:
             return
         self.prompts = [WholePrompt(s.query_start, s.num_queries) for s in whole]

@@ -87,7 +87,7 @@ def _run_engine(engine, requests: list[Request], arch: str) -> dict[str, list[To
     logprobs: dict[str, list[TokenLogprob]] = {r.request_id: [] for r in requests}
     expected = set(range(engine.runner.kv_pool.shape[0]))
     window = engine.runner.sliding_window
-    with _step_budget(engine.scheduler, _CHUNK_TOKENS):
+    with _step_budget(engine.scheduler, _CHUNK_TOKENS), _short_prompts_through_every_path(engine.runner):
         engine.add_requests(requests)
         while engine.has_unfinished_requests():
             for output in engine.step():
@@ -103,6 +103,21 @@ def _run_engine(engine, requests: list[Request], arch: str) -> dict[str, list[To
                 raise ParityError(f"{arch}: the config says every layer slides by {window} tokens, but the layers "
                                   f"attended with windows {sorted(set(attended.values()), key=str)}")
     return logprobs
+
+
+@contextlib.contextmanager
+def _short_prompts_through_every_path(runner):
+    """The check's prompts are short: let them take the path a long prompt takes (SDPA's causal kernel, where the
+    route gives it prompts), so that path is checked too."""
+    route = getattr(runner, "attention", None)
+    saved = getattr(route, "prompt_min", None)
+    if saved is not None:
+        route.prompt_min = 1
+    try:
+        yield
+    finally:
+        if saved is not None:
+            route.prompt_min = saved
 
 
 @contextlib.contextmanager

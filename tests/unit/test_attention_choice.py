@@ -74,14 +74,13 @@ def test_batch_invariance_or_a_named_kernel_runs_the_kernel_for_everything_untim
 
 @needs_kernels
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_whole_prompts_through_sdpa_beside_kernel_queries_equal_causal_attention(monkeypatch, kv_dtype):
+def test_whole_prompts_through_sdpa_beside_kernel_queries_equal_causal_attention(kv_dtype):
     """A whole prompt through SDPA's causal kernel, in steps beside decodes and a chunk on the kernel, and each
     sequence's later steps on the kernel: every output is causal attention over the sequence (a bf16 pool's keys
     rounded as stored, for SDPA too)."""
     loaded_ops()
-    monkeypatch.setattr("app.engine.paged_batch.SDPA_PROMPT_MIN", 5)  # the test pool's sequences are short
     sequences = Sequences(PagedAttentionKernel(), kv_dtype)
-    sequences.sdpa_prompts = True
+    sequences.sdpa_prompts, sequences.sdpa_prompt_min = True, 5  # the test pool's sequences are short
     for new_tokens in ({"a": 6, "b": 3}, {"a": 1, "b": 1, "c": 7}, {"c": 3, "a": 1, "b": 2}, {"a": 1, "b": 1, "c": 1}):
         got, expected, batch = sequences.step(new_tokens)
         assert len(batch.prompts) == sum(1 for name, n in new_tokens.items() if n >= 5 and len(sequences.keys[name][0]) == n)

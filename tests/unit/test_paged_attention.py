@@ -31,7 +31,7 @@ class Sequences:
                  softcap: float | None = None) -> None:
         torch.manual_seed(0)
         self.decode_kernel, self.kv_dtype, self.window, self.softcap = decode_kernel, kv_dtype, window, softcap
-        self.sdpa_prompts = False  # whole prompts through SDPA's causal kernel beside the kernel (PagedBatch.build)
+        self.sdpa_prompts, self.sdpa_prompt_min = False, 1  # prompts through SDPA's causal kernel (PagedBatch.build)
         self.tables = {name: list(table) for name, table in TABLES.items()}
         self.pool = torch.zeros(1, 2, 8 * BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype)  # [layers, k/v, slots, Hkv, D]
         self.keys = {name: torch.empty(KV_HEADS, 0, HEAD_DIM) for name in TABLES}
@@ -61,7 +61,7 @@ class Sequences:
             expected.append(_reference(query[0, :, start : start + n], self.keys[name], self.values[name], computed,
                                        self.window, self.softcap))
             start += n
-        batch = PagedBatch.build(self.pool, BLOCK, slices, self.decode_kernel, self.sdpa_prompts)
+        batch = PagedBatch.build(self.pool, BLOCK, slices, self.decode_kernel, self.sdpa_prompts, self.sdpa_prompt_min)
         out, _ = paged_attention_forward(SimpleNamespace(layer_idx=0), query, key, value, None, paged_batch=batch,
                                          sliding_window=self.window, softcap=self.softcap, position_ids=None)
         assert out.shape == (1, total, HEADS, HEAD_DIM)
