@@ -108,34 +108,36 @@ def test_gptq_is_small_and_close_to_full_precision(loaded_fp32):
         assert perplexity(gptq, text) <= 1.15 * perplexity(loaded_fp32, text)
 
 
-@pytest.mark.parametrize("kernel", ["batch-invariant", "dequant-fp32"])
-def test_the_gptq_model_passes_the_load_time_parity_check(kernel):
+def test_the_gptq_model_passes_the_load_time_parity_check():
     """What a served GPTQ model proves at start (engine.parity_check), run here once for every test app that
-    starts it with the check off: on the batch-invariant kernels the equality tests use, and with every 4-bit layer
-    on the weight rebuilt at each call (the kernel ``auto`` takes for prefill chunks where it wins)."""
+    starts it with the check off, on the batch-invariant kernels the equality tests use."""
     from app.engine.parity import check_parity
 
-    loaded = _loaded("gptq") if kernel == "batch-invariant" else _load("gptq")
-    engine = make_engine(loaded) if kernel == "batch-invariant" else make_engine(loaded, batch_invariant=False, cpu_gptq_kernel=kernel)
-    if kernel != "batch-invariant":
-        assert {m.kernel.name for m in loaded.model.modules() if isinstance(m, Int4Linear)} == {kernel}
-    report = check_parity(engine, loaded)
+    loaded = _loaded("gptq")
+    report = check_parity(make_engine(loaded), loaded)
     assert report.max_gap < report.tolerance, report
 
 
-def test_torch_int4_is_gptqmodels_own_layer_bit_for_bit():
+def test_torch_int4_is_gptqmodels_layer_bit_for_bit_and_the_rebuilt_weight_passes_the_parity_check():
     """Where ``auto`` keeps torch's int4 op it computes what GPTQModel's CPU layer computes, bit for bit (same op,
-    scales and offsets), without the layer's per-call input gather."""
-    if "torch-int4" not in available_int4_kernels():
-        pytest.skip("this torch build has no CPU int4 ops")
+    scales and offsets), without the layer's per-call gather; with every layer on the weight rebuilt at each call
+    (what ``auto`` takes for prefill chunks where it wins) the model passes the load-time parity check."""
+    from app.engine.parity import check_parity
+
     loaded = _load("gptq")
     modules = [m for m in loaded.model.modules() if type(m).__name__ == LAYER_CLASSES["gptq"]][:7]  # every shape
+    assert len({(m.out_features, m.in_features) for m in modules}) == 4
+    assert "torch-int4" in available_int4_kernels()  # GPTQModel's CPU layer (LAYER_CLASSES) runs on the same ops
     torch.manual_seed(0)
     for module in modules:
         ours = Int4Linear(gptq_weights(module), module.bias, TorchInt4Kernel())
         x = torch.randn(5, module.in_features)
         with torch.inference_mode():
             assert torch.equal(ours(x), module(x))
+    engine = make_engine(loaded, batch_invariant=False, cpu_gptq_kernel="dequant-fp32")
+    assert {m.kernel.name for m in loaded.model.modules() if isinstance(m, Int4Linear)} == {"dequant-fp32"}
+    report = check_parity(engine, loaded)
+    assert report.max_gap < report.tolerance, report
 
 
 @pytest.mark.skipif(not bf16_products_available(), reason="our int4 kernel needs the CPU kernels and avx512_bf16")
