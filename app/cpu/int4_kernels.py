@@ -10,7 +10,7 @@
 - ``dequant-fp32`` / ``dequant-bf16``: the layer's weight rebuilt at each call from its codes, then one dense
   product (MKL's sgemm; oneDNN's bf16 GEMM, on AMX tiles where the CPU has them). Rebuilding costs a pass over the
   weight (~0.5 ns a weight on 2 cores), which a product of many rows (a prefill chunk) amortises; the weight is
-  not kept, so the layer stays 4-bit in memory.
+  not kept, so the layer stays 4-bit in memory, and a large one is rebuilt a tile of columns at a time.
 
 All of them round the activations to bf16, as GPTQModel does. ``dequant-fp32`` rebuilds the checkpoint's weight
 exactly ((code - zero) x fp16 scale fits fp32's mantissa), as ours applies it; ``dequant-bf16`` rounds it to bf16
@@ -32,6 +32,7 @@ from app.cpu.ops import OPS
 GROUP_COLS = 64  # columns per group of our kernel's packed layout (the bf16 kernel's)
 _INT4_CENTER = 8  # torch's int4 op computes (code - 8) * scale + offset
 _INT4_COLUMNS = 16  # and takes output columns in blocks of this many
+TILE_BYTES = 16 << 20  # the rebuilt fp32 weight of a larger layer is made this much at a time (bounded memory, in cache)
 
 
 @dataclass
@@ -110,8 +111,16 @@ class DequantKernel:
         return nibbles, q.scales.t().to(torch.float16).contiguous(), q.zeros.t().to(torch.uint8).contiguous()
 
     def apply(self, x: torch.Tensor, packed: tuple, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-        weight = dequantize(*packed).to(self.dtype)
-        y = F.linear(x.to(torch.bfloat16).to(self.dtype), weight)
+        nibbles, scales, zeros = packed
+        rows = x.to(torch.bfloat16).to(self.dtype)
+        columns = max(1, TILE_BYTES // (nibbles.shape[1] * nibbles.shape[2] * 2 * 4))  # output columns a tile rebuilds
+        if columns >= out_features:
+            y = F.linear(rows, dequantize(nibbles, scales, zeros).to(self.dtype))
+        else:  # a large layer: rebuilt a tile of columns at a time, each used while it is in cache
+            y = rows.new_empty(*rows.shape[:-1], out_features)
+            for start in range(0, out_features, columns):
+                tile = slice(start, start + columns)
+                y[..., tile] = F.linear(rows, dequantize(nibbles[tile], scales[tile], zeros[tile]).to(self.dtype))
         y = y.float() if self.dtype != torch.float32 else y
         return y if bias is None else y.add_(bias)
 

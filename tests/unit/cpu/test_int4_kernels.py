@@ -44,6 +44,19 @@ def test_every_kernel_computes_the_dequantized_weight_on_every_bucket(name, n, k
         assert (got.double() - want).abs().max() <= TOLERANCE[name] * want.abs().max(), (name, bucket)
 
 
+@pytest.mark.parametrize("name", ["dequant-fp32", "dequant-bf16"])
+def test_a_large_layer_is_rebuilt_a_tile_of_columns_at_a_time_with_the_same_result(name, monkeypatch):
+    kernel = _kernel(name)
+    weights = _weights(100, 128, 32, seed=6)
+    layer = Int4Linear(weights, torch.randn(100), kernel)
+    x = torch.randn(3, 70, 128)
+    whole = layer(x)
+    monkeypatch.setattr("app.cpu.int4_kernels.TILE_BYTES", 32 * 128 * 4)  # 32 columns a tile: 4 tiles, the last short
+    tiled = layer(x)
+    assert tiled.shape == (3, 70, 100)
+    torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-5)  # MKL may block a narrower product differently
+
+
 def test_the_rebuilt_weight_is_the_checkpoints_bit_for_bit():
     weights = _weights(160, 512, 32, seed=3)
     assert torch.equal(dequantize(*DequantKernel(torch.float32).pack(weights)), weights.dequantized())
