@@ -53,6 +53,8 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = weights.codes.shape
         self.group_size, self.kernel = weights.group_size, kernel
         self.packed = kernel.pack(weights)
+        for index, tensor in enumerate(_tensors(self.packed)):  # buffers too: the model's memory counts them
+            self.register_buffer(f"packed_{index}", tensor, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,6 +181,11 @@ def describe(layers: list[Int4Linear]) -> str:
 
 
 def _bytes(packed) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in _tensors(packed))
+
+
+def _tensors(packed) -> list[torch.Tensor]:
+    """The tensors of a kernel's packed layout (a tensor, or nested tuples of them and ints)."""
     if isinstance(packed, torch.Tensor):
-        return packed.numel() * packed.element_size()
-    return sum(_bytes(part) for part in packed) if isinstance(packed, tuple) else 0
+        return [packed]
+    return [tensor for part in packed for tensor in _tensors(part)] if isinstance(packed, tuple) else []

@@ -57,6 +57,14 @@ def test_a_large_layer_is_rebuilt_a_tile_of_columns_at_a_time_with_the_same_resu
     torch.testing.assert_close(tiled, whole, rtol=1e-5, atol=1e-5)  # MKL may block a narrower product differently
 
 
+def test_a_layer_holds_its_packed_codes_as_buffers_so_the_models_memory_counts_them():
+    from app.models.quantization import quantized_linear_bytes
+
+    layer = Int4Linear(_weights(64, 128, 32, seed=7), None, DequantKernel(torch.float32))
+    stored, bf16 = quantized_linear_bytes(torch.nn.Sequential(layer))
+    assert bf16 == 64 * 128 * 2 and stored == 64 * 128 // 2 + 64 * 4 * 3  # nibbles, fp16 scales and zero codes
+
+
 def test_the_rebuilt_weight_is_the_checkpoints_bit_for_bit():
     weights = _weights(160, 512, 32, seed=3)
     assert torch.equal(dequantize(*DequantKernel(torch.float32).pack(weights)), weights.dequantized())
