@@ -70,10 +70,10 @@ class TorchInt4Kernel:
         padded = -(-n // _INT4_COLUMNS) * _INT4_COLUMNS  # the op takes whole blocks of columns; padding: code 8, scale 0
         codes = torch.full((padded, q.codes.shape[1]), _INT4_CENTER, dtype=torch.int32)
         codes[:n] = q.codes
-        scales = q.scales.new_zeros(q.scales.shape[0], padded, dtype=torch.bfloat16)
-        scales[:, :n] = q.scales
-        offsets = (_INT4_CENTER - q.zeros.to(torch.bfloat16)) * scales[:, :n]  # GPTQModel's, in bf16 as it computes them
-        scales_and_offsets = torch.stack([scales, torch.cat([offsets, scales[:, n:]], dim=1)], dim=-1).contiguous()
+        scales_and_offsets = q.scales.new_zeros(q.scales.shape[0], padded, 2, dtype=torch.bfloat16)
+        scales = q.scales.to(torch.bfloat16)
+        scales_and_offsets[:, :n, 0] = scales
+        scales_and_offsets[:, :n, 1] = (_INT4_CENTER - q.zeros.to(torch.bfloat16)) * scales  # GPTQModel's, in bf16 as it computes them
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), scales_and_offsets, q.group_size
 
     def apply(self, x: torch.Tensor, packed: tuple, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from app.cpu import kernel_choice
+from app.cpu.build import build_id
 from app.engine.paged_attention import paged_attention_forward
 from app.engine.paged_batch import SDPA_PROMPT_MIN, PagedBatch, SequenceSlice
 
@@ -57,20 +58,15 @@ class AttentionRoute:
         if self.phases == frozenset(PHASES):
             return "kernel"
         return (f"decode steps: {'kernel' if 'decode' in self.phases else 'gather + SDPA'}, whole prompts of "
-                f"{SDPA_PROMPT_MIN}+ tokens: {'kernel' if 'prompt' in self.phases else 'SDPA causal'}, the rest: kernel")
+                f"{self.prompt_min}+ tokens: {'kernel' if 'prompt' in self.phases else 'SDPA causal'}, the rest: kernel")
 
 
-def attention_route(kernel, config, model_config, kv_dtype: torch.dtype) -> AttentionRoute:
-    """The engine's route: no kernel, the kernel for every step (``batch_invariant``, or a kernel chosen by name), or
-    with ``cpu_attention_kernel: auto`` the timed one (logged where torch's path takes a kind of step)."""
+def attention_route(kernel, config, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> AttentionRoute:
+    """The engine's route: no kernel, the kernel for everything (``batch_invariant``, or ``cpu_attention_kernel:
+    kernel``), or with ``auto`` the one timed for this head layout (logged where SDPA takes a part)."""
     if kernel is None or config.batch_invariant or config.cpu_attention_kernel == "kernel":
         return AttentionRoute(kernel)
-    from app.cpu.build import build_id
-
-    heads = model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    route = choose_route(kernel, heads, kv_heads, head_dim, kv_dtype, config.block_size, build_id())
+    route = choose_route(kernel, num_heads, num_kv_heads, head_dim, kv_dtype, config.block_size, build_id())
     if len(route.phases) < len(PHASES):
         logger.info("Attention: %s (as timed on this CPU)", route.describe())
     return route

@@ -102,7 +102,8 @@ class ModelRunner:
         self.last_attended: dict[int, int | None] = {}  # the last step's attention layers (index -> window)
         # plain fp32 CPU Linear layers only (quantized ones run as loaded); bf16 weights where the loader chose them
         self.fast_path = install_fast_path(self.model, config, loaded.dtype, kv_dtype, loaded.weight_dtype, loaded.bf16_products)
-        self.attention = attention_route(self.fast_path.attention, config, self.model.config, kv_dtype)
+        self.attention = attention_route(self.fast_path.attention, config, self.model.config.num_attention_heads,
+                                         shape.num_kv_heads, shape.head_dim, kv_dtype)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MB)", self.num_blocks, self.block_size, self.kv_bytes / 2**20)
 
     @property

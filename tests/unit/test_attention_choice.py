@@ -2,8 +2,6 @@
 decision on fake timings and its cache, the settings that skip it, and a sequence attended correctly when its
 prefill and its decodes take different paths."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -17,9 +15,6 @@ from app.engine.paged_attention import SequenceSlice
 from tests.unit.cpu.conftest import loaded_ops, needs_kernels
 from tests.unit.test_paged_attention import Sequences
 
-MODEL = SimpleNamespace(num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
-
-
 def _slices(*queries: int) -> list[SequenceSlice]:
     return [SequenceSlice(i, n, 0, [0] * 80) for i, n in enumerate(queries)]
 
@@ -27,9 +22,8 @@ def _slices(*queries: int) -> list[SequenceSlice]:
 POOL = torch.zeros(1, 2, 80 * 16, 2, 8)
 
 
-def test_the_route_gives_each_part_of_a_step_its_path(monkeypatch):
+def test_the_route_gives_each_part_of_a_step_its_path():
     kernel = PagedAttentionKernel()
-    monkeypatch.setattr(attention_choice, "SDPA_PROMPT_MIN", 256)
     prompts_on_sdpa = AttentionRoute(kernel, frozenset({"decode"}))
     decodes = prompts_on_sdpa.batch(POOL, 16, _slices(1, 1))
     assert decodes.kernel is kernel and decodes.kernel_decode is not None
@@ -60,7 +54,7 @@ def test_auto_takes_the_timed_route_for_the_models_head_layout(monkeypatch, capl
     monkeypatch.setattr(attention_choice, "choose_route", lambda kernel, *layout: chosen.append(layout[:4])
                         or AttentionRoute(kernel, frozenset({"decode"})))
     with caplog.at_level("INFO", logger="app.engine.attention_choice"):
-        route = attention_route("K", EngineConfig(), MODEL, torch.bfloat16)
+        route = attention_route("K", EngineConfig(), 6, 2, 8, torch.bfloat16)
     assert chosen == [(6, 2, 8, torch.bfloat16)] and route.phases == frozenset({"decode"})
     assert "whole prompts of 256+ tokens: SDPA causal" in caplog.text
 
@@ -68,8 +62,8 @@ def test_auto_takes_the_timed_route_for_the_models_head_layout(monkeypatch, capl
 def test_batch_invariance_or_a_named_kernel_runs_the_kernel_for_everything_untimed(monkeypatch):
     monkeypatch.setattr(attention_choice, "time_paths", lambda *args: pytest.fail("timed"))
     for config in (EngineConfig(batch_invariant=True), EngineConfig(cpu_attention_kernel="kernel")):
-        assert attention_route("K", config, MODEL, torch.float32).phases == frozenset(PHASES)
-    assert attention_route(None, EngineConfig(), MODEL, torch.float32).kernel is None
+        assert attention_route("K", config, 6, 2, 8, torch.float32).phases == frozenset(PHASES)
+    assert attention_route(None, EngineConfig(), 6, 2, 8, torch.float32).kernel is None
 
 
 @needs_kernels
