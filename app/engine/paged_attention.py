@@ -207,6 +207,8 @@ def _attend_group(
 ) -> torch.Tensor:
     b, q = group.num_seqs, group.num_queries
     num_heads, head_dim = packed.shape[1], packed.shape[2]
+    if group.whole_prompt and options.window is None and options.softcap is None:
+        return _causal_prompt(packed, k_pool, v_pool, group, scale)
     keys, values = _gather_kv(k_pool, v_pool, group, head_dim, packed.dtype)  # [B, Hkv, L, D] each
     kv_heads = keys.shape[1]
     repeat = num_heads // kv_heads
@@ -217,6 +219,17 @@ def _attend_group(
     attended = _attention(query, keys, values, group.folded_mask(repeat, options.window), scale, options.softcap)
     attended = attended.view(b, kv_heads, repeat, q, head_dim).permute(0, 3, 1, 2, 4)  # [B, Q, Hkv, R, D]
     return attended.reshape(b * q, num_heads, head_dim)  # [B*Q, H, D]
+
+
+def _causal_prompt(packed: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: AttentionGroup,
+                   scale: float) -> torch.Tensor:
+    """One sequence's prompt from its first token: SDPA's causal path over its keys, no mask (on a GPU: the
+    flash-attention kernels, which an explicit mask rules out), the query heads sharing a KV head by ``enable_gqa``."""
+    head_dim = packed.shape[2]
+    keys, values = _gather_kv(k_pool, v_pool, group, head_dim, packed.dtype)  # [1, Hkv, L, D] each
+    query = packed[group.query_index].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+    attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    return attended[0].transpose(0, 1)  # [Q, H, D]
 
 
 def register_paged_attention(model: torch.nn.Module) -> PagedStep:

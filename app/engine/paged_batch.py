@@ -56,6 +56,7 @@ class AttentionGroup:
     real_rows: torch.Tensor | None  # [n] rows of the flattened [B*Q] output that are real queries (None: all)
     num_seqs: int
     num_queries: int
+    whole_prompt: bool = False  # one sequence, every key its own query's (from position 0): plain causal, no mask
     _masks: dict = field(default_factory=dict)  # (repeat, window) -> [B, 1, R*Q, L]
 
     def folded_mask(self, repeat: int, window: int | None = None) -> torch.Tensor:
@@ -264,4 +265,5 @@ def _group(
         real_rows=None if real_rows is None else real_rows.to(device),
         num_seqs=len(slices),
         num_queries=num_queries,
+        whole_prompt=len(slices) == 1 and slices[0].num_computed == 0 and slices[0].num_queries > 1,
     )
