@@ -2,13 +2,13 @@
 
 Our CPU kernel reads each key and value in place through the step's slot lists and attends every query the same
 way, so it leads where reading the pool dominates (decode steps); torch's SDPA has a flash-attention CPU kernel
-that tiles queries against keys, which can lead on a long prompt's causal square, but the engine's general torch
-path first gathers keys out of the pool and builds an explicit mask (SDPA then computes the masked half too). So at
-load, for the model's head layout and KV dtype, two choices are timed on random keys through the same attention
-function a step calls: ``decode`` (a decode-only step of 16 sequences of 512 keys: the kernel or gather + SDPA) and
-``prompt`` (a whole 1,024-token prompt: the kernel, or SDPA's causal kernel over the prompt's own keys, no gather and
-no mask; with it, every whole prompt of at least ``SDPA_PROMPT_MIN`` tokens in any step goes to SDPA and the step's
-other queries stay on the kernel). The kernel is the incumbent; the other path replaces it only where it is faster
+that tiles queries against keys, which can lead on a long prompt chunk. So at load, for the model's head layout and
+KV dtype, two choices are timed on random keys through the same attention function a step calls: ``decode`` (a
+decode-only step of 16 sequences of 512 keys: the kernel or gather + SDPA) and ``prompt`` (a step holding a whole
+512-token prompt and a 256-token chunk over 1,024 keys: the kernel, or SDPA for both, the first by its causal path
+over the step's own keys, no gather and no mask, the second over keys gathered from the pool under a causal mask;
+with it, every prompt chunk of at least ``SDPA_PROMPT_MIN`` tokens in any step goes to SDPA and the step's other
+queries stay on the kernel). The kernel is the incumbent; the other path replaces it only where it is faster
 by the Linear bake-off's margin. The decision is cached beside the Linear one (``kernel_choice.py``, family
 ``attention``). With ``engine.batch_invariant`` the kernel attends everything: a query gets the same bits
 whichever step computes it.
@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 
 PHASES = ("decode", "prompt")
 _DECODE_SEQS, _DECODE_KEYS = 16, 512
-_PROMPT_TOKENS = 1024  # measured (AVX2 EPYC, 9x3x64 heads): SDPA's causal kernel ties ours at 512, leads 1.34x here
+# measured (AVX2 EPYC, 9x3x64 heads, ours against SDPA): a whole 512-token prompt 4.4 against 4.3 ms, 1,024 17.7
+# against 13.2; a 256-token chunk over 1,024 keys 7.6 against 4.9, 512 over 2,048 31.4 against 19.7
+_PROMPT, _CHUNK, _CHUNK_KEYS = 512, 256, 1024
 _REPEATS = 2  # timed passes per path and kind of step (the fastest counts), after one untimed
 _CALLS = 3  # attention calls per pass (a step calls it once per layer)
 
@@ -57,8 +59,8 @@ class AttentionRoute:
             return "gather + SDPA"
         if self.phases == frozenset(PHASES):
             return "kernel"
-        return (f"decode steps: {'kernel' if 'decode' in self.phases else 'gather + SDPA'}, whole prompts of "
-                f"{self.prompt_min}+ tokens: {'kernel' if 'prompt' in self.phases else 'SDPA causal'}, the rest: kernel")
+        return (f"decode steps: {'kernel' if 'decode' in self.phases else 'gather + SDPA'}, prompt chunks of "
+                f"{self.prompt_min}+ tokens: {'kernel' if 'prompt' in self.phases else 'SDPA'}, the rest: kernel")
 
 
 def attention_route(kernel, config, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> AttentionRoute:
@@ -85,14 +87,14 @@ def choose_route(kernel, num_heads: int, num_kv_heads: int, head_dim: int, kv_dt
 def time_paths(kernel, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
                block_size: int) -> dict[str, dict[str, float]]:
     """Seconds per attention call of each path for each choice, on random keys and values: ``decode`` (``kernel``,
-    ``torch``: gather + SDPA) and ``prompt`` (``kernel``, ``torch``: SDPA's causal kernel)."""
+    ``torch``: gather + SDPA) and ``prompt`` (``kernel``, ``torch``: SDPA for the prompt chunks)."""
     generator = torch.Generator().manual_seed(0)
     decode = [SequenceSlice(i, 1, _DECODE_KEYS - 1, []) for i in range(_DECODE_SEQS)]
-    prompt = [SequenceSlice(0, _PROMPT_TOKENS, 0, [])]
-    blocks_per_seq = math.ceil(max(_DECODE_KEYS, _PROMPT_TOKENS) / block_size)
+    prompt = [SequenceSlice(0, _PROMPT, 0, []), SequenceSlice(_PROMPT, _CHUNK, _CHUNK_KEYS - _CHUNK, [])]
+    blocks_per_seq = math.ceil(max(_DECODE_KEYS, _PROMPT, _CHUNK_KEYS) / block_size)
     for index, s in enumerate(decode + prompt):
         s.block_table = list(range(index * blocks_per_seq, (index + 1) * blocks_per_seq))
-    slots = (len(decode) + 1) * blocks_per_seq * block_size
+    slots = (len(decode) + len(prompt)) * blocks_per_seq * block_size
     kv_pool = torch.randn(1, 2, slots, num_kv_heads, head_dim, generator=generator).to(kv_dtype)
     routes = {"decode": (decode, {"kernel": PagedBatch.build(kv_pool, block_size, decode, kernel),
                                   "torch": PagedBatch.build(kv_pool, block_size, decode, None)}),

@@ -22,8 +22,8 @@ outputs. On AVX2 CPUs with fp32 activations (fp32 or bf16 pool) steps run our ke
 which reads each key and value once in the pool instead of gathering copies for SDPA, and attends
 each query, prefill or decode, with one computation: a token's bits do not depend on how its
 sequence was cut into steps or on its batch-mates (SDPA's do). Where SDPA was timed faster on this CPU
-(``attention_choice.py``), decode-only steps take the torch route, or whole long prompts SDPA's causal kernel
-over their own keys beside the kernel's other queries; ``engine.batch_invariant`` keeps the kernel for everything.
+(``attention_choice.py``), decode-only steps take the torch route, or long prompt chunks SDPA beside the kernel's
+other queries; ``engine.batch_invariant`` keeps the kernel for everything.
 A softcapped layer takes the torch route.
 The model's own Linear layers are untouched, so bitsandbytes and GPTQ layers run as loaded.
 """
@@ -117,7 +117,7 @@ def paged_attention_forward(
     k_pool.index_copy_(0, paged_batch.slot_mapping, key[0].transpose(0, 1).to(k_pool.dtype))
     v_pool.index_copy_(0, paged_batch.slot_mapping, value[0].transpose(0, 1).to(v_pool.dtype))
     if kernel is not None and paged_batch.prompts and options.window is None:
-        return _whole_prompts_through_sdpa(kernel, query, key, value, k_pool, v_pool, paged_batch, scale), None
+        return _prompt_chunks_through_sdpa(kernel, query, key, value, k_pool, v_pool, paged_batch, scale), None
     if kernel is not None:
         q = paged_batch.windowed_queries(options.window)
         return kernel.prefill(query, k_pool, v_pool, q.key_slots, q.query_seq, q.query_keys, scale), None
@@ -135,20 +135,26 @@ def paged_attention_forward(
     return out.unsqueeze(0), None  # [1, T, H, D], as transformers' SDPA path returns
 
 
-def _whole_prompts_through_sdpa(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
+def _prompt_chunks_through_sdpa(kernel, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
                                 v_pool: torch.Tensor, paged_batch: PagedBatch, scale: float) -> torch.Tensor:
-    """Each whole prompt through SDPA's causal kernel over its own keys (this step's, as the pool stores them: no
-    gather, no mask), the step's other queries through our kernel; [1, T, H, D]."""
+    """Each long prompt chunk through SDPA (from the prompt's first token: its causal path over this step's keys, as
+    the pool stores them, no gather and no mask; deeper: its keys from the pool under the chunk's causal mask), the
+    step's other queries through our kernel; [1, T, H, D]."""
     _, num_heads, num_tokens, head_dim = query.shape
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
     if paged_batch.rest is not None:
         rest, rows = paged_batch.rest, paged_batch.rest_rows
         out[0, rows] = kernel.prefill(query[:, :, rows], k_pool, v_pool, rest.key_slots, rest.query_seq, rest.query_keys, scale)[0]
-    for prompt in paged_batch.prompts:
-        span = slice(prompt.query_start, prompt.query_start + prompt.length)
-        keys = key[:, :, span].to(k_pool.dtype).to(query.dtype)  # [1, Hkv, L, D]; a bf16 pool's rounding, as read back
-        values = value[:, :, span].to(v_pool.dtype).to(query.dtype)
-        attended = F.scaled_dot_product_attention(query[:, :, span], keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    for chunk in paged_batch.prompts:
+        span = slice(chunk.query_start, chunk.query_start + chunk.length)
+        if chunk.key_slots is None:
+            keys = key[:, :, span].to(k_pool.dtype).to(query.dtype)  # [1, Hkv, L, D]; a bf16 pool's rounding, as read back
+            values = value[:, :, span].to(v_pool.dtype).to(query.dtype)
+        else:
+            keys = k_pool.index_select(0, chunk.key_slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
+            values = v_pool.index_select(0, chunk.key_slots).transpose(0, 1).unsqueeze(0).to(query.dtype)
+        attended = F.scaled_dot_product_attention(query[:, :, span], keys, values, attn_mask=chunk.mask,
+                                                  is_causal=chunk.mask is None, scale=scale, enable_gqa=True)
         out[0, span] = attended[0].transpose(0, 1)
     return out
 

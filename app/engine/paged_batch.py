@@ -8,10 +8,9 @@ each layer reads it. Two routes read it:
 - torch's SDPA over keys gathered from the pool, in at most two padded groups (decodes with one query each,
   and prefill chunks), built on first use (a step on the kernel builds them only if a layer needs torch: one
   with attention logit softcapping);
-- on a kernel step with ``sdpa_prompts`` (where SDPA's causal kernel was timed faster on this CPU), each prompt
-  whose keys all come in this step (the whole prompt or its first chunk, nothing cached before it) and number at
-  least :data:`SDPA_PROMPT_MIN` attends through SDPA's causal kernel over those keys, and every other query of
-  the step through the kernel.
+- on a kernel step with ``sdpa_prompts`` (where SDPA was timed faster on prompts on this CPU), each prompt chunk of
+  at least :data:`SDPA_PROMPT_MIN` tokens attends through SDPA (from the prompt's first token: its causal path
+  over the step's own keys; deeper: its keys gathered under a causal mask), every other query through the kernel.
 
 Sliding-window layers (``window``: a query at position p sees keys p-window+1 .. p, as transformers' mask)
 read a windowed variant, built once per step and window: the torch route masks keys that left the window;
@@ -27,8 +26,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-# A whole prompt this long may take SDPA's causal kernel (its keys are exactly its queries': no mask to build; shorter
-# prompts gain nothing measurable, and most steps' prompts are short)
+# A prompt chunk this long may go to SDPA (it tiles the chunk's queries against the keys; shorter chunks gain nothing
+# measurable, and most steps' prompts are short)
 SDPA_PROMPT_MIN = 256
 
 if TYPE_CHECKING:  # the engine core takes the kernel from the runner; it does not load it
@@ -93,11 +92,14 @@ class KernelQueries:
 
 
 @dataclass
-class WholePrompt:
-    """A prompt whose keys all come in this step (whole, or its first chunk), attended by SDPA's causal kernel."""
+class PromptChunk:
+    """A prompt's chunk attended through SDPA: from the prompt's first token, SDPA's causal path over the step's own
+    keys; deeper in, its keys gathered from the pool under a causal mask aligned to its last key."""
 
     query_start: int
     length: int
+    key_slots: torch.Tensor | None = None  # [computed + length] pool slot of every key it sees (deeper chunks)
+    mask: torch.Tensor | None = None  # [length, computed + length] True where a query sees a key (deeper chunks)
 
 
 @dataclass
@@ -113,7 +115,7 @@ class PagedBatch:
     kernel: PagedAttentionKernel | None = None  # the CPU kernel attends this step (fp32 queries)
     kernel_decode: KernelDecode | None = None  # set for a decode-only step on the kernel
     kernel_queries: KernelQueries | None = None  # set for any other step on the kernel
-    prompts: list[WholePrompt] = field(default_factory=list)  # prompts from their first token, for SDPA's causal kernel
+    prompts: list[PromptChunk] = field(default_factory=list)  # prompt chunks for SDPA
     rest: KernelQueries | None = None  # beside them, the kernel's metadata for the step's other queries,
     rest_rows: torch.Tensor | None = None  # and where those lie in the packed row
     attended: dict[int, int | None] = field(default_factory=dict)
@@ -137,20 +139,20 @@ class PagedBatch:
             queries, slot_mapping = _kernel_queries(slices, block_size)
             batch = cls(kv_pool, block_size, slices, slot_mapping, kernel, kernel_queries=queries)
             if sdpa_prompts:
-                batch._split_whole_prompts(sdpa_prompt_min)
+                batch._split_prompt_chunks(sdpa_prompt_min)
             return batch
         slot_mapping = torch.empty(sum(s.num_queries for s in slices), dtype=torch.long)  # filled by _torch_groups
         groups = _torch_groups(slices, block_size, device, slot_mapping)
         return cls(kv_pool, block_size, slices, slot_mapping.to(device), _groups=groups)
 
-    def _split_whole_prompts(self, min_tokens: int) -> None:
-        """Prompts from their first token, of at least ``min_tokens`` in this step, to SDPA; the kernel's metadata for
-        the rest, their queries renumbered in packed order (the kernel attends them as a row of their own)."""
-        whole = [s for s in self.slices if s.num_computed == 0 and s.num_queries >= min_tokens]
-        if not whole:
+    def _split_prompt_chunks(self, min_tokens: int) -> None:
+        """Prompt chunks of at least ``min_tokens`` queries to SDPA; the kernel's metadata for the rest, their queries
+        renumbered in packed order (the kernel attends them as a row of their own)."""
+        chunks = [s for s in self.slices if s.num_queries >= min_tokens]
+        if not chunks:
             return
-        self.prompts = [WholePrompt(s.query_start, s.num_queries) for s in whole]
-        rest = [s for s in self.slices if all(s is not w for w in whole)]
+        self.prompts = [_prompt_chunk(s, self.block_size, self.kv_pool.device) for s in chunks]
+        rest = [s for s in self.slices if all(s is not c for c in chunks)]
         if rest:
             starts = itertools.accumulate((s.num_queries for s in rest), initial=0)
             compact = [SequenceSlice(start, s.num_queries, s.num_computed, s.block_table) for s, start in zip(rest, starts)]
@@ -183,6 +185,14 @@ class PagedBatch:
             slots, counts = _window_rows(q.key_slots, q.query_seq, q.query_keys, window)
             self._windowed[window] = KernelQueries(slots, torch.arange(len(counts), device=counts.device), counts)
         return self._windowed[window]
+
+
+def _prompt_chunk(s: SequenceSlice, block_size: int, device: torch.device) -> PromptChunk:
+    if s.num_computed == 0:
+        return PromptChunk(s.query_start, s.num_queries)
+    keys = s.num_computed + s.num_queries
+    mask = torch.ones(s.num_queries, keys, dtype=torch.bool, device=device).tril(diagonal=s.num_computed)
+    return PromptChunk(s.query_start, s.num_queries, _key_slots([s], [keys], block_size)[0].to(device), mask)
 
 
 def _window_rows(key_slots: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, window: int):

@@ -27,12 +27,14 @@ def test_the_route_gives_each_part_of_a_step_its_path():
     prompts_on_sdpa = AttentionRoute(kernel, frozenset({"decode"}))
     decodes = prompts_on_sdpa.batch(POOL, 16, _slices(1, 1))
     assert decodes.kernel is kernel and decodes.kernel_decode is not None
-    mixed = prompts_on_sdpa.batch(POOL, 16, [SequenceSlice(0, 300, 0, [0] * 80), SequenceSlice(300, 1, 40, [1] * 80)])
-    assert [(p.query_start, p.length) for p in mixed.prompts] == [(0, 300)] and mixed.rest_rows.tolist() == [300]
+    mixed = prompts_on_sdpa.batch(POOL, 16, [SequenceSlice(0, 300, 0, [0] * 80), SequenceSlice(300, 1, 40, [1] * 80),
+                                             SequenceSlice(301, 256, 100, [2] * 80)])
+    assert [(p.query_start, p.length) for p in mixed.prompts] == [(0, 300), (301, 256)] and mixed.rest_rows.tolist() == [300]
+    assert mixed.prompts[0].mask is None and mixed.prompts[1].mask.shape == (256, 356)
     assert AttentionRoute(kernel).batch(POOL, 16, _slices(300)).prompts == []
     decodes_on_torch = AttentionRoute(kernel, frozenset({"prompt"})).batch(POOL, 16, _slices(1, 1))
     assert decodes_on_torch.kernel is None
-    assert prompts_on_sdpa.describe() == "decode steps: kernel, whole prompts of 256+ tokens: SDPA causal, the rest: kernel"
+    assert prompts_on_sdpa.describe() == "decode steps: kernel, prompt chunks of 256+ tokens: SDPA, the rest: kernel"
     assert AttentionRoute(kernel).describe() == "kernel" and AttentionRoute(None).batch(POOL, 16, _slices(1)).kernel is None
 
 
@@ -56,7 +58,7 @@ def test_auto_takes_the_timed_route_for_the_models_head_layout(monkeypatch, capl
     with caplog.at_level("INFO", logger="app.engine.attention_choice"):
         route = attention_route("K", EngineConfig(), 6, 2, 8, torch.bfloat16)
     assert chosen == [(6, 2, 8, torch.bfloat16)] and route.phases == frozenset({"decode"})
-    assert "whole prompts of 256+ tokens: SDPA causal" in caplog.text
+    assert "prompt chunks of 256+ tokens: SDPA" in caplog.text
 
 
 def test_batch_invariance_or_a_named_kernel_runs_the_kernel_for_everything_untimed(monkeypatch):
@@ -68,14 +70,15 @@ def test_batch_invariance_or_a_named_kernel_runs_the_kernel_for_everything_untim
 
 @needs_kernels
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_whole_prompts_through_sdpa_beside_kernel_queries_equal_causal_attention(kv_dtype):
-    """A whole prompt through SDPA's causal kernel, in steps beside decodes and a chunk on the kernel, and each
-    sequence's later steps on the kernel: every output is causal attention over the sequence (a bf16 pool's keys
-    rounded as stored, for SDPA too)."""
+def test_prompt_chunks_through_sdpa_beside_kernel_queries_equal_causal_attention(kv_dtype):
+    """Prompt chunks through SDPA (from the first token, and a chunk continuing one), in steps beside decodes and
+    short chunks on the kernel: every output is causal attention over the sequence (a bf16 pool's keys rounded as
+    stored, for SDPA too)."""
     loaded_ops()
     sequences = Sequences(PagedAttentionKernel(), kv_dtype)
     sequences.sdpa_prompts, sequences.sdpa_prompt_min = True, 5  # the test pool's sequences are short
-    for new_tokens in ({"a": 6, "b": 3}, {"a": 1, "b": 1, "c": 7}, {"c": 3, "a": 1, "b": 2}, {"a": 1, "b": 1, "c": 1}):
+    steps = ({"a": 6, "b": 3}, {"a": 1, "b": 1, "c": 6}, {"c": 5, "a": 1, "b": 1}, {"a": 1, "b": 2})
+    for new_tokens in steps:
         got, expected, batch = sequences.step(new_tokens)
-        assert len(batch.prompts) == sum(1 for name, n in new_tokens.items() if n >= 5 and len(sequences.keys[name][0]) == n)
+        assert [p.length for p in batch.prompts] == [n for n in new_tokens.values() if n >= 5]
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

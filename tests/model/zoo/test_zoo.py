@@ -120,22 +120,23 @@ def test_served_exactly(name, kernels, zoo_dir, tokenizer, request):
 
 
 @pytest.mark.parametrize("name", ["llama", "granite", "gemma3"])  # plain; a scaled attention; windowed + global layers
-def test_prompts_through_sdpas_causal_kernel_served_exactly(name, zoo_dir, tokenizer, monkeypatch):
-    """The route a CPU that times SDPA's causal kernel faster takes: prompts from their first token through SDPA,
-    everything else (and sliding-window layers) on our kernel; lowered threshold so the test's prompts take it."""
+def test_prompt_chunks_through_sdpa_served_exactly(name, zoo_dir, tokenizer, monkeypatch):
+    """The route a CPU that times SDPA faster on prompts takes: prompt chunks (from the first token, and deeper, the
+    step budget being 32) through SDPA, everything else (and sliding-window layers) on our kernel; a lowered threshold
+    so the test's prompts take it."""
     from app.engine import paged_attention
     from app.engine.attention_choice import AttentionRoute
 
     calls = []
-    through_sdpa = paged_attention._whole_prompts_through_sdpa
-    monkeypatch.setattr(paged_attention, "_whole_prompts_through_sdpa", lambda *args: calls.append(1) or through_sdpa(*args))
+    through_sdpa = paged_attention._prompt_chunks_through_sdpa
+    monkeypatch.setattr(paged_attention, "_prompt_chunks_through_sdpa", lambda *args: calls.append(1) or through_sdpa(*args))
     path = build_checkpoint(name, zoo_dir, tokenizer)
     loaded, engine = _engine(path)
     if engine.runner.attention.kernel is None:
         pytest.skip("the CPU kernels cannot run here: no kernel route to split")
     engine.runner.attention = AttentionRoute(engine.runner.attention.kernel, frozenset({"decode"}), prompt_min=8)
     check_parity(engine, loaded)
-    assert calls, "the parity check took SDPA's causal kernel for its prompts"
+    assert calls, "the parity check took SDPA for its prompts"
     calls.clear()
     batched = _run(engine, _prompts(tokenizer, loaded.model.config.vocab_size), "batch")
     assert calls
