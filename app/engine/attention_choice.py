@@ -10,7 +10,7 @@ over the step's own keys, no gather and no mask, the second over keys gathered f
 with it, every prompt chunk of at least ``SDPA_PROMPT_MIN`` tokens in any step goes to SDPA and the step's other
 queries stay on the kernel). The kernel is the incumbent; the other path replaces it only where it is faster
 by the Linear bake-off's margin. The decision is cached beside the Linear one (``kernel_choice.py``, family
-``attention``). With ``engine.batch_invariant`` the kernel attends everything: a query gets the same bits
+:data:`FAMILY`). With ``engine.batch_invariant`` the kernel attends everything: a query gets the same bits
 whichever step computes it.
 """
 
@@ -36,6 +36,8 @@ _DECODE_SEQS, _DECODE_KEYS = 16, 512
 # measured (AVX2 EPYC, 9x3x64 heads, ours against SDPA): a whole 512-token prompt 4.4 against 4.3 ms, 1,024 17.7
 # against 13.2; a 256-token chunk over 1,024 keys 7.6 against 4.9, 512 over 2,048 31.4 against 19.7
 _PROMPT, _CHUNK, _CHUNK_KEYS = 512, 256, 1024
+# the cache's family names what is timed: a change to it measures again instead of reading an older decision
+FAMILY = f"attention: decode {_DECODE_SEQS}x{_DECODE_KEYS} keys, prompt {_PROMPT} + {_CHUNK} over {_CHUNK_KEYS}"
 _REPEATS = 2  # timed passes per path and kind of step (the fastest counts), after one untimed
 _CALLS = 3  # attention calls per pass (a step calls it once per layer)
 
@@ -80,7 +82,7 @@ def choose_route(kernel, num_heads: int, num_kv_heads: int, head_dim: int, kv_dt
     key = f"{num_heads}x{num_kv_heads}x{head_dim} kv {str(kv_dtype).removeprefix('torch.')} block {block_size}"
     timer = lambda _: time_paths(kernel, num_heads, num_kv_heads, head_dim, kv_dtype, block_size)  # noqa: E731
     usable = lambda entry: entry is not None and set(entry.get("choice", {})) == set(PHASES)  # noqa: E731
-    choice = kernel_choice.choose_timed([key], timer, "kernel", "attention", kernel_build, usable, cache, "Attention paths")[key]
+    choice = kernel_choice.choose_timed([key], timer, "kernel", FAMILY, kernel_build, usable, cache, "Attention paths")[key]
     return AttentionRoute(kernel, frozenset(phase for phase, path in choice.items() if path == "kernel"))
 
 
