@@ -139,7 +139,8 @@ def choose(shapes: list[LinearShape], kernels: dict[str, object], incumbent: str
     """Per shape key, bucket name -> kernel name: from this machine's cache, else timed now (and logged, and cached
     unless other work on the machine disturbed the timing: then the incumbent everywhere, timed again next start)."""
     by_key = {shape.key: shape for shape in shapes}
-    return choose_timed(list(by_key), lambda key: time_candidates(by_key[key], kernels), incumbent, family, kernel_build,
+    timed = f"{family}, rows {'/'.join(str(bucket.timed) for bucket in BUCKETS)}"  # a change to what is timed: timed again
+    return choose_timed(list(by_key), lambda key: time_candidates(by_key[key], kernels), incumbent, timed, kernel_build,
                         lambda entry: _usable(entry, kernels), cache, "Linear kernels")
 
 

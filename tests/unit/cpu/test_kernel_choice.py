@@ -197,4 +197,5 @@ def test_a_timing_disturbed_by_other_work_keeps_the_incumbent_and_is_not_cached(
     monkeypatch.setattr(kernel_choice.time, "process_time", lambda: 0.0)  # the timing got none of the CPU
     kernels = {"ours": TorchKernel(), "lib": Slow()}
     assert choose(shapes, kernels, "ours", "fp32", None, cache) == {shapes[0].key: {b.name: "ours" for b in BUCKETS}}
-    assert cache.get(kernel_choice.machine_key(None), "fp32", shapes[0].key) is None  # timed again next start
+    assert cache.get(kernel_choice.machine_key(None), "fp32, rows 1/4/32/256", shapes[0].key) is None  # timed again next start
+    assert not cache.path.exists()
