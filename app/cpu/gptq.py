@@ -34,7 +34,7 @@ from app.cpu.int4_kernels import (
     Int4Weights,
     available_int4_kernels,
 )
-from app.cpu.kernel_choice import BUCKETS, LinearShape
+from app.cpu.kernel_choice import LinearShape
 from app.cpu.linear import bucketed
 from app.cpu.linear_kernels import RowBucketKernel
 from app.cpu.ops import available
