@@ -109,15 +109,11 @@ def _run_engine(engine, requests: list[Request], arch: str) -> dict[str, list[To
 def _short_prompts_through_every_path(runner):
     """The check's prompts are short: let them take the path a long prompt takes (SDPA's causal kernel, where the
     route gives it prompts), so that path is checked too."""
-    route = getattr(runner, "attention", None)
-    saved = getattr(route, "prompt_min", None)
-    if saved is not None:
-        route.prompt_min = 1
+    saved, runner.attention.prompt_min = runner.attention.prompt_min, 1
     try:
         yield
     finally:
-        if saved is not None:
-            route.prompt_min = saved
+        runner.attention.prompt_min = saved
 
 
 @contextlib.contextmanager
