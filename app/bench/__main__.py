@@ -74,12 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "hf":
         from app.bench.hf_baseline import run_hf_baselines
 
-        result = run_hf_baselines(spec, dtype=_concrete_dtype(args.dtype))
+        device = _resolved_device(args.device or "cpu")
+        result = run_hf_baselines(spec, source=args.model_source or "smollm2-135m-instruct",
+                                  dtype=_concrete_dtype(args.dtype, device), device=device)
     elif args.command == "engine":
         from app.bench.engine_bench import run_engine_bench
 
-        result = run_engine_bench(spec, args.modes, dtype=_engine_dtype(args.dtype), **_kernel_args(args),
-                                  source=args.model_source, quantization=args.quantization)
+        device = _resolved_device(args.device or "auto")
+        result = run_engine_bench(spec, args.modes, dtype=_engine_dtype(args.dtype, device), **_kernel_args(args),
+                                  source=args.model_source, quantization=args.quantization, device=device)
     elif args.command == "quant":
         result = quant(args, spec)
     elif args.command == "profile":
@@ -280,14 +283,20 @@ def _concrete_dtype(dtype: str, device: str = "cpu") -> str:
     return str(resolve_dtype(dtype, resolve_device(device))).removeprefix("torch.")
 
 
-def _engine_dtype(dtype: str) -> str:
+def _resolved_device(device: str) -> str:
+    from app.models.loader import resolve_device
+
+    return resolve_device(device).type
+
+
+def _engine_dtype(dtype: str, device: str = "cpu") -> str:
     """``auto`` as our engine takes it here, so offline and served runs compare: bfloat16 where the loader puts
     ``auto`` on our bf16-product kernel (asking for bfloat16 takes the same path), else torch's dtype."""
     from app.models.loader import auto_takes_bf16_products, resolve_device
 
-    if dtype == "auto" and auto_takes_bf16_products(resolve_device("cpu")):
+    if dtype == "auto" and auto_takes_bf16_products(resolve_device(device)):
         return "bfloat16"
-    return _concrete_dtype(dtype)
+    return _concrete_dtype(dtype, device)
 
 
 def format_table(result: dict) -> str:

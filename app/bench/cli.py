@@ -44,7 +44,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--methods", nargs="+", default=None, help="quant: quantizations to measure (default: all four)")
     parser.add_argument("--gptq-source", default="smollm2-135m-instruct-gptq", help="quant: the GPTQ checkpoint of the model")
     parser.add_argument("--dtype", default="auto", help="quant, hf, engine, compare: model dtype (auto: as model.dtype auto picks here)")
-    parser.add_argument("--device", default=None, help="quant: cpu or cuda (default: the config's model.device)")
+    parser.add_argument("--device", default=None, help="quant: cpu or cuda (default: the config's model.device); "
+                                                             "engine: auto (default) | cpu | cuda; hf: cpu (default) | cuda")
     parser.add_argument("--agreement-tokens", type=int, default=32, help="quant: greedy tokens per agreement prompt")
     parser.add_argument("--skip-serving", action="store_true", help="quant: fidelity only, no serve run")
     parser.add_argument("--skip-fidelity", action="store_true", help="quant: serving only (no perplexity or agreement runs)")

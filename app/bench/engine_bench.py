@@ -16,14 +16,15 @@ from app.models import load_model
 
 
 def run_engine_bench(spec: LoadSpec, modes: list[str], dtype: str = "bfloat16", kernels: dict | None = None,
-                     source: str | None = None, quantization: str = "none") -> dict:
+                     source: str | None = None, quantization: str = "none", device: str = "auto") -> dict:
     """``kernels``: EngineConfig's ``cpu_*_kernel`` settings to use (default: the config's defaults); ``source`` and
     ``quantization``: another checkpoint than the embedded model (e.g. its GPTQ build, quantization gptq)."""
-    model = ModelConfig(dtype=dtype, quantization=quantization, **({"source": source} if source else {}))
+    model = ModelConfig(dtype=dtype, device=device, quantization=quantization, **({"source": source} if source else {}))
     loaded = load_model(model)
     prompts = [loaded.tokenizer.encode(p) for p in make_prompts(spec)]
     kernels = kernels or {}
-    results: dict = {"spec": {**spec.__dict__, "dtype": dtype, "source": model.source, "quantization": quantization, **kernels},
+    results: dict = {"spec": {**spec.__dict__, "dtype": dtype, "device": device, "source": model.source,
+                              "quantization": quantization, **kernels},
                      "modes": {}}
     for mode in modes:
         engine = LLMEngine(loaded, EngineConfig(batching=mode, **kernels))

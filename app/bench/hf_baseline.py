@@ -15,16 +15,17 @@ from app.bench.load import LoadSpec, make_prompts
 from app.models.loader import resolve_source
 
 
-def run_hf_baselines(spec: LoadSpec, source: str = "smollm2-135m-instruct", dtype: str = "bfloat16") -> dict:
+def run_hf_baselines(spec: LoadSpec, source: str = "smollm2-135m-instruct", dtype: str = "bfloat16",
+                     device: str = "cpu") -> dict:
     path, _ = resolve_source(source)  # built-in names resolve to their converted checkpoint
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     prompts = [tokenizer.encode(p) for p in make_prompts(spec)]
     config = GenerationConfig(
         max_new_tokens=spec.max_tokens, min_new_tokens=spec.max_tokens, do_sample=False,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
     )
-    results = {"spec": {**spec.__dict__, "source": source, "dtype": dtype}}
+    results = {"spec": {**spec.__dict__, "source": source, "dtype": dtype, "device": device}}
     # generate_batch runs its loop on its own thread and manages grad mode itself: calling it under
     # inference_mode makes its cache tensors inference tensors, which that thread may not update.
     started = time.perf_counter()
@@ -44,7 +45,7 @@ def _timed_generate(model, prompts: list[list[int]], config: GenerationConfig) -
     """Plain ``generate``, one prompt at a time (the naive server's inner loop)."""
     started, tokens = time.perf_counter(), 0
     for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), generation_config=config)
+        out = model.generate(torch.tensor([prompt], device=model.device), generation_config=config)
         tokens += out.shape[1] - len(prompt)
     wall = time.perf_counter() - started
     return {"wall_s": round(wall, 2), "output_tokens": tokens, "output_tok_per_s": round(tokens / wall, 1)}

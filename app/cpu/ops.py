@@ -30,7 +30,7 @@ def load_ops() -> str | None:
         return f"compiling the CPU kernels failed: {(exc.stderr or '').strip()[-500:]}"
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return f"building or loading the CPU kernels failed: {exc}"
-    _register_fakes()
+    _register_fakes_once()
     return None
 
 
@@ -40,6 +40,13 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     return load_ops()
+
+
+@functools.cache
+def _register_fakes_once() -> None:
+    """Once per process, like the library itself: ``load_ops`` runs again after its cache is cleared (tests turn
+    the kernels off and on), and some torch releases (2.11, seen) refuse a second fake for the same op."""
+    _register_fakes()
 
 
 def _register_fakes() -> None:

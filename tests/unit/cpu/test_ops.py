@@ -74,3 +74,19 @@ def test_the_ops_trace_under_torch_compile_and_give_the_eager_results(ops):
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)  # traces through the fake implementations
     for got, expected in zip(compiled(x), block(x)):
         assert torch.equal(got, expected)
+
+
+def test_loading_again_after_a_reset_registers_no_second_fake(ops, monkeypatch):
+    """Tests turn the kernels off and on (the load cache cleared); some torch releases refuse a second fake for an
+    op, so the second load must not register them again."""
+    from app.cpu import ops as cpu_ops
+
+    def refuse(name, *args, **kwargs):
+        raise RuntimeError(f"register_fake({name}): an fake impl is already registered")
+
+    monkeypatch.setattr(torch.library, "register_fake", refuse)
+    cpu_ops.load_ops.cache_clear()
+    try:
+        assert cpu_ops.load_ops() is None
+    finally:
+        cpu_ops.load_ops.cache_clear()
