@@ -102,6 +102,22 @@ def decide(times: dict[str, dict[str, float]], incumbent: str, margin: float = M
     return choice
 
 
+def capped_at_more_rows(times: dict[str, dict[str, float]], kernel: str, buckets=BUCKETS) -> dict[str, dict[str, float]]:
+    """``times`` with ``kernel``'s time in each bucket capped by its time in every bucket of more rows.
+
+    A kernel runs fewer rows over the same weights in no more time, so a higher time at fewer rows is a disturbed
+    timing (seen on an idle machine: 739 us for one row of an output head against 307 for four, which handed the
+    one-row bucket to a challenger at 646). Applied to the incumbent only, the cap can keep it, never promote a
+    challenger."""
+    capped = {name: dict(by_kernel) for name, by_kernel in times.items()}
+    floor = math.inf
+    for bucket in reversed(buckets):
+        by_kernel = capped.get(bucket.name, {})
+        if kernel in by_kernel:
+            floor = by_kernel[kernel] = min(floor, by_kernel[kernel])
+    return capped
+
+
 def time_candidates(shape: LinearShape, kernels: dict[str, object], buckets=BUCKETS,
                     clock: Callable[[], float] = time.perf_counter) -> dict[str, dict[str, float]]:
     """Seconds per call of each kernel (name -> LinearKernel) on ``shape``, per bucket, on random weights.
@@ -141,14 +157,18 @@ def choose(shapes: list[LinearShape], kernels: dict[str, object], incumbent: str
     by_key = {shape.key: shape for shape in shapes}
     timed = f"{family}, rows {'/'.join(str(bucket.timed) for bucket in BUCKETS)}"  # a change to what is timed: timed again
     return choose_timed(list(by_key), lambda key: time_candidates(by_key[key], kernels), incumbent, timed, kernel_build,
-                        lambda entry: _usable(entry, kernels), cache, "Linear kernels")
+                        lambda entry: _usable(entry, kernels), cache, "Linear kernels",
+                        lambda times: decide(capped_at_more_rows(times, incumbent), incumbent))
 
 
 def choose_timed(keys: list[str], timer: Callable[[str], dict[str, dict[str, float]]], incumbent: str, family: str,
                  kernel_build: str | None, usable: Callable[[dict | None], bool], cache: ChoiceCache | None = None,
-                 what: str = "kernels") -> dict[str, dict[str, str]]:
-    """The bake-off for any op family: per key, bucket -> the candidate :func:`decide` keeps, read from the cache
-    where ``usable`` accepts its entry, else from ``timer(key)`` (bucket -> candidate -> seconds), then cached."""
+                 what: str = "kernels", decider: Callable[[dict[str, dict[str, float]]], dict[str, str]] | None = None
+                 ) -> dict[str, dict[str, str]]:
+    """The bake-off for any op family: per key, bucket -> the candidate ``decider`` keeps (default: :func:`decide`
+    with ``incumbent``), read from the cache where ``usable`` accepts its entry, else from ``timer(key)`` (bucket ->
+    candidate -> seconds), then cached with the times as measured."""
+    decider = decider or (lambda times: decide(times, incumbent))
     cache = cache or ChoiceCache()
     machine = machine_key(kernel_build)
     decisions, measured = {}, {}
@@ -157,7 +177,7 @@ def choose_timed(keys: list[str], timer: Callable[[str], dict[str, dict[str, flo
         entry = cache.get(machine, family, key)
         if not usable(entry):
             times = timer(key)
-            entry = {"choice": decide(times, incumbent), "measured": time.strftime("%Y-%m-%d %H:%M"),
+            entry = {"choice": decider(times), "measured": time.strftime("%Y-%m-%d %H:%M"),
                      "us": {bucket: {name: round(s * 1e6, 1) for name, s in by_kernel.items()} for bucket, by_kernel in times.items()}}
             measured[key] = entry
         decisions[key] = entry["choice"]
