@@ -74,6 +74,21 @@ def test_a_bake_off_decides_on_capped_times_and_caches_them_as_measured(tmp_path
     assert next(iter(saved.values()))[shape.key]["us"]["1"] == {"ours": 739.0, "lib": 646.0}
 
 
+def test_a_cached_decision_is_decided_again_by_todays_rule_without_timing(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "MIN_CPU_SHARE", 0.0)
+    cache = ChoiceCache(tmp_path / "choices.json")
+    shape = LinearShape(96, 64)
+    stale = {"choice": {"1": "lib", "2-8": "ours", "9-64": "ours", "65+": "ours"}, "measured": "2026-11-26 10:52",
+             "us": {bucket: {name: round(t * 1e6, 1) for name, t in by_kernel.items()} for bucket, by_kernel in DISTURBED.items()}}
+    cache.put(kernel_choice.machine_key(None), "fp32, rows 1/4/32/256", {shape.key: stale})
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a cached decision was timed again")
+
+    monkeypatch.setattr(kernel_choice, "time_candidates", no_timing)
+    assert choose([shape], {"ours": None, "lib": None}, "ours", "fp32", None, cache) == {shape.key: dict.fromkeys(DISTURBED, "ours")}
+
+
 def test_buckets_cover_every_row_count_once():
     for rows in [1, 2, 8, 9, 64, 65, 4096]:
         assert sum(bucket.holds(rows) for bucket in BUCKETS) == 1
