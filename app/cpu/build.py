@@ -83,7 +83,8 @@ def _compile_ops(out_dir: Path) -> Path:
 def _cxx_flags() -> list[str]:
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    return ["-O2", "-std=c++17", "-fPIC", "-w", abi, *includes]
+    # C++20: the standard torch.utils.cpp_extension compiles extensions with (torch's headers are built for it)
+    return ["-O2", "-std=c++20", "-fPIC", "-w", abi, *includes]
 
 
 def _torch_link_flags() -> list[str]:
