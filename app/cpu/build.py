@@ -5,8 +5,8 @@ registers them as ``torch.ops.llm_serve.*``, as C++ against torch's headers with
 ABI flag and language standard (C++20) of ``torch.utils.cpp_extension``; both are linked into one
 shared library kept in ``$LLM_SERVE_CACHE/kernels`` under a hash of the sources, flags, compilers and
 torch version (~15 s on 2 cores the first time, nothing after). The library links ``libgomp.so.1``,
-the soname of the OpenMP runtime torch's wheel ships and has already loaded, so the kernels run on torch's own thread team and follow
-``torch.set_num_threads``. Where it cannot be built, :func:`unsupported_reason` says why.
+the soname of the OpenMP runtime torch's wheel ships and has already loaded, so the kernels run on
+torch's own thread team and follow ``torch.set_num_threads``. Where it cannot be built, :func:`unsupported_reason` says why.
 """
 
 from __future__ import annotations
