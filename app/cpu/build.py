@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -59,9 +60,11 @@ def build_library() -> Path:
     library = directory / f"llm_serve_ops-{_build_key()}.so"
     if library.exists():
         return library
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        objects = [_compile_c(source, Path(scratch)) for source in sorted(KERNELS_DIR.glob("*.c"))]
-        objects.append(_compile_ops(Path(scratch)))
+    with tempfile.TemporaryDirectory(dir=directory) as scratch, ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        # the C++ file (torch's headers) takes most of the time: the C files compile beside it
+        ops = pool.submit(_compile_ops, Path(scratch))
+        objects = list(pool.map(lambda source: _compile_c(source, Path(scratch)), sorted(KERNELS_DIR.glob("*.c"))))
+        objects.append(ops.result())
         partial = Path(scratch) / library.name
         _run([*cxx_compiler(), "-shared", "-fopenmp", *map(str, objects), "-o", str(partial), *_torch_link_flags()])
         os.replace(partial, library)  # atomic: another process never loads a half-written library
