@@ -6,7 +6,8 @@ ABI flag and language standard (C++20) of ``torch.utils.cpp_extension``; both ar
 shared library kept in ``$LLM_SERVE_CACHE/kernels`` under a hash of the sources, flags, compilers and
 torch version (~15 s on 2 cores the first time, nothing after). The library links ``libgomp.so.1``,
 the soname of the OpenMP runtime torch's wheel ships and has already loaded, so the kernels run on
-torch's own thread team and follow ``torch.set_num_threads``. Where it cannot be built, :func:`unsupported_reason` says why.
+torch's own thread team and follow ``torch.set_num_threads``. Where it cannot be built,
+:func:`unsupported_reason` says why.
 """
 
 from __future__ import annotations
