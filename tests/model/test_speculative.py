@@ -202,7 +202,12 @@ def test_a_request_resuming_its_sessions_kv_computes_what_a_fresh_engine_does(lo
     fresh = Request("b", prompt, greedy(20, logprobs=0), loaded_rounded.eos_token_ids, output_token_ids=list(context))
     got = _run_with_logprobs(engine, [resumed])["b"]
     assert resumed.num_cached_tokens == len(prompt) + 7
-    assert got == _run_with_logprobs(make_engine(loaded_rounded, max_model_len=512), [fresh])["b"]
+    want = _run_with_logprobs(make_engine(loaded_rounded, max_model_len=512), [fresh])["b"]
+    assert [token for token, _ in got] == [token for token, _ in want]
+    if unavailable_reason() is None:  # our kernels compute a position's row the same in any step: same bits
+        assert got == want
+    else:  # torch's products sum a prefill's rows in another order than a decode step's
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-4
 
 
 def test_with_a_draft_model_that_never_answers_the_target_decodes_on_alone(loaded_rounded, plain):

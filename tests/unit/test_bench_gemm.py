@@ -1,6 +1,9 @@
 """The Linear-kernel micro-benchmark behind docs/engine.md's kernel table."""
 
+import pytest
+
 from app.bench import gemm
+from app.cpu.ops import available, unavailable_reason
 
 
 def test_gemm_bench_reports_every_kernel_and_row_count(monkeypatch):
@@ -18,6 +21,7 @@ def test_gemm_bench_reports_every_kernel_and_row_count(monkeypatch):
     assert report["weight_mb"] == round(2 * sum(n * k for n, k in gemm.LAYER_SHAPES) * 4 / 2**20)
 
 
+@pytest.mark.skipif(not available(), reason=f"the avx2-bf16 route is our kernel: {unavailable_reason()}")
 def test_bf16_routes_report_whether_a_row_alone_has_the_bits_it_has_in_a_batch(monkeypatch):
     monkeypatch.setattr(gemm, "LAYERS", 1)
     report = gemm.run_gemm_bench(batches=[3], kernels=["avx2-bf16", "torch-bf16"], repeats=1)
