@@ -1,7 +1,8 @@
 """The speculative twins of the GPTQ model over HTTP: the same engine drafting by prompt lookup (-ngram), or
 verifying what the embedded model drafts on the ingress's replica (-spec), answers every greedy request exactly
-as the model without speculation, alone and inside a batch. (Every one of the 16 prompts, alone and batched,
-is the model tier's test, tests/model/test_speculative.py: here the path across replicas and HTTP.)"""
+as the model without speculation, alone and inside a batch (where our CPU kernels run; elsewhere up to a
+near-tie). (Every one of the 16 prompts, alone and batched, is the model tier's test, tests/model/test_speculative.py:
+here the path across replicas and HTTP.)"""
 
 import asyncio
 
@@ -9,6 +10,7 @@ import httpx
 import pytest
 from ray import serve
 
+from app.cpu.ops import unavailable_reason
 from tests.prompts import PROMPTS
 from tests.serve.conftest import BASE, GPTQ_MODEL, GPTQ_NGRAM_MODEL, GPTQ_SPEC_MODEL
 
@@ -20,8 +22,11 @@ BATCH = [PROMPTS[i] for i in (0, 3, 9, 12)]
 ALONE = [PROMPTS[i] for i in (2, 12)]
 
 
+NEAR_TIE_NATS = 0.05
+
+
 def _body(model: str, prompt: str) -> dict:
-    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    return {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 2}
 
 
 async def _complete_all(model: str, prompts: list[str]) -> list[dict]:
@@ -31,8 +36,18 @@ async def _complete_all(model: str, prompts: list[str]) -> list[dict]:
     return [r.json() for r in responses]
 
 
-def _texts(answers: list[dict]) -> list[str]:
-    return [a["choices"][0]["text"] for a in answers]
+def _assert_answers_as_the_model(speculative: dict, plain: dict) -> None:
+    """The same greedy tokens, where our kernels run (engine.batch_invariant: a row's bits do not depend on its step).
+    Where they cannot, torch's products sum a verification step's rows in another order than a decode step's, so the
+    two may part at a near-tie: at the first token they differ on, the model's top two were within NEAR_TIE_NATS."""
+    ours, theirs = speculative["choices"][0]["logprobs"], plain["choices"][0]["logprobs"]
+    if unavailable_reason() is None or ours["tokens"] == theirs["tokens"]:
+        assert speculative["choices"][0]["text"] == plain["choices"][0]["text"]
+        return
+    part = next(i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b)
+    top = theirs["top_logprobs"][part]
+    assert ours["tokens"][part] in top, (part, ours["tokens"][part], top)
+    assert top[theirs["tokens"][part]] - top[ours["tokens"][part]] < NEAR_TIE_NATS, (part, top)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +63,8 @@ def test_inside_a_batch_the_twin_answers_as_the_model_does(serve_app, plain_answ
     speculative = asyncio.run(_complete_all(twin, BATCH))
     after = handle.model_stats.remote(GPTQ_MODEL).result()["spec_by_name"][twin]
     plain = [plain_answers[prompt] for prompt in BATCH]
-    assert _texts(speculative) == _texts(plain)
+    for twin_answer, answer in zip(speculative, plain):
+        _assert_answers_as_the_model(twin_answer, answer)
     assert {a["model"] for a in speculative} == {twin} and {a["model"] for a in plain} == {GPTQ_MODEL}
     assert all(a["usage"]["completion_tokens"] == MAX_TOKENS for a in speculative)
     assert after["num_drafts"] - before["num_drafts"] >= len(BATCH)  # the twin drafted; the plain name never does
@@ -59,7 +75,7 @@ def test_inside_a_batch_the_twin_answers_as_the_model_does(serve_app, plain_answ
 def test_alone_the_twin_answers_as_the_model_does(serve_app, plain_answers, twin):
     for prompt in ALONE:
         [speculative] = asyncio.run(_complete_all(twin, [prompt]))
-        assert speculative["choices"][0]["text"] == plain_answers[prompt]["choices"][0]["text"], prompt
+        _assert_answers_as_the_model(speculative, plain_answers[prompt])
 
 
 def test_sampled_requests_are_verified_against_what_the_draft_replica_sampled_from(serve_app):
