@@ -106,9 +106,8 @@ def capped_at_more_rows(times: dict[str, dict[str, float]], kernel: str, buckets
     """``times`` with ``kernel``'s time in each bucket capped by its time in every bucket of more rows.
 
     A kernel runs fewer rows over the same weights in no more time, so a higher time at fewer rows is a disturbed
-    timing (seen on an idle machine: 739 us for one row of an output head against 307 for four, which handed the
-    one-row bucket to a challenger at 646). Applied to the incumbent only, the cap can keep it, never promote a
-    challenger."""
+    timing, which would otherwise hand that bucket to a challenger (docs/performance.md). Applied to the incumbent
+    only, the cap can keep it, never promote a challenger."""
     capped = {name: dict(by_kernel) for name, by_kernel in times.items()}
     floor = math.inf
     for bucket in reversed(buckets):
