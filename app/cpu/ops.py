@@ -30,7 +30,7 @@ def load_ops() -> str | None:
         return f"compiling the CPU kernels failed: {(exc.stderr or '').strip()[-500:]}"
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return f"building or loading the CPU kernels failed: {exc}"
-    _register_fakes_once()
+    _register_fakes()
     return None
 
 
@@ -42,13 +42,8 @@ def unavailable_reason() -> str | None:
     return load_ops()
 
 
-@functools.cache
-def _register_fakes_once() -> None:
-    """Once per process, like the library itself: ``load_ops`` runs again after its cache is cleared (tests turn
-    the kernels off and on), and some torch releases (2.11, seen) refuse a second fake for the same op."""
-    _register_fakes()
-
-
+@functools.cache  # once per process, like the library: ``load_ops`` runs again after its cache is cleared (tests
+# turn the kernels off and on), and some torch releases (2.11, seen) refuse a second fake for the same op
 def _register_fakes() -> None:
     """Shapes and dtypes of each op's outputs, for tracing (torch.compile, meta tensors)."""
     fake = torch.library.register_fake
