@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test test-unit bench bench-install bench-naive bench-vllm bench-sweep bench-report bench-quant clean \
+.PHONY: install model serve test test-unit bench bench-install bench-naive bench-vllm bench-rounds bench-sweep bench-report bench-quant clean \
 	cluster-up deploy cluster-down
 
 install: $(STAMP)
@@ -37,7 +37,7 @@ ifndef BENCH_RUN
 BENCH_RUN := results/bench/run-$(shell date -u +%Y%m%d-%H%M%S)
 endif
 BENCH_LATEST = $(lastword $(sort $(wildcard results/bench/run-*)))
-BENCH_FILES ?= $(if $(BENCH_LATEST),$(BENCH_LATEST)/*.json,$(error no results/bench/run-* folder: run make bench, or give BENCH_FILES))
+BENCH_FILES ?= $(if $(BENCH_LATEST),$(BENCH_LATEST)/*.json $(wildcard $(BENCH_LATEST)/alternated/*.json),$(error no results/bench/run-* folder: run make bench, or give BENCH_FILES))
 BENCH_REPORT ?= docs/benchmarks.md
 PEER_ARGS ?=
 SWEEP_URL ?= http://127.0.0.1:8000
@@ -51,7 +51,19 @@ bench: model bench-install
 	$(BIN)/python -m app.bench quant --methods gptq --out $(BENCH_RUN)/quant-gptq.json
 	$(BIN)/python -m app.bench hf --out $(BENCH_RUN)/hf.json
 	for peer in $(BENCH_PEERS); do $(MAKE) --no-print-directory bench-$$peer BENCH_RUN=$(BENCH_RUN) || exit 1; done
-	$(BIN)/python -m app.bench report $(BENCH_RUN)/*.json --out $(BENCH_REPORT)
+	$(if $(BENCH_ROUNDS),$(MAKE) --no-print-directory bench-rounds BENCH_RUN=$(BENCH_RUN))
+	$(BIN)/python -m app.bench report $(BENCH_RUN)/*.json $$(ls $(BENCH_RUN)/alternated/*.json 2>/dev/null) --out $(BENCH_REPORT)
+
+# Alternated runs (benchmarks/alternated.sh): ours and each of ALTERNATED_PEERS in turn, BENCH_ROUNDS rounds, fresh
+# servers, on the embedded model (W1 W2 W5) and the 371M shape (W1 W2), into $(BENCH_RUN)/alternated; the report
+# gives their medians. `make bench BENCH_ROUNDS=3` runs them inside a bench run; alone, name the run folder
+# (`make bench-rounds BENCH_RUN=results/bench/run-...`), then `make bench-report` renders that run with them.
+BENCH_ROUNDS ?=
+ALTERNATED_PEERS ?= vllm
+
+bench-rounds: model bench-install
+	OUT=$(BENCH_RUN)/alternated BENCH_ROUNDS=$(or $(BENCH_ROUNDS),3) ALTERNATED_PEERS="$(ALTERNATED_PEERS)" \
+		PYTHON=$(BIN)/python benchmarks/alternated.sh
 
 # The optional `bench` extra: matplotlib for the report's plots, tqdm for progress bars.
 bench-install: $(VENV)/.bench-installed

@@ -277,8 +277,10 @@ class OpenAIServing:
         as_logprobs = self.logprob_format.chat if kind.startswith("chat") else self._completion_logprobs
         echo = prepared.echo  # the first chunk carries the prompt (and its logprobs) before the answer
         async for output in self._generate(prepared):
-            # A held-back or partial character has nothing to show yet, unless its logprobs must go out.
-            if output.new_text or output.finished or output.logprobs or echo is not None:
+            # A chunk for every output that carries a token, as vLLM streams: a token with no text of its own (a
+            # special token left out of the text, a partial character, text held back for a stop string) goes out
+            # as an empty delta, so a client sees each token as it comes and can count them.
+            if output.new_token_ids or output.new_text or output.finished or output.logprobs or echo is not None:
                 logprobs = self._completion_logprobs(output.logprobs, prepared) if echo is not None else as_logprobs(output.logprobs)
                 choice = make_choice((echo or "") + output.new_text, output.finish_reason, logprobs, index=prepared.index)
                 echo = None

@@ -173,7 +173,7 @@ def _launched(args):
     log = RESULTS / f"{args.command}-{args.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     if args.launch == "naive":
-        return running_naive_server(args.port, log, args.model, _concrete_dtype(args.dtype))
+        return running_naive_server(args.port, log, args.model, _concrete_dtype(args.dtype), checkpoint=args.model_source)
     app_config = yaml.safe_load(Path(args.config).read_text())
     app_config["models"] = app_config["models"][:1]  # the first model alone on the machine, as compare serves it
     if args.model_source:

@@ -34,7 +34,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--no-plots", action="store_true", help="report: tables only")
     parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare: the app config to serve")
     parser.add_argument("--model-source", default=None,
-                        help="compare, peer --launch ours: serve this checkpoint (a directory, e.g. from `shape`) as --model instead of the config's; "
+                        help="compare, peer --launch ours or naive: serve this checkpoint (a directory, e.g. from `shape`) as --model instead of the config's; "
                              "engine: run it (with --quantization, e.g. smollm2-135m-instruct-gptq --quantization gptq)")
     parser.add_argument("--quantization", default="none", choices=["none", "bnb-int8", "bnb-nf4", "gptq"],
                         help="engine: the --model-source checkpoint's quantization")

@@ -20,8 +20,10 @@ Workloads (``LoadSpec.workload``):
   (its first words a fresh nonce, so no prefix cache holds it). What a chat product with retrieval prompts sees:
   the streams' largest gap between chunks while that prompt is prefilled, and the long prompt's TTFT.
 
-Every stream also reports its text chunks beside the tokens the server counted: a server that batches tokens
-into fewer chunks, or drops some, shows as ``chunks != tokens``.
+Every stream also reports its chunks that carry a token beside the tokens the server counted: a server that
+batches tokens into fewer chunks, or drops some, shows as ``chunks != tokens``. A chunk with empty text counts (a
+token with no text of its own: a special token left out of the text, a partial character), unless it only opens
+a chat stream (the role) or only closes one (a finish reason).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class RequestTiming:
     prompt_tokens: int
     output_tokens: int
     itl_s: list[float] = field(default_factory=list)
-    chunks: int = 0  # streamed chunks that carried text
+    chunks: int = 0  # streamed chunks that carried a token
 
     @property
     def tpot_s(self) -> float:
@@ -224,7 +226,8 @@ async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, path: str, fields
         "stream_options": {"include_usage": True},
     }
     sent = time.perf_counter()
-    arrivals: list[float] = []
+    arrivals: list[float] = []  # chunks with text: what a reader of the stream sees
+    token_chunks = 0
     usage: dict = {}
     async with http.stream("POST", path, json=body) as response:
         if response.status_code != 200:
@@ -235,7 +238,9 @@ async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, path: str, fields
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
-            if chunk.get("choices") and _chunk_text(chunk["choices"][0]):
+            choice = (chunk.get("choices") or [None])[0]
+            token_chunks += choice is not None and _carries_a_token(choice)
+            if choice is not None and _chunk_text(choice):
                 arrivals.append(time.perf_counter())
                 if first_text is not None:
                     first_text.set()
@@ -249,13 +254,22 @@ async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, path: str, fields
         prompt_tokens=usage.get("prompt_tokens", 0),
         output_tokens=usage.get("completion_tokens", len(arrivals)),
         itl_s=[b - a for a, b in zip(arrivals, arrivals[1:])],
-        chunks=len(arrivals),
+        chunks=token_chunks,
     )
 
 
 def _chunk_text(choice: dict) -> str:
     """A streamed choice's new text: ``text`` for completions, ``delta.content`` for chat."""
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+def _carries_a_token(choice: dict) -> bool:
+    """Text, or an empty delta in mid-stream (a token with no text of its own); not a chat stream's opening role
+    announcement, nor a closing chunk with only a finish reason."""
+    if _chunk_text(choice):
+        return True
+    delta = choice.get("delta")
+    return choice.get("finish_reason") is None and not (delta or {}).get("role") and (delta is not None or "text" in choice)
 
 
 def summarize(spec: LoadSpec, timings: list[RequestTiming], wall_s: float) -> dict:

@@ -86,12 +86,16 @@ def _document_head() -> list[str]:
     lines += [f"- **{name}**: {text}." for name, text in WORKLOAD_TEXT.items()]
     lines += ["", "TTFT: time to first streamed token; TPOT: (E2E - TTFT) / (tokens - 1) per request; ITL: time between "
               "streamed chunks, what a reader of the stream sees; goodput: requests per second that met the SLO (TTFT and the "
-              "request's p99 inter-token gap within bounds), and their share of all requests; chunks / tokens: streamed text "
-              "chunks against generated tokens (equal: every token streamed as it came).", "",
+              "request's p99 inter-token gap within bounds), and their share of all requests; chunks / tokens: streamed chunks "
+              "carrying a token (with text, or empty for a token with no text of its own, e.g. a special token) against generated "
+              "tokens (equal: every token streamed as it came).", "",
               "## Re-running", "",
               "- `make bench` (`BENCH_PEERS=\"naive vllm\"` for both peers): `compare` (this project in each batching mode through "
               "`serve run`), `hf` (transformers offline), `peer` for each of `BENCH_PEERS` (`naive`: benchmarks/naive_server.py; "
               "`vllm`: vLLM's CPU backend through benchmarks/vllm_cpu.sh), then this machine's CPU-class section.",
+              "- `make bench BENCH_ROUNDS=3` (or `make bench-rounds BENCH_RUN=<a run folder>`): also this project and vLLM in turn, "
+              "3 rounds of fresh servers, on the embedded model (W1 W2 W5) and the 371M shape (W1 W2) "
+              "(benchmarks/alternated.sh; `ALTERNATED_PEERS=naive` where vLLM cannot run): the section's medians.",
               "- `make bench-vllm`: vLLM alone (creates `vllm-venv/` once; `VLLM_DTYPE=float32` where the CPU has no native bf16).",
               "- `python -m app.bench peer --url http://HOST:PORT --name NAME --model SERVED_NAME [--workloads W1 W2 W3 W4 W5]`: "
               "any OpenAI-compatible server; `--launch ours [--model-source DIR]` starts ours for the run.",

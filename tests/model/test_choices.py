@@ -77,6 +77,24 @@ async def test_streamed_choices_assemble_to_the_non_streamed_ones(server_fp32, c
         assert [c["choices"][0]["delta"].get("role") for c in chunks[:2]] == ["assistant", "assistant"]
 
 
+@pytest.mark.parametrize("cls", [CompletionRequest, ChatCompletionRequest])
+async def test_a_stream_sends_a_chunk_for_every_token_even_one_with_no_text(server_fp32, cls):
+    """Past its answer (``ignore_eos``) the model writes its chat template's special tokens, which the text leaves
+    out: each still goes out as a chunk, an empty one, so a client counts every token as it comes (as vLLM's)."""
+    question = "What is 2 + 2?"
+    body = dict(temperature=0, max_tokens=48, min_tokens=48, ignore_eos=True, stream_options={"include_usage": True})
+    if cls is CompletionRequest:
+        body["prompt"] = server_fp32.info.tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                                        add_generation_prompt=True, tokenize=False)
+    else:
+        body["messages"] = [{"role": "user", "content": question}]
+    chunks = await _stream(server_fp32, cls, **body)
+    choices = [c["choices"][0] for c in chunks if c["choices"] and not c["choices"][0].get("delta", {}).get("role")]
+    texts = [c.get("text", c.get("delta", {}).get("content")) for c in choices]
+    assert len(choices) == chunks[-1]["usage"]["completion_tokens"] == 48
+    assert "" in texts[:-1]  # a token with no text of its own was streamed (the special tokens after the answer)
+
+
 async def test_echo_with_logprobs_gives_every_prompt_tokens_logprob_as_transformers(server_fp32, loaded_fp32):
     """lm-evaluation-harness' loglikelihood request: echo, logprobs: 1, max_tokens: 1. The prompt's blocks are in
     the prefix cache the second time (a plain request sent it first): every prompt token still gets its logprob."""

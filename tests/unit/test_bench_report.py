@@ -240,6 +240,31 @@ def test_run_load_reads_chat_and_completion_streams(mock_server):
     assert all(b["ignore_eos"] and b["min_tokens"] == 5 and b["stream"] for _, b in seen)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_token_with_no_text_counts_as_streamed_and_the_opening_and_closing_chunks_do_not(path):
+    """5 tokens, the third a special token left out of the text (an empty delta, as vLLM and this project stream
+    it), between a chat stream's role announcement and a closing chunk with only the finish reason."""
+    chat = path.endswith("chat/completions")
+
+    def choice(text: str | None, finish: str | None = None, role: bool = False) -> dict:
+        if chat:
+            delta = {} if text is None else {"content": text, **({"role": "assistant"} if role else {})}
+            return {"index": 0, "delta": delta, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "finish_reason": finish}
+
+    chunks = ([choice("", role=True)] if chat else []) + [choice(t) for t in (" a", " b", "", " c", " d")]
+    chunks += [choice(None, "length"), {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}]
+    stream = "".join(f"data: {json.dumps(c if 'usage' in c else {'choices': [c]})}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    async def one() -> load.RequestTiming:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=stream))
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as http:
+            return await load._stream_one(http, load.LoadSpec(max_tokens=5), path, {"prompt": "x"})
+
+    timing = asyncio.run(one())
+    assert (timing.chunks, timing.output_tokens, len(timing.itl_s)) == (5, 5, 3)  # gaps between the 4 texts a reader sees
+
+
 def test_peer_and_sweep_commands_save_what_the_report_reads(mock_server, tmp_path, monkeypatch):
     monkeypatch.setattr(plots, "pyplot", lambda: None)
     peer, sweep = tmp_path / "peer-vllm.json", tmp_path / "sweep.json"
