@@ -6,8 +6,10 @@
 #   OUT=results/bench/run-.../alternated benchmarks/alternated.sh   # = make bench BENCH_ROUNDS=3 (or make bench-rounds)
 #
 # Settings (environment): OUT (the folder for the result files, required), BENCH_ROUNDS (3), ALTERNATED_PEERS
-# (vllm; naive where vLLM cannot run), BENCH_SHAPE (llama-371m, app/bench/shapes.py; empty: the embedded model
-# only), PYTHON (.venv/bin/python).
+# (vllm; naive where vLLM cannot run; ours@REV: this project at git revision REV, served from a worktree of it and
+# measured by this checkout's load generator, for an A/B of two versions), BENCH_SHAPE (llama-371m,
+# app/bench/shapes.py; empty: the embedded model only, as a revision that cannot serve the shape needs),
+# PYTHON (.venv/bin/python).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,10 +19,20 @@ OUT="${OUT:?OUT: the folder for the result files}"
 BENCH_ROUNDS="${BENCH_ROUNDS:-3}"
 ALTERNATED_PEERS="${ALTERNATED_PEERS:-vllm}"
 BENCH_SHAPE="${BENCH_SHAPE-llama-371m}"
-PYTHON="${PYTHON:-.venv/bin/python}"
+PYTHON="$(cd "$(dirname "${PYTHON:-.venv/bin/python}")" && pwd)/$(basename "${PYTHON:-.venv/bin/python}")"
 OURS_PORT=8100
 NAIVE_PORT=8001
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+
+# A worktree of revision $1 (made once, outside this checkout), printed.
+worktree() {
+    local sha dir
+    sha="$(git rev-parse --short "$1^{commit}")"
+    dir="${TMPDIR:-/tmp}/llm-serve-at-$sha"
+    [ -d "$dir" ] || git worktree add --detach "$dir" "$sha" >&2
+    echo "$dir"
+}
 
 # One server measured once: ours | vllm | naive, on the embedded model or the shape ($2: its directory).
 measure() {
@@ -34,6 +46,9 @@ measure() {
         ours)
             "$PYTHON" -m app.bench peer --launch ours --name ours --port "$OURS_PORT" --no-progress \
                 --workloads $workloads "${model_args[@]}" --out "$out" >"$log" 2>&1 ;;
+        ours@*)
+            "$PYTHON" -m app.bench peer --launch ours --name "$server" --code "$(worktree "${server#ours@}")" \
+                --port "$OURS_PORT" --no-progress --workloads $workloads "${model_args[@]}" --out "$out" >"$log" 2>&1 ;;
         naive)
             "$PYTHON" -m app.bench peer --launch naive --name naive --port "$NAIVE_PORT" --no-progress \
                 --workloads $workloads "${model_args[@]}" --out "$out" >"$log" 2>&1 ;;
@@ -44,7 +59,7 @@ measure() {
             VLLM_SERVED_NAME="$served" VLLM_CHECKPOINT="$checkpoint" PYTHON="$PYTHON" LOG_DIR="$OUT" \
                 PEER_ARGS="--workloads $workloads --no-progress --out $out" \
                 "$ROOT/benchmarks/vllm_cpu.sh" bench >"$log" 2>&1 ;;
-        *) echo "unknown server $server: ours, vllm or naive" >&2; exit 2 ;;
+        *) echo "unknown server $server: ours, ours@REV, vllm or naive" >&2; exit 2 ;;
     esac
     grep -E "W[0-9]:" "$log" || true
 }

@@ -174,11 +174,12 @@ def _launched(args):
     log.parent.mkdir(parents=True, exist_ok=True)
     if args.launch == "naive":
         return running_naive_server(args.port, log, args.model, _concrete_dtype(args.dtype), checkpoint=args.model_source)
-    app_config = yaml.safe_load(Path(args.config).read_text())
+    code = Path(args.code).resolve() if args.code else None
+    app_config = yaml.safe_load(((code or Path()) / args.config).read_text())
     app_config["models"] = app_config["models"][:1]  # the first model alone on the machine, as compare serves it
     if args.model_source:
         app_config["models"][0]["model"].update(source=args.model_source, name=args.model)
-    return running_server(app_config, args.port, log)
+    return running_server(app_config, args.port, log, code=code)
 
 
 def report(args, command: str) -> int:

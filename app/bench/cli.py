@@ -32,7 +32,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--cpu-class", action="append", default=[], metavar="[FILE=]FLAGS",
                         help="report: the CPU class of result files that predate machine.cpu_class (FILE: a file name)")
     parser.add_argument("--no-plots", action="store_true", help="report: tables only")
-    parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare: the app config to serve")
+    parser.add_argument("--config", default="configs/smollm2-cpu.yaml", help="compare, peer --launch ours: the app config to serve "
+                        "(with --code, relative to that checkout)")
+    parser.add_argument("--code", default=None, help="peer --launch ours: serve from this checkout of the project instead (e.g. "
+                        "`git worktree add` of an earlier commit), measured by this one's load generator: an A/B of two versions")
     parser.add_argument("--model-source", default=None,
                         help="compare, peer --launch ours or naive: serve this checkpoint (a directory, e.g. from `shape`) as --model instead of the config's; "
                              "engine: run it (with --quantization, e.g. smollm2-135m-instruct-gptq --quantization gptq)")

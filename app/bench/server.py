@@ -33,8 +33,15 @@ _DIRECT_PORT_WAIT_S = 60
 
 
 @contextlib.contextmanager
-def running_server(app_config: dict, port: int, log_path: Path, ready_timeout_s: float = 600) -> Iterator[str]:
-    """Serve ``app_config`` (the dict a configs/*.yaml file holds) on ``port``; yields the base URL."""
+def running_server(app_config: dict, port: int, log_path: Path, ready_timeout_s: float = 600,
+                   code: Path | None = None) -> Iterator[str]:
+    """Serve ``app_config`` (the dict a configs/*.yaml file holds) on ``port``; yields the base URL. ``code``: another
+    checkout of this project to serve from (e.g. a git worktree of an earlier commit, for an A/B): ``serve run``
+    imports the app from its working directory, and Ray's workers take the driver's import path."""
+    code = code or ROOT
+    env = {**os.environ, **DIRECT_INGRESS_ENV}
+    if code != ROOT:  # ahead of this checkout's editable install
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as tmp:
         config_file = Path(tmp) / "app.yaml"
         config_file.write_text(yaml.safe_dump(app_config))
@@ -43,8 +50,8 @@ def running_server(app_config: dict, port: int, log_path: Path, ready_timeout_s:
         serve_bin = Path(sys.executable).parent / "serve"
         with open(log_path, "w") as log:
             process = subprocess.Popen(
-                [str(serve_bin), "run", str(serve_file)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, env={**os.environ, **DIRECT_INGRESS_ENV},
+                [str(serve_bin), "run", str(serve_file)], cwd=code, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, env=env,
             )
             url = f"http://127.0.0.1:{port}"
             try:
