@@ -47,3 +47,44 @@ def test_no_direct_server_means_the_proxy(tmp_path):
     log = tmp_path / "serve.log"
     log.write_text("proxy starting on 8000\n")
     assert server._direct_url(log, _Process(0)) is None  # serve run gone: no waiting for a line that cannot come
+
+
+class _Popen:
+    """serve run, not started: what it would have been started with."""
+    started: list[dict] = []
+
+    def __init__(self, command, **options):
+        _Popen.started.append({"command": command, **options})
+        self.returncode = None
+
+
+@pytest.mark.parametrize("other_checkout", [False, True])
+def test_serve_run_imports_the_app_from_the_checkout_it_is_given(tmp_path, monkeypatch, other_checkout):
+    """An A/B of two versions (``peer --launch ours --code DIR``): serve run starts in that checkout, and the checkout
+    comes first on the import path of serve run and of Ray's workers, ahead of this checkout's editable install."""
+    monkeypatch.setattr(server.subprocess, "Popen", _Popen)
+    monkeypatch.setattr(server, "_wait_ready", lambda *args: None)
+    monkeypatch.setattr(server, "_direct_url", lambda *args: None)
+    monkeypatch.setattr(server, "_stop", lambda process: None)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    _Popen.started.clear()
+    code = tmp_path / "earlier" if other_checkout else None
+    with server.running_server({"models": []}, 8100, tmp_path / "serve.log", code=code) as url:
+        assert url == "http://127.0.0.1:8100"
+    started = _Popen.started[0]
+    assert started["cwd"] == (code or server.ROOT)
+    expected = f"{code}{server.os.pathsep}/elsewhere" if other_checkout else "/elsewhere"
+    assert started["env"]["PYTHONPATH"] == expected and started["env"]["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+
+
+def test_peer_launch_ours_reads_the_config_from_the_checkout_it_serves(tmp_path, monkeypatch):
+    from app.bench import __main__ as bench
+    from app.bench.cli import build_parser
+
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "smollm2-cpu.yaml").write_text("models: [{model: {source: earlier}}, {model: {source: second}}]\n")
+    seen = {}
+    monkeypatch.setattr(server, "running_server", lambda config, port, log, code=None: seen.update(config=config, code=code))
+    args = build_parser("").parse_args(["peer", "--launch", "ours", "--name", "ours@earlier", "--code", str(tmp_path)])
+    bench._launched(args)
+    assert seen == {"config": {"models": [{"model": {"source": "earlier"}}]}, "code": tmp_path}
