@@ -43,12 +43,11 @@ measure() {
     local out="$OUT/$server-$tag-$round.json" log="$OUT/$server-$tag-$round.log"
     echo "round $round: $server on the $tag model -> $out"
     case "$server" in
-        ours)
-            "$PYTHON" -m app.bench peer --launch ours --name ours --port "$OURS_PORT" --no-progress \
+        ours|ours@*)
+            local code_args=()
+            [ "$server" != ours ] && code_args=(--code "$(worktree "${server#ours@}")")
+            "$PYTHON" -m app.bench peer --launch ours --name "$server" "${code_args[@]}" --port "$OURS_PORT" --no-progress \
                 --workloads $workloads "${model_args[@]}" --out "$out" >"$log" 2>&1 ;;
-        ours@*)
-            "$PYTHON" -m app.bench peer --launch ours --name "$server" --code "$(worktree "${server#ours@}")" \
-                --port "$OURS_PORT" --no-progress --workloads $workloads "${model_args[@]}" --out "$out" >"$log" 2>&1 ;;
         naive)
             "$PYTHON" -m app.bench peer --launch naive --name naive --port "$NAIVE_PORT" --no-progress \
                 --workloads $workloads "${model_args[@]}" --out "$out" >"$log" 2>&1 ;;
