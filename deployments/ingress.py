@@ -249,7 +249,7 @@ class OpenAIIngress:
     async def http_ready(self):
         """Readiness: 200 once every model answers and reports itself ready (warmed up by a real generation,
         engine healthy, not draining); 503 naming the ones that are not, and while this replica drains."""
-        if self._draining:
+        if self._draining or self._shutdown.started:  # stopped: still serving what routers sent, taking no more
             return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         probes = [asyncio.wait_for(route.stats(), timeout=_READY_TIMEOUT_S) for route in self._routes.values()]
         results = await asyncio.gather(*probes, return_exceptions=True)

@@ -10,11 +10,14 @@ hook exists: ``__del__`` comes after the drain, and a stream still running at th
 the kill, its HTTP response ending without a word.
 
 So each model-hosting replica watches for the stop itself (``GracefulShutdown``): Serve flags its
-replica object as shutting down when the stop arrives, read here every half second. From then on
-the replica admits nothing new (503 with Retry-After), lets what is in flight finish, and ends what is
-still running shortly before the kill with an explicit error (an SSE error event, a 503), so Serve's
-own drain completes in time. ``__del__`` then only releases the engine. (Both the flag and the replica's
-live grace period are Ray internals: ``ray_compat.py``.)
+replica object as shutting down when the stop arrives, read here every half second. The routers in front
+(the proxy's, an ingress's) learn of the stop over Serve's long poll a moment later, and route requests here
+until then: for ``STALE_ROUTES_S`` the replica still admits them, as Serve itself serves them, rather than
+refusing with a 503 that a client of a scale-down would read. From then on the replica admits nothing new
+(503 with Retry-After), lets what is in flight finish, and ends what is still running shortly before the kill
+with an explicit error (an SSE error event, a 503), so Serve's own drain completes in time. ``__del__`` then
+only releases the engine. (Both the flag and the replica's live grace period are Ray internals:
+``ray_compat.py``.)
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ from deployments.ray_compat import check_ray_internals, replica_drain_settings, 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a replica looks whether Serve began stopping it
+# How long a stopped replica still admits requests: its routers' update reaches them within milliseconds
+# to a few hundred on a loaded 2-core machine. Taken from the drain window (at most a quarter of it).
+STALE_ROUTES_S = 1.0
 # Kept back from the grace period: Serve notices the drain's end one wait loop late, then stops its servers.
 _MARGIN_S = 1.5
 
@@ -45,7 +51,8 @@ def drain_budget_s(default_timeout_s: float, default_wait_loop_s: float) -> floa
 
 
 class GracefulShutdown:
-    """Runs ``drain(budget_s)`` once: when Serve begins stopping this replica, or at the latest from ``__del__``.
+    """Runs ``drain(budget_s)`` once: ``STALE_ROUTES_S`` after Serve begins stopping this replica, or at the latest
+    from ``__del__`` (Serve has then stopped routing here: no wait).
 
     ``drain`` stops admitting, lets requests in flight finish within ``budget_s`` and ends the rest with an
     error. Created in a replica's constructor (it needs the running event loop).
@@ -66,15 +73,21 @@ class GracefulShutdown:
     async def _watch_for_stop(self) -> None:
         while not stop_requested():
             await asyncio.sleep(POLL_S)
-        logger.info("Serve is stopping this replica: draining")
-        await self.run()
+        logger.info("Serve is stopping this replica: draining after %.1f s for requests already routed here", STALE_ROUTES_S)
+        await self.run(admit_for_s=STALE_ROUTES_S)
 
-    async def run(self) -> None:
-        """Drain (once; a second caller waits for the first)."""
+    async def run(self, admit_for_s: float = 0.0) -> None:
+        """Drain, after admitting for ``admit_for_s`` more (once; a second caller waits for the first)."""
         if self._running is None:
             self.started_at = time.monotonic()
-            self._running = asyncio.ensure_future(self._drain(drain_budget_s(*self._defaults)))
+            self._running = asyncio.ensure_future(self._drain_after(admit_for_s))
         await asyncio.shield(self._running)
+
+    async def _drain_after(self, admit_for_s: float) -> None:
+        budget_s = drain_budget_s(*self._defaults)
+        admit_for_s = min(admit_for_s, budget_s / 4)
+        await asyncio.sleep(admit_for_s)
+        await self._drain(budget_s - admit_for_s)
 
     def cancel(self) -> None:
         self._watch.cancel()

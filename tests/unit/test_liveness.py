@@ -201,16 +201,38 @@ async def test_graceful_shutdown_drains_once_when_serve_begins_stopping_the_repl
     stopping, budgets = False, []
     monkeypatch.setattr(lifecycle, "stop_requested", lambda: stopping)
     monkeypatch.setattr(lifecycle, "POLL_S", 0.01)
+    monkeypatch.setattr(lifecycle, "STALE_ROUTES_S", 0.2)
 
     async def drain(budget_s):
-        budgets.append(budget_s)
+        budgets.append((budget_s, time.monotonic()))
 
     shutdown = lifecycle.GracefulShutdown(drain, timeout_s=60, wait_loop_s=2)
     await asyncio.sleep(0.05)  # five looks at the flag, none of which may start a drain
     assert not shutdown.started and not budgets
     stopping = True
+    await until(lambda: shutdown.started)
+    assert not budgets  # requests routed here before the routers learn of the stop are still admitted
     await until(lambda: budgets)
-    assert shutdown.started and budgets == [60 - 2 - lifecycle._MARGIN_S]  # ends before Serve's kill
+    (budget_s, drained_at), = budgets
+    assert drained_at - shutdown.started_at >= 0.2
+    assert budget_s == pytest.approx(60 - 2 - lifecycle._MARGIN_S - 0.2)  # the same deadline: before Serve's kill
     await shutdown.run()  # what __del__ does afterwards: the same drain, not a second one
     assert len(budgets) == 1
     shutdown.cancel()
+
+
+async def test_a_replica_stopped_from_del_drains_at_once(monkeypatch):
+    from deployments import lifecycle
+
+    monkeypatch.setattr(lifecycle, "stop_requested", lambda: False)
+    budgets = []
+
+    async def drain(budget_s):
+        budgets.append(budget_s)
+
+    shutdown = lifecycle.GracefulShutdown(drain, timeout_s=60, wait_loop_s=2)
+    shutdown.cancel()
+    started = time.monotonic()
+    await shutdown.run()  # __del__: Serve routes nothing here any more
+    assert time.monotonic() - started < lifecycle.STALE_ROUTES_S / 2
+    assert budgets == [60 - 2 - lifecycle._MARGIN_S]
