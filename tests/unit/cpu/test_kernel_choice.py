@@ -150,6 +150,23 @@ def test_a_decision_is_timed_once_then_read_from_the_cache(tmp_path, monkeypatch
         choose(shapes, kernels, "slow", "fp32", "another-build", cache)
 
 
+def test_a_restart_reading_the_cache_decides_as_the_timing_start_did(tmp_path, monkeypatch):
+    from app.cpu.kernel_choice import choose_timed
+
+    monkeypatch.setattr(kernel_choice, "MIN_CPU_SHARE", 0.0)
+    # a gain of 5.04 us clears the 5 us floor; the cache keeps 0.1 us, where the gain reads 5.0 (in floats, under it)
+    times = {bucket.name: {"ours": 7.04e-6, "theirs": 2.0e-6} for bucket in BUCKETS}
+    cache = ChoiceCache(tmp_path / "choices.json")
+    timed = choose_timed(["shape"], lambda key: times, "ours", "fp32", None, lambda entry: entry is not None, cache)
+
+    def no_timing(key):
+        raise AssertionError("a cached decision was timed again")
+
+    restarted = choose_timed(["shape"], no_timing, "ours", "fp32", None, lambda entry: entry is not None,
+                             ChoiceCache(cache.path))
+    assert restarted == timed
+
+
 def test_replicas_saving_together_merge_their_shapes(tmp_path):
     cache = ChoiceCache(tmp_path / "choices.json")
     entry = {"choice": {b.name: "torch" for b in BUCKETS}, "us": {}, "measured": "now"}
