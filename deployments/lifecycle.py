@@ -14,10 +14,11 @@ replica object as shutting down when the stop arrives, read here every half seco
 (the proxy's, an ingress's) learn of the stop over Serve's long poll a moment later, and route requests here
 until then: for ``STALE_ROUTES_S`` the replica still admits them, as Serve itself serves them, rather than
 refusing with a 503 that a client of a scale-down would read. From then on the replica admits nothing new
-(503 with Retry-After), lets what is in flight finish, and ends what is still running shortly before the kill
-with an explicit error (an SSE error event, a 503), so Serve's own drain completes in time. ``__del__`` then
-only releases the engine. (Both the flag and the replica's live grace period are Ray internals:
-``ray_compat.py``.)
+(``ReplicaDrainingError``: an ingress sends such a refused call to another replica, deployments/routes.py; a
+client reads 503 with Retry-After only where none takes it), lets what is in flight finish, and ends what is
+still running shortly before the kill with an explicit error (an SSE error event, a 503), so Serve's own drain
+completes in time. ``__del__`` then only releases the engine. (Both the flag and the replica's live grace period
+are Ray internals: ``ray_compat.py``.)
 """
 
 from __future__ import annotations

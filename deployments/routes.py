@@ -8,13 +8,20 @@ the ingress hosts itself streams to the HTTP response with no hop at all.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import AsyncIterator
 
 from ray.serve.handle import DeploymentHandle
 
-from app.engine.async_engine import EngineShutdownError
+from app.api.errors import caused_by
+from app.engine.async_engine import EngineShutdownError, ReplicaDrainingError
 from deployments.admission import HostedModel
+
+# A model replica that Serve is stopping refuses new requests once its drain begins (deployments/lifecycle.py); a
+# router that has not yet heard of the stop can still pick it. Such a refusal comes before any output, so the call
+# goes again, and the router, updated meanwhile, picks another replica: waits before each try, ~3 s in all.
+DRAINING_RETRY_DELAYS_S = (0.1, 0.4, 1.0, 1.5)
 
 
 class Relayed:
@@ -57,21 +64,34 @@ class RemoteModel:
         self.relayed = relayed if relayed is not None else Relayed()
 
     async def call(self, kind: str, request) -> dict:
-        response = getattr(self.handle, kind).remote(request)
-        with self.relayed.tracking(response):
-            return await response
+        for delay_s in (*DRAINING_RETRY_DELAYS_S, None):
+            response = getattr(self.handle, kind).remote(request)
+            try:
+                with self.relayed.tracking(response):
+                    return await response
+            except Exception as exc:
+                if delay_s is None or not caused_by(exc, ReplicaDrainingError):
+                    raise
+            await asyncio.sleep(delay_s)
 
     async def stream(self, kind: str, request) -> AsyncIterator[dict]:
-        responses = getattr(self.handle.options(stream=True), f"{kind}_stream").remote(request)
-        finished = False
-        try:
-            with self.relayed.tracking(responses):
-                async for chunk in responses:
-                    yield chunk
-            finished = True
-        finally:
-            if not finished:  # the client went away: stop generating for it
-                responses.cancel()
+        for delay_s in (*DRAINING_RETRY_DELAYS_S, None):
+            responses = getattr(self.handle.options(stream=True), f"{kind}_stream").remote(request)
+            streamed = finished = False
+            try:
+                with self.relayed.tracking(responses):
+                    async for chunk in responses:
+                        streamed = True
+                        yield chunk
+                finished = True
+                return
+            except Exception as exc:
+                if streamed or delay_s is None or not caused_by(exc, ReplicaDrainingError):
+                    raise
+            finally:
+                if not finished:  # the client went away: stop generating for it
+                    responses.cancel()
+            await asyncio.sleep(delay_s)
 
     async def model_card(self, name: str) -> dict:
         return await self.handle.model_card.remote(name)

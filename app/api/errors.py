@@ -64,6 +64,11 @@ def to_api_error(exc: BaseException, request_id: str | None = None) -> APIError:
     return APIError(status, f"{message} (request id {request_id})" if request_id else message, code=code)
 
 
+def caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
+    """Whether ``exc`` is, or wraps (as Ray does between replicas), an exception of type ``kind``."""
+    return any(isinstance(link, kind) for link in _cause_chain(exc))
+
+
 def _cause_chain(exc: BaseException) -> list[BaseException]:
     """``exc`` and what it wraps: Ray's RayTaskError keeps the original exception in ``.cause``."""
     chain = [exc]

@@ -29,6 +29,10 @@ class EngineOverloadedError(RuntimeError):
     """The engine's queue is full; the caller should retry later (HTTP 503)."""
 
 
+class ReplicaDrainingError(EngineOverloadedError):
+    """This replica is shutting down and admits nothing new: another replica of the model can take the request."""
+
+
 class EngineQueueTimeoutError(EngineOverloadedError):
     """A request had no first token within ``max_queue_time_s``; the caller should retry later (HTTP 503)."""
 
@@ -340,7 +344,7 @@ class AsyncEngine:
         if self._dead_reason is not None:
             raise EngineDeadError(f"engine stopped: {self._dead_reason}")
         if self._draining or self._stopping:
-            raise EngineOverloadedError("the replica is shutting down; retry on another replica")
+            raise ReplicaDrainingError("the replica is shutting down; retry on another replica")
         if self.num_unfinished >= self._max_queued:
             raise EngineOverloadedError(
                 f"the replica already holds {self._max_queued} requests, all its batch and queue take "
