@@ -24,7 +24,7 @@ model: install
 serve: model
 	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $(BIN)/serve run serve_config.yaml
 
-# Three pytest runs side by side (tests/run.py): the Ray tiers mostly wait on Serve while the others compute.
+# Four pytest runs side by side (tests/run.py): the Ray tiers mostly wait on Serve while the other two compute.
 test: model
 	$(BIN)/python -m tests.run
 

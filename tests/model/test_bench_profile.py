@@ -25,7 +25,8 @@ def test_profile_times_decode_steps_and_names_the_linear_kernel(kernel):
     assert set(report["batches"]) == {1, 3}
     for batch, row in report["batches"].items():
         assert row["step_ms"] > 0
-        assert row["tok_per_s"] == pytest.approx(batch * 1000 / row["step_ms"], rel=0.01)
+        # both figures are rounded to 0.1 as reported: at a slow moment one row's ~4 tok/s is off by up to 1.3%
+        assert row["tok_per_s"] == pytest.approx(batch * 1000 / row["step_ms"], rel=0.01, abs=0.051)
         names = [op["name"] for op in row["top_ops"]]
         assert names[0] == linear_op  # matrix multiplies dominate a decode step, through the chosen kernel
         assert not {op for other, op in KERNEL_OPS.items() if other != kernel} & set(names)

@@ -80,18 +80,24 @@ async def test_streamed_choices_assemble_to_the_non_streamed_ones(server_fp32, c
 @pytest.mark.parametrize("cls", [CompletionRequest, ChatCompletionRequest])
 async def test_a_stream_sends_a_chunk_for_every_token_even_one_with_no_text(server_fp32, cls):
     """Past its answer (``ignore_eos``) the model writes its chat template's special tokens, which the text leaves
-    out: each still goes out as a chunk, an empty one, so a client counts every token as it comes (as vLLM's)."""
+    out: each still goes out, in an empty chunk, so a client counts every token as it comes (as vLLM's). A chunk
+    holds one token while the reader keeps up, and the tokens that queued meanwhile when it falls behind (a busy
+    machine): counted by their logprobs, every token is in exactly one chunk."""
     question = "What is 2 + 2?"
     body = dict(temperature=0, max_tokens=48, min_tokens=48, ignore_eos=True, stream_options={"include_usage": True})
     if cls is CompletionRequest:
         body["prompt"] = server_fp32.info.tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                                         add_generation_prompt=True, tokenize=False)
+        body["logprobs"] = 0
     else:
         body["messages"] = [{"role": "user", "content": question}]
+        body["logprobs"] = True
     chunks = await _stream(server_fp32, cls, **body)
     choices = [c["choices"][0] for c in chunks if c["choices"] and not c["choices"][0].get("delta", {}).get("role")]
     texts = [c.get("text", c.get("delta", {}).get("content")) for c in choices]
-    assert len(choices) == chunks[-1]["usage"]["completion_tokens"] == 48
+    tokens_per_chunk = [len(c["logprobs"]["tokens"] if cls is CompletionRequest else c["logprobs"]["content"])
+                        for c in choices]
+    assert min(tokens_per_chunk) == 1 and sum(tokens_per_chunk) == chunks[-1]["usage"]["completion_tokens"] == 48
     assert "" in texts[:-1]  # a token with no text of its own was streamed (the special tokens after the answer)
 
 
