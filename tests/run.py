@@ -34,10 +34,11 @@ NO_TESTS = 5  # pytest's exit status when no test was selected
 # The computing runs yield to the Ray runs: Serve's waits (replicas starting, health checks, drains) are on the
 # suite's critical path and stretch when their processes queue behind compute. Ray starts its workers (Serve's
 # controller, proxy and replicas, and the engine processes replicas spawn) at niceness 15 by default, level with
-# the computing runs; here they start at 0 (RAY_worker_niceness). 2-core AVX2 EPYC: 4:10-4:24 wall, each run
-# ~3:30-4:00 (one computing run at niceness 5 with Ray's workers at 15: 5:00, the Ray tier 4:31 against 3:24
-# alone). Computing at 15 instead of 5 is no faster, and leaves the computing runs' timed tests (heartbeats, drain
-# windows) ~3% of a core while the Ray tier is busy, against ~25%.
+# the computing runs; here they start at 0 (RAY_worker_niceness). 2-core AVX2 EPYC, at a quick hour: 4:10-4:34
+# wall against 5:00-5:03 with one computing run at niceness 5 and Ray's workers at 15 (the Ray tier then 4:31,
+# 3:24 alone); at a slow one, alternated: 5:29 and 5:37 against 6:30 and 5:36. Computing at 15 instead of 5 is no
+# faster, and leaves the computing runs' timed tests (heartbeats, drain windows) ~3% of a core while the Ray tier
+# is busy, against ~25%.
 COMPUTE_NICENESS = 5
 
 
