@@ -97,7 +97,7 @@ async def test_a_stream_sends_a_chunk_for_every_token_even_one_with_no_text(serv
     texts = [c.get("text", c.get("delta", {}).get("content")) for c in choices]
     tokens_per_chunk = [len(c["logprobs"]["tokens"] if cls is CompletionRequest else c["logprobs"]["content"])
                         for c in choices]
-    assert min(tokens_per_chunk) == 1 and sum(tokens_per_chunk) == chunks[-1]["usage"]["completion_tokens"] == 48
+    assert min(tokens_per_chunk) >= 1 and sum(tokens_per_chunk) == chunks[-1]["usage"]["completion_tokens"] == 48
     assert "" in texts[:-1]  # a token with no text of its own was streamed (the special tokens after the answer)
 
 
