@@ -13,6 +13,7 @@ class _WrappedByRay(RuntimeError):
         super().__init__(str(cause))
         self.cause = cause
 
+
 class _Answers:
     """A handle method's responses, one per call: each a list of chunks, then an exception to raise (or None)."""
 
@@ -23,6 +24,7 @@ class _Answers:
         self._handle.calls += 1
         chunks, error = self._answers.pop(0)
         return _Response(chunks, error)
+
 
 class _Response:
     def __init__(self, chunks, error):
@@ -48,6 +50,7 @@ class _Response:
             raise self._error
         raise StopAsyncIteration
 
+
 class _Handle:
     def __init__(self, answers):
         self.calls = 0
@@ -56,8 +59,10 @@ class _Handle:
     def options(self, **_):
         return self
 
+
 def _draining():
     return _WrappedByRay(ReplicaDrainingError("the replica is shutting down; retry on another replica"))
+
 
 @pytest.fixture(autouse=True)
 def no_waits(monkeypatch):
@@ -65,15 +70,18 @@ def no_waits(monkeypatch):
 
     monkeypatch.setattr(routes, "DRAINING_RETRY_DELAYS_S", (0, 0, 0), raising=False)
 
+
 async def _streamed(handle):
     from deployments.routes import RemoteModel
 
     return [chunk async for chunk in RemoteModel(handle).stream("completion", object())]
 
+
 async def test_a_stream_refused_by_a_draining_replica_goes_to_another():
     handle = _Handle([([], _draining()), ([], _draining()), (["a", "b"], None)])
     assert await _streamed(handle) == ["a", "b"]
     assert handle.calls == 3
+
 
 async def test_a_call_refused_by_a_draining_replica_goes_to_another():
     from deployments.routes import RemoteModel
@@ -82,11 +90,13 @@ async def test_a_call_refused_by_a_draining_replica_goes_to_another():
     assert await RemoteModel(handle).call("completion", object()) == "answer"
     assert handle.calls == 2
 
+
 async def test_refusals_past_the_last_try_reach_the_caller():
     handle = _Handle([([], _draining())] * 4)  # a first try and one for each of the three waits
     with pytest.raises(_WrappedByRay):
         await _streamed(handle)
     assert handle.calls == 4
+
 
 @pytest.mark.parametrize("answers", [
     [(["a"], _draining())],  # after output: the client has part of its answer, a second one would repeat it
