@@ -126,9 +126,14 @@ class ModelServer:
             raise RuntimeError(f"engine of {self.name} is not healthy: {self.engine.dead_reason}")
 
     @property
+    def healthy(self) -> bool:
+        """The engine runs and steps: what ``check_health`` checks, as a value."""
+        return self.engine.is_healthy()
+
+    @property
     def ready(self) -> bool:
         """Takes requests: warmed up (the constructor returned after a real generation), healthy, not draining."""
-        return self.engine.is_healthy() and not self.engine.draining
+        return self.healthy and not self.engine.draining
 
     async def drain(self, timeout_s: float) -> int:
         """Admit nothing more, let the requests in flight finish within ``timeout_s``, end the rest with an error."""

@@ -6,9 +6,11 @@ handles) and ``OpenAIIngress`` when it serves its first model in its own process
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any, Callable
 
+import ray
 from ray import serve
 
 from app.config import ServedModelConfig
@@ -27,6 +29,14 @@ def resolve_factory(factory: str | ServerFactory) -> ServerFactory:
     if not module_name or not attribute:
         raise ValueError(f"server_factory must be 'module:attribute', got {factory!r}")
     return getattr(importlib.import_module(module_name), attribute)
+
+
+def on_the_replicas_devices(config: ServedModelConfig) -> ServedModelConfig:
+    """``device: auto`` runs on CUDA only where Ray gave this replica a GPU (``replica.num_gpus``): a replica that
+    asked for none and took a card anyway would share it with the replicas Ray does place there."""
+    if config.model.device != "auto" or not ray.is_initialized() or ray.get_gpu_ids():
+        return config
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, device="cpu"))
 
 
 def admission_wait_s(config: ServedModelConfig) -> float:
@@ -50,6 +60,7 @@ class HostedModel:
     ) -> None:
         """``draft_deployments``: for each of the model's ``drafter: model`` drafters (by index), the deployment
         that serves its draft model (deployments/drafting.py)."""
+        config = on_the_replicas_devices(config)
         batching = config.engine.batching != "none"
         extra = {"draft_client": HandleDraftClient(draft_deployments)} if draft_deployments else {}
         self.server = resolve_factory(server_factory)(config, admit=self._admit if batching else None, **extra)
@@ -74,8 +85,11 @@ class HostedModel:
         return [None] * len(requests)
 
     def stats(self) -> dict:
-        """The engine's counters, and ``ready``: warmed up (always, once constructed), healthy and not draining."""
-        return {**self.server.engine.stats(), "ready": bool(getattr(self.server, "ready", True))}
+        """The engine's counters; ``healthy``: its engine runs and steps; ``ready``: warmed up (always, once
+        constructed), healthy and not draining."""
+        server = self.server
+        return {**server.engine.stats(), "healthy": bool(getattr(server, "healthy", True)),
+                "ready": bool(getattr(server, "ready", True))}
 
     async def drain(self, timeout_s: float) -> int:
         """Admit nothing more, let what is in flight finish within ``timeout_s``, end the rest with an error."""

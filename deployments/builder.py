@@ -36,6 +36,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     extra = {"server_factory": factory} if factory is not None else {}  # unset: the replica's default, the real model
     local = config.models[0] if config.ingress_hosts_first_model else None
     remote = [served for served in config.models if served is not local]
+    _require_distinct_deployment_names(remote)
     bound = [LLMServer.options(**replica_options(served), **affinity(config, served)).bind(served, **extra, **drafts(config, served, local))
              for served in remote]
     servers = [server for server, served in zip(bound, remote) for _ in served.served_names]
@@ -114,3 +115,15 @@ def _backpressure(max_queued_requests: int) -> dict[str, Any]:
 
 def deployment_name(model_name: str) -> str:
     return "LLMServer:" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_name)
+
+
+def _require_distinct_deployment_names(models: list[ServedModelConfig]) -> None:
+    """Model names that differ only in ``/`` or ``:`` would share a deployment name, which Serve silently
+    renames: draft calls and ``deployments:`` overrides would then reach the wrong model."""
+    by_deployment: dict[str, list[str]] = {}
+    for served in models:
+        by_deployment.setdefault(deployment_name(served.model.name), []).append(served.model.name)
+    for deployment, names in by_deployment.items():
+        if len(names) > 1:
+            raise ValueError(f"models {', '.join(names)} would all be deployment {deployment} (/ and : become -): "
+                             "rename one (model.name)")

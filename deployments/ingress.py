@@ -106,6 +106,9 @@ def _streams_api_errors(method):
     return wrapper
 
 
+_ENGINE_STOPPED = "its engine stopped (died or wedged): Serve replaces the replica"
+
+
 def _probe_failure(model: str, exc: BaseException) -> str:
     """Why a model's deployment failed its health probe, in plain words; the details go to the log."""
     if isinstance(exc, asyncio.TimeoutError):
@@ -237,10 +240,11 @@ class OpenAIIngress:
 
     @api.get("/health")
     async def http_health(self):
-        """200 when every model deployment answers; 503 naming the ones that do not."""
+        """200 when every model deployment answers and its engine runs; 503 naming the ones that do not."""
         probes = [asyncio.wait_for(route.stats(), timeout=_PROBE_TIMEOUT_S) for route in self._routes.values()]
         results = await asyncio.gather(*probes, return_exceptions=True)
-        failing = {name: _probe_failure(name, r) for name, r in zip(self._routes, results) if isinstance(r, BaseException)}
+        failing = {name: _probe_failure(name, r) if isinstance(r, BaseException) else _ENGINE_STOPPED
+                   for name, r in zip(self._routes, results) if isinstance(r, BaseException) or not r.get("healthy", True)}
         if failing:
             return JSONResponse({"status": "unavailable", "failing": failing}, status_code=503)
         return {"status": "ok", "models": dict(zip(self._routes, results))}

@@ -13,6 +13,7 @@ import yaml
 
 from app.config.engine import EngineConfig, SpecConfig, require_int
 from app.config.model import ModelConfig
+from app.engine.request import SamplingParams, SamplingParamsError
 
 @dataclass
 class ReplicaConfig:
@@ -20,7 +21,7 @@ class ReplicaConfig:
 
     num_replicas: int | str = 1  # an integer, or "auto" to autoscale
     num_cpus: float = 1.0
-    num_gpus: float | None = None  # None: 1 when the model's device resolves to cuda, else 0
+    num_gpus: float | None = None  # None: 1 with device: cuda, else 0 (a replica given no GPU runs device auto on CPU)
     # What Serve hands one replica at a time. None: room for the engine's running batch, its queue and one
     # admission window (max_num_seqs + engine.max_queued_requests + max_batch_size), so that past its bound
     # the engine answers (503, Retry-After) rather than requests waiting in Serve's queue.
@@ -88,6 +89,7 @@ class ServedModelConfig:
         unknown = sorted(set(self.default_sampling) - set(SAMPLING_DEFAULT_KEYS))
         if unknown:
             raise ValueError(f"default_sampling: unknown key(s) {', '.join(unknown)} (known: {', '.join(SAMPLING_DEFAULT_KEYS)})")
+        _check_sampling_defaults(self.default_sampling)
         if self.replica.max_ongoing_requests is None:
             engine = self.engine
             self.replica.max_ongoing_requests = engine.max_num_seqs + engine.max_queued_requests + engine.max_batch_size
@@ -99,6 +101,19 @@ class ServedModelConfig:
                 f"engine.max_batch_size ({self.engine.max_batch_size}), or Serve silently caps every batch; "
                 "raise max_ongoing_requests (or leave it unset: batch, queue and one window) or lower max_batch_size"
             )
+
+
+def _check_sampling_defaults(defaults: dict[str, Any]) -> None:
+    """Each default in the range a request's own value must be in: a bad default would fail every request that
+    leaves the field unset, blaming the client for a value it never sent."""
+    for key, value in defaults.items():
+        integer = key == "top_k"
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            raise ValueError(f"default_sampling.{key} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    try:
+        SamplingParams(**defaults)
+    except SamplingParamsError as exc:
+        raise ValueError(f"default_sampling.{exc.param}: {exc}") from None
 
 
 @dataclass
@@ -141,6 +156,8 @@ class AppConfig:
     def from_args(cls, args: dict[str, Any] | None) -> "AppConfig":
         """Build from serve_config.yaml ``args``: ``config: file.yaml`` first, the other args on top."""
         args = dict(args or {})
+        if "config" in args and not isinstance(args["config"], (str, os.PathLike)):
+            raise ValueError(f"args.config must name a YAML file, got {args['config']!r}")
         base = _read_yaml(args.pop("config")) if "config" in args else {}
         return cls.from_dict(_deep_merge(base, args))
 
@@ -180,6 +197,25 @@ _NESTED = {
 }
 
 
+# A field declared as one of these (or it "| None") takes only that: YAML's `"false"` is a string, and a string is
+# true to Python; an integer is a float, a boolean is neither. Ranges and the other types: each __post_init__.
+_SCALARS = {
+    "bool": ((bool,), "true or false"),
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "str": ((str,), "a string"),
+}
+
+
+def _check_scalar(where: str, annotation: str, value: Any) -> None:
+    kind, optional = annotation.removesuffix(" | None"), annotation.endswith(" | None")
+    if kind not in _SCALARS or (optional and value is None):
+        return
+    types, described = _SCALARS[kind]
+    if not isinstance(value, types) or (kind != "bool" and isinstance(value, bool)):
+        raise ValueError(f"{where} must be {described}{' (or null)' if optional else ''}, got {value!r}")
+
+
 def _build(cls: type, data: Any, where: str) -> Any:
     """Construct dataclass ``cls`` from a mapping, naming the path of any unknown or bad key."""
     if isinstance(data, cls):
@@ -193,7 +229,9 @@ def _build(cls: type, data: Any, where: str) -> Any:
     if unknown:
         raise ValueError(f"unknown key(s) in {where}: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
     kwargs = {}
+    annotations = {f.name: f.type for f in dataclasses.fields(cls)}
     for key, value in data.items():
+        _check_scalar(f"{where}.{key}", annotations[key], value)
         nested = _NESTED.get((cls, key))
         if nested is SpecConfig and isinstance(value, list):
             value = [_build(nested, item, f"{where}.{key}[{i}]") for i, item in enumerate(value)]

@@ -116,6 +116,8 @@ def test_a_wedged_engine_fails_its_health_check_and_serve_replaces_the_replica(p
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "replica_unavailable", events
         # the bound, one health-check period to notice, and some slack for a loaded 2-core machine
         assert error_after_s < step_timeout_s + period_s + 2, error_after_s
+        liveness = http.get("/health")  # until its replica is replaced, the app is not live as a whole
+        assert liveness.status_code == 503 and wedged in liveness.json()["failing"], liveness.text
         while time.monotonic() - started < 60:  # Serve marks the replica unhealthy and starts another one
             answer = http.post("/v1/completions", json={"model": wedged, "prompt": "back", "max_tokens": 3})
             if answer.status_code == 200:

@@ -31,6 +31,15 @@ def test_dtype_aliases_are_normalised():
         ({"models": [{"engine": {"batch_wait_timeout_s": -1}}]}, "engine.batch_wait_timeout_s"),
         ({"models": [{"engine": {"kv_cache_memory_mb": -5}}]}, "engine.kv_cache_memory_mb"),
         ({"models": [{"engine": {"max_stream_chunks_per_s": -1}}]}, "engine.max_stream_chunks_per_s"),
+        # YAML's "false" is a string, which Python would take as true
+        ({"models": [{"engine": {"separate_process": "false"}}]}, r"engine.separate_process must be true or false, got 'false'"),
+        ({"models": [{"model": {"trust_remote_code": "no"}}]}, "model.trust_remote_code must be true or false"),
+        ({"models": [{"replica": {"num_cpus": "two"}}]}, r"app.models\[0\].replica.num_cpus must be a number, got 'two'"),
+        ({"models": [{"engine": {"step_timeout_s": True}}]}, "engine.step_timeout_s must be a number"),
+        # a bad default would fail every request that leaves the field unset
+        ({"models": [{"default_sampling": {"temperature": "hot"}}]}, "default_sampling.temperature must be a number"),
+        ({"models": [{"default_sampling": {"top_p": 0}}]}, r"default_sampling.top_p: top_p must be in \(0, 1\]"),
+        ({"models": [{"default_sampling": {"top_k": 2.5}}]}, "default_sampling.top_k must be an integer"),
         (
             {"models": [{"engine": {"max_batch_size": 32}, "replica": {"max_ongoing_requests": 8}}]},
             "max_ongoing_requests .* must be at least engine.max_batch_size",
@@ -48,6 +57,17 @@ def test_from_args_merges_file_and_overrides(tmp_path):
     config = AppConfig.from_args({"config": str(path), "max_request_bytes": 4096})
     assert config.max_request_bytes == 4096
     assert config.models[0].model.dtype == "bfloat16"
+
+
+def test_from_args_config_must_name_a_file():
+    with pytest.raises(ValueError, match="args.config must name a YAML file, got None"):
+        AppConfig.from_args({"config": None})
+
+
+def test_optional_fields_take_null_and_numbers_take_integers():
+    config = AppConfig.from_dict({"models": [{"model": {"max_model_len": None, "revision": None},
+                                              "replica": {"num_cpus": 2, "num_gpus": None}}]})
+    assert config.models[0].replica.num_cpus == 2 and config.models[0].model.max_model_len is None
 
 
 def test_model_shorthand_string():
@@ -101,3 +121,11 @@ def test_a_speculative_twin_name_needs_a_drafter_and_must_be_unique():
         AppConfig.from_dict({"models": [{"model": {"source": "m"}, "engine": {"speculative": {"served_name": "x"}}}]})
     with pytest.raises(ValueError, match="unique; repeated: m-ngram"):
         AppConfig.from_dict({"models": [{"model": {"source": "m"}, "engine": twin}, {"model": {"source": "m-ngram"}}]})
+
+
+def test_model_names_that_would_share_a_deployment_are_refused_at_build():
+    from deployments.builder import build_app
+
+    models = [{"model": "first"}, {"model": {"source": "org/m"}}, {"model": {"source": "x", "name": "org:m"}}]
+    with pytest.raises(ValueError, match="models org/m, org:m would all be deployment LLMServer:org-m"):
+        build_app({"models": models})

@@ -135,6 +135,16 @@ def test_manifest_runs_the_projects_application(path):
             float(limits["cpu"]) >= served.replica.num_cpus and int(limits.get("nvidia.com/gpu", 0)) >= gpus
             for limits in workers
         ), served.model.name
+    # The GPU groups' pods, at their most, hold every model's replicas at their most (one replica per GPU).
+    gpu_pods = sum(group["maxReplicas"] * int(limits.get("nvidia.com/gpu", 0)) for group, limits in zip(groups, workers))
+    gpu_replicas = sum(_most_replicas(served) * (served.replica.num_gpus or int(served.model.device == "cuda"))
+                       for served in config.models)
+    assert gpu_pods >= gpu_replicas, (gpu_pods, gpu_replicas)
+
+
+def _most_replicas(served) -> int:
+    replica = served.replica
+    return (replica.autoscaling_config or {}).get("max_replicas", 1) if replica.num_replicas == "auto" else replica.num_replicas
 
 
 def _set(manifest: dict, path: str, value: Any) -> dict:

@@ -49,7 +49,7 @@ async def test_a_wedged_engine_fails_its_health_check_within_the_bound_and_its_r
     try:
         await asyncio.sleep(BOUND_S + 0.3)  # idle for longer than the bound: still healthy
         server.check_health()
-        assert server.ready
+        assert server.ready and server.healthy
 
         async def wedged():
             return [chunk async for chunk in server.serving.completion_stream(_completion("wedge-engine"))]
@@ -59,7 +59,7 @@ async def test_a_wedged_engine_fails_its_health_check_within_the_bound_and_its_r
         assert took <= BOUND_S + 1.0, took  # the stall counts from the last step, a fraction of a second before
         with pytest.raises(RuntimeError, match="no engine step completed"):
             server.check_health()
-        assert not server.ready
+        assert not server.ready and not server.healthy
         with pytest.raises(EngineDeadError):  # the waiting client hears of it at once, as a 503 telling to retry
             await asyncio.wait_for(stream, timeout=2)
         assert to_api_error(stream.exception()).status == 503

@@ -35,11 +35,3 @@ def test_gptqmodel_keeps_its_warnings_only():
     quiet_gptqmodel()
     shared = LogBar.shared()
     assert not shared.isEnabledFor(logging.INFO) and shared.isEnabledFor(logging.WARNING)
-
-
-def test_continuous_admission_waits_for_no_window_and_dynamic_for_its_configured_one():
-    from app.config import EngineConfig, ServedModelConfig
-    from deployments.admission import admission_wait_s
-
-    assert admission_wait_s(ServedModelConfig(engine=EngineConfig(batching="continuous", batch_wait_timeout_s=0.05))) == 0.0
-    assert admission_wait_s(ServedModelConfig(engine=EngineConfig(batching="dynamic", batch_wait_timeout_s=0.05))) == 0.05
