@@ -6,7 +6,7 @@ from app.engine.async_engine import EngineDeadError, EngineOverloadedError, Engi
 
 _TYPES = {
     400: "invalid_request_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # as OpenAI types an unknown model (code model_not_found)
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",

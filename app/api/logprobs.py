@@ -28,8 +28,10 @@ class LogprobFormatter:
         return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
 
     def completion(self, logprobs: list[TokenLogprob] | None, prompt_ids: Sequence[int] | None = None,
-                   prompt_logprobs: list[TokenLogprob | None] | None = None) -> dict | None:
-        """``prompt_logprobs`` (echo): one per prompt token, the first None."""
+                   prompt_logprobs: list[TokenLogprob | None] | None = None, text_offset: int = 0) -> dict | None:
+        """``prompt_logprobs`` (echo): one per prompt token, the first None. ``text_offset``: the first token's
+        (a stream's chunk continues where the one before ended: ``next_text_offset``). Each token's alternatives
+        include the token itself, as OpenAI returns them (up to logprobs + 1 entries)."""
         if logprobs is None:
             return None
         entries: list[tuple[int, float | None, list | None]] = []
@@ -41,6 +43,14 @@ class LogprobFormatter:
         return {
             "tokens": tokens,
             "token_logprobs": [value for _, value, _ in entries],
-            "top_logprobs": [None if top is None else {self.token_text(t): v for t, v in top} for _, _, top in entries],
-            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)),
+            "top_logprobs": [None if top is None else {**{self.token_text(t): v for t, v in top}, text: value}
+                             for text, (_, value, top) in zip(tokens, entries)],
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=text_offset))[:len(tokens)],
         }
+
+
+def next_text_offset(logprobs: dict | None, text_offset: int) -> int:
+    """Where the token after a completions ``logprobs`` block starts (unchanged when it holds no token)."""
+    if not logprobs or not logprobs["tokens"]:
+        return text_offset
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])

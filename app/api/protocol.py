@@ -11,10 +11,12 @@ silently dropped.
 from __future__ import annotations
 
 import json
+import re
+import typing
 from typing import Any, Literal, Union
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.api.errors import APIError
 from app.api.fanout import MAX_CHOICES
@@ -37,6 +39,18 @@ OPENAI_DEFAULTS: dict[str, Any] = {
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit null takes the field's default where the field has no null of its own, as OpenAI's
+        nullable fields do (clients send ``"n": null`` for an unset option); a field that takes null (``max_tokens``:
+        as long as the context allows) or must be given sees the null itself."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required() or _takes_null(fields[key])}
 
 
 class StreamOptions(_Strict):
@@ -122,6 +136,10 @@ class _SamplingFields(_Strict):
                            param="ignore_eos")
 
 
+def _takes_null(field: pydantic.fields.FieldInfo) -> bool:
+    return field.annotation is Any or type(None) in typing.get_args(field.annotation)
+
+
 def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
     try:
         return {int(token): value for token, value in (logit_bias or {}).items()}
@@ -164,8 +182,9 @@ class ChatMessage(_Strict):
         if self.tool_calls:
             for i, call in enumerate(self.tool_calls):
                 function = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                    raise APIError(400, "a tool call needs function.name and function.arguments", param=f"messages.tool_calls[{i}]")
+                if not isinstance(function, dict) or not all(isinstance(function.get(key), str) for key in ("name", "arguments")):
+                    raise APIError(400, "a tool call needs function.name and function.arguments (a JSON string)",
+                                   param=f"messages.tool_calls[{i}]")
             message["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
@@ -260,9 +279,13 @@ def parse_body(raw: bytes | str | dict, model_cls: type[_Strict]) -> Any:
     return request
 
 
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\])$")
+
+
 def _validation_error(exc: pydantic.ValidationError) -> APIError:
     first = exc.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
+    # the field's path, without the union member pydantic tried ("prompt.list[int].0" -> "prompt.0")
+    param = ".".join(str(p) for p in first["loc"] if not _UNION_MEMBER.match(str(p))) or None
     if first["type"] == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
     if first["type"] == "missing":

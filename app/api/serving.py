@@ -19,7 +19,7 @@ from app.api import tools
 from app.api.errors import APIError
 from app.api.fim import fim_prompt
 from app.api.fanout import MAX_CHOICES, choice_seed, gather_or_cancel, merged
-from app.api.logprobs import LogprobFormatter
+from app.api.logprobs import LogprobFormatter, next_text_offset
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
 from app.engine.request import TokenLogprob
@@ -108,19 +108,23 @@ class OpenAIServing:
         plans = self._chat_plans(request)
         results = await gather_or_cancel([self._collect(p) for p in plans])
         choice = request.tool_choice_resolved()
-        choices = [{"index": p.index, "message": self._chat_message(text, choice), "logprobs": self.logprob_format.chat(lps),
+        one_call = request.parallel_tool_calls is False
+        choices = [{"index": p.index, "message": self._chat_message(text, choice, one_call), "logprobs": self.logprob_format.chat(lps),
                     "finish_reason": last.finish_reason} for p, (text, last, lps) in zip(plans, results)]
         for entry in choices:
             if entry["message"].get("tool_calls") and entry["finish_reason"] == "stop":
                 entry["finish_reason"] = "tool_calls"
         return self._response(plans, "chat.completion", choices)
 
-    def _chat_message(self, text: str, choice) -> dict:
-        """The assistant's message; with tool calling, the calls read out of its text (app/api/tools.py)."""
+    def _chat_message(self, text: str, choice, one_call: bool = False) -> dict:
+        """The assistant's message; with tool calling, the calls read out of its text (app/api/tools.py). With
+        ``parallel_tool_calls: false`` a free answer keeps its first call only, as vLLM does (a required or named
+        choice's grammar already allows just one)."""
         if choice is None:
             return {"role": "assistant", "content": text}
         if choice == "auto":
             content, calls = tools.parse_calls(text, self.tool_parser)
+            calls = calls[:1] if one_call else calls
         else:  # constrained to the call's JSON: no content unless cut short (then the text, finish_reason "length")
             calls = tools.forced_calls(text, choice)
             content = None if calls else text
@@ -221,11 +225,12 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         if max_tokens is not None and max_tokens > room:
+            field = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(prompt_ids)} and max_tokens asks for {max_tokens}. Lower max_tokens to at most {room}.",
-                param="max_tokens",
+                f"{len(prompt_ids)} and {field} asks for {max_tokens}. Lower {field} to at most {room}.",
+                param=field,
                 code="context_length_exceeded",
             )
         sampling = request.sampling_params(max_tokens or room, self.default_sampling)
@@ -274,22 +279,28 @@ class OpenAIServing:
         return "".join(parts), last, logprobs
 
     async def _chunks(self, prepared: _Prepared, make_choice, kind: str) -> AsyncIterator[dict]:
-        as_logprobs = self.logprob_format.chat if kind.startswith("chat") else self._completion_logprobs
+        chat = kind.startswith("chat")
         echo = prepared.echo  # the first chunk carries the prompt (and its logprobs) before the answer
+        text_offset = 0  # completions: each chunk's token offsets continue the chunks' before it
         async for output in self._generate(prepared):
             # A chunk for every output that carries a token, as vLLM streams: a token with no text of its own (a
             # special token left out of the text, a partial character, text held back for a stop string) goes out
             # as an empty delta, so a client sees each token as it comes and can count them.
             if output.new_token_ids or output.new_text or output.finished or output.logprobs or echo is not None:
-                logprobs = self._completion_logprobs(output.logprobs, prepared) if echo is not None else as_logprobs(output.logprobs)
+                if chat:
+                    logprobs = self.logprob_format.chat(output.logprobs)
+                else:
+                    logprobs = self._completion_logprobs(output.logprobs, prepared if echo is not None else None, text_offset)
+                    text_offset = next_text_offset(logprobs, text_offset)
                 choice = make_choice((echo or "") + output.new_text, output.finish_reason, logprobs, index=prepared.index)
                 echo = None
                 yield self._chunk(prepared, kind, choice)
 
-    def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, echoed: _Prepared | None = None) -> dict | None:
+    def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, echoed: _Prepared | None = None,
+                             text_offset: int = 0) -> dict | None:
         if echoed is None:
-            return self.logprob_format.completion(logprobs)
-        return self.logprob_format.completion(logprobs, echoed.prompt_token_ids, echoed.prompt_logprobs)
+            return self.logprob_format.completion(logprobs, text_offset=text_offset)
+        return self.logprob_format.completion(logprobs, echoed.prompt_token_ids, echoed.prompt_logprobs, text_offset)
 
     def _chunk(self, prepared: _Prepared, kind: str, choice: dict | None) -> dict:
         chunk = {"id": prepared.response_id, "object": kind, "created": prepared.created, "model": prepared.model}

@@ -66,7 +66,10 @@ def _from_structured_outputs(structured: dict[str, Any] | None):
     if kind == "json_object":
         return ("json", _ANY_OBJECT), param
     if kind == "json":
-        schema = json.loads(value) if isinstance(value, str) else value
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"structured_outputs.json is not valid JSON: {exc}", param=param) from None
         if not isinstance(schema, dict):
             raise APIError(400, "structured_outputs.json must be a JSON schema object", param=param)
         return ("json", json.dumps(schema)), param

@@ -1,6 +1,8 @@
 """One OpenAI request, several choices (app/api/fanout.py) on the real model: lists of prompts, n, best_of,
 streamed and not; choice index = prompt_index * n + j; choice j of a seeded request draws from seed + j."""
 
+import itertools
+
 import pytest
 
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
@@ -123,3 +125,18 @@ async def test_echo_with_logprobs_gives_every_prompt_tokens_logprob_as_transform
     streamed = await _stream(server_fp32, CompletionRequest, prompt=prompt, echo=True, logprobs=1, max_tokens=2)
     first = streamed[0]["choices"][0]
     assert first["text"].startswith(prompt) and first["logprobs"]["token_logprobs"][0] is None
+
+
+@pytest.mark.parametrize("echo", [False, True])
+async def test_streamed_logprobs_continue_the_offsets_and_every_token_is_among_its_alternatives(server_fp32, echo):
+    """OpenAI's completions logprobs: a token's alternatives hold the token itself (up to logprobs + 1 entries), and
+    a stream's chunks together give the text offsets of the whole answer, as the answer in one piece does."""
+    body = {"prompt": "Once upon a time", "echo": echo, "logprobs": 1, "temperature": 1.5, "seed": 3, "max_tokens": 8}
+    whole = (await _complete(server_fp32, **body))["choices"][0]["logprobs"]
+    chunks = [c["choices"][0]["logprobs"] for c in await _stream(server_fp32, CompletionRequest, **body) if c["choices"]]
+    assert [t for c in chunks for t in c["tokens"]] == whole["tokens"]
+    assert [o for c in chunks for o in c["text_offset"]] == whole["text_offset"]
+    assert whole["text_offset"] == list(itertools.accumulate((len(t) for t in whole["tokens"][:-1]), initial=0))
+    for token, value, top in zip(whole["tokens"], whole["token_logprobs"], whole["top_logprobs"]):
+        assert top is None if value is None else (top[token] == value and len(top) <= 2), (token, top)
+    assert sum(len(top) == 2 for top in whole["top_logprobs"] if top) >= 1  # some token was not the most likely

@@ -98,3 +98,14 @@ def test_auto_reads_a_recorded_hermes_call_end_to_end_streamed_and_not(fake_app)
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo", "unit": "celsius"}
     content, calls, finish = _streamed_calls(fake.chat.completions.create(stream=True, **kwargs))
     assert (content, calls, finish) == ("Let me check.", [("get_weather", call.function.arguments)], "tool_calls")
+
+
+def test_auto_with_parallel_tool_calls_false_keeps_the_first_of_two_recorded_calls(fake_app):
+    fake = openai.OpenAI(base_url=f"{FAKE_BASE}/v1", api_key="unused")
+    second = '\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "Europe/Oslo"}}\n</tool_call>'
+    recorded = (REPLAY[0] + (RECORDED + second).encode() + REPLAY[1]).decode()
+    kwargs = dict(model=FAKE_MODELS[0], tools=[WEATHER, TIME], max_tokens=500, messages=[{"role": "user", "content": recorded}])
+    both = fake.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    assert [call.function.name for call in both] == ["get_weather", "get_time"]
+    [first] = fake.chat.completions.create(parallel_tool_calls=False, **kwargs).choices[0].message.tool_calls
+    assert first.function.name == "get_weather"

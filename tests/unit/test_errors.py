@@ -58,6 +58,7 @@ def test_client_errors_pass_unchanged_even_through_ray():
     for exc in (original, _from_replica(original)):
         error = to_api_error(exc, "r3")
         assert (error.status, error.message, error.param, error.code) == (404, original.message, "model", "model_not_found")
+        assert error.type == "invalid_request_error"  # as OpenAI types an unknown model
 
 
 def test_without_a_request_id_the_message_is_the_plain_words_alone():

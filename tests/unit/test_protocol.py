@@ -22,6 +22,9 @@ from app.engine import EngineOverloadedError
         ({"model": "m", "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
         ({"model": "m", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ({"model": "m", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+        ({"model": "m", "prompt": 5}, 400, "prompt"),  # the field, not the union member pydantic tried ("prompt.str")
+        ({"model": "m", "prompt": "x", "ignore_eos": True, "structured_outputs": {"json": "{not json"}}, 400,
+         "structured_outputs.json"),
     ],
 )
 def test_bad_completion_bodies(body, status, param):
@@ -30,6 +33,30 @@ def test_bad_completion_bodies(body, status, param):
     assert info.value.status == status
     assert info.value.param == param
     assert info.value.to_dict()["error"]["message"]
+
+
+def test_null_is_unset_as_openai_s_nullable_fields_are():
+    nulls = {"n": None, "stream": None, "echo": None, "min_tokens": None, "ignore_eos": None, "skip_special_tokens": None,
+             "logprobs": None, "stream_options": None, "best_of": None, "stop": None}
+    completion = parse_body(json.dumps({"prompt": "x", "max_tokens": 4, **nulls}), CompletionRequest)
+    assert completion == parse_body(json.dumps({"prompt": "x", "max_tokens": 4}), CompletionRequest)
+    chat = parse_body(json.dumps({**CHAT, "logprobs": None, "n": None, "stream": True, "stream_options": {"include_usage": None}}),
+                      ChatCompletionRequest)
+    assert (chat.logprobs, chat.n, chat.include_usage) == (False, 1, False)
+    # a field whose null means something keeps it: max_tokens null is as many as the context leaves
+    assert parse_body(json.dumps({"prompt": "x", "max_tokens": None}), CompletionRequest).max_tokens is None
+    with pytest.raises(APIError) as info:  # a required field is still required
+        parse_body(json.dumps({"prompt": None}), CompletionRequest)
+    assert (info.value.status, info.value.param) == (400, "prompt")
+
+
+def test_an_earlier_tool_call_without_its_arguments_is_a_400():
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather"}}
+    chat = parse_body(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                               {"role": "assistant", "content": None, "tool_calls": [call]}]}), ChatCompletionRequest)
+    with pytest.raises(APIError) as info:
+        chat.messages[1].as_template_message()
+    assert (info.value.status, info.value.param) == (400, "messages.tool_calls[0]") and "function.arguments" in info.value.message
 
 
 def test_chat_needs_messages():
