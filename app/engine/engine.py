@@ -122,7 +122,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.max_model_len)
-        self.speculation = SpeculationController(config.drafters, loaded.max_model_len) if config.drafters else None
+        vocab_size = self.runner.model.config.vocab_size
+        self.speculation = SpeculationController(config.drafters, loaded.max_model_len, vocab_size) if config.drafters else None
         self.counters = StepCounters()
         self.step_cost = StepCost()
         self._groups = itertools.count()
@@ -138,6 +139,7 @@ class LLMEngine:
                 self.runner.admit(request)
             except Exception as exc:  # noqa: BLE001 - this request's failure alone; the group goes on without it
                 logger.exception("request %s failed at admission", request.request_id)
+                self.runner.forget(request.request_id)  # what admission made before it failed (a seeded generator)
                 self._refused.append(self._fail_one(request, exc))
                 continue
             self.scheduler.add_request(request)

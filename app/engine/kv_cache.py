@@ -86,8 +86,9 @@ class BlockManager:
 
     @property
     def num_parked_blocks(self) -> int:
-        """Blocks held by parked sessions only."""
-        return sum(1 for p in self._parked.values() for b in p.blocks.table if b != DROPPED and self._blocks[b].ref_count == 1)
+        """Blocks held by parked sessions only (a shared prefix may be parked by several: each reference is theirs)."""
+        parked = collections.Counter(b for p in self._parked.values() for b in p.blocks.table if b != DROPPED)
+        return sum(1 for block, references in parked.items() if self._blocks[block].ref_count == references)
 
     def block_table(self, request_id: str) -> list[int]:
         return self._requests[request_id].table

@@ -2,7 +2,8 @@
 
 Each row carries its own parameters (temperature, top-p/k, min-p, penalties, seed, min_tokens),
 so greedy and sampled requests share a batch. Order of operations follows vLLM and HF:
-penalties on raw logits, min_tokens masking, temperature, then top-k / top-p / min-p truncation.
+penalties on raw logits, the grammar's mask (structured outputs), min_tokens masking, temperature,
+then top-k / top-p / min-p truncation.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ class Sampler:
         if any(has_penalty(r) for r in requests):
             logits = logits.clone()
         logits = apply_penalties(logits, requests)
-        logits = mask_stop_tokens_before_min(logits, requests)
         if self.grammars is not None:  # in place, as the min_tokens mask: the same grammar state masks the same tokens
             logits = self.grammars.mask(logits, requests)
+        logits = mask_stop_tokens_before_min(logits, requests)  # after the grammar: it yields where only EOS is left
         greedy_tokens = argmax_rows(logits)  # [B]
+        _require_finite(logits.gather(1, greedy_tokens.unsqueeze(1)), requests)  # each row's largest logit
         if all(r.sampling.greedy for r in requests):
             return greedy_tokens.tolist(), {}
         probs = truncated_probs(logits, requests)  # [B, V]
@@ -98,6 +100,8 @@ def draw_rows(weights: torch.Tensor, generators: Sequence[torch.Generator | None
     B, V = weights.shape
     cumulative = weights.double().cumsum(dim=-1)  # [B, V]
     total = cumulative[:, -1:]  # [B, 1]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):  # NaN logits, or nothing left to draw from
+        raise ValueError("no token can be drawn: a row's probabilities are not finite or all zero (NaN logits?)")
     u = torch.rand(B, 1, dtype=torch.float64, device=weights.device)  # [B, 1]
     for row, generator in enumerate(generators):
         if generator is not None:
@@ -172,7 +176,8 @@ def has_penalty(request: Request) -> bool:
 
 
 def mask_stop_tokens_before_min(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Until min_tokens are out, EOS and stop token ids cannot be chosen."""
+    """Until min_tokens are out, EOS and stop token ids cannot be chosen, unless the request's grammar allows nothing
+    else: a complete structured output (a closed JSON object, one of the choices) ends there, min_tokens or not."""
     for row, request in enumerate(requests):
         if request.num_output_tokens < request.sampling.min_tokens:
             banned = set(request.sampling.stop_token_ids)
@@ -180,8 +185,19 @@ def mask_stop_tokens_before_min(logits: torch.Tensor, requests: Sequence[Request
                 banned |= request.eos_token_ids
             banned_ids = [t for t in banned if 0 <= t < logits.shape[-1]]
             if banned_ids:
+                kept = logits[row, banned_ids].clone()
                 logits[row, banned_ids] = _NEG_INF
+                if request.matcher is not None and not bool(torch.isfinite(logits[row]).any()):
+                    logits[row, banned_ids] = kept
     return logits
+
+
+def _require_finite(chosen: torch.Tensor, requests: Sequence[Request]) -> None:
+    """chosen: [B, 1], each row's chosen logit or weight. A row whose every token is -inf or NaN has no token to give
+    (the model's logits were not finite): it fails, alone (the runner samples its batch-mates again without it)."""
+    bad = [r.request_id for r, ok in zip(requests, torch.isfinite(chosen).squeeze(1).tolist()) if not ok]
+    if bad:
+        raise ValueError(f"no token can be chosen for request {bad[0]}: its logits are not finite (NaN or inf)")
 
 
 # Top-k / top-p keep a prefix of the tokens by probability; it is looked for among this many of the most likely

@@ -57,12 +57,13 @@ class NgramDrafter:
 
 
 class SpeculationController:
-    def __init__(self, configs: Sequence[SpecConfig], max_model_len: int) -> None:
+    def __init__(self, configs: Sequence[SpecConfig], max_model_len: int, vocab_size: int | None = None) -> None:
+        """``vocab_size``: the target's; a draft model's proposal past it (a larger padded vocabulary) is cut there."""
         self.configs = list(configs)
         self.max_model_len = max_model_len
         self.step_costs = StepCosts()  # what verifying more tokens costs this target, as its steps measure it
         self.drafters = [
-            ModelDrafter(i, c, max_model_len, self.step_costs) if c.drafter == "model"
+            ModelDrafter(i, c, max_model_len, self.step_costs, vocab_size) if c.drafter == "model"
             else NgramDrafter(c, max_model_len, self.step_costs)
             for i, c in enumerate(self.configs)
         ]

@@ -104,10 +104,12 @@ class _Sequence:
 class ModelDrafter:
     """One target engine's drafts from one draft model: policy, counters, calls out, results in."""
 
-    def __init__(self, index: int, config: SpecConfig, max_model_len: int, step_costs: StepCosts | None = None) -> None:
+    def __init__(self, index: int, config: SpecConfig, max_model_len: int, step_costs: StepCosts | None = None,
+                 vocab_size: int | None = None) -> None:
         self.index = index
         self.config = config
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size  # the target's: a proposal past it cannot even be fed to the target
         # A draft model costs a good part of a target step per token: a sequence starts speculating only where its
         # prior (this drafter's acceptance so far) says it pays, and waits for a window it does not have yet.
         policy = DraftPolicyConfig(num_speculative_tokens=config.num_speculative_tokens, saturation_tokens=config.saturation_tokens,
@@ -185,8 +187,10 @@ class ModelDrafter:
             self.policy.set_prior(self.stats.acceptance_rate)
         if seq is None or result.call_id != seq.asked_id:
             return False  # a sequence that ended, or an answer overtaken by a newer call
-        seq.arrived_base, seq.arrived = seq.asked_base, list(result.token_ids)
-        seq.arrived_probs = _matching_probs(result)
+        usable = _inside_vocabulary(result.token_ids, self.vocab_size)
+        seq.arrived_base, seq.arrived = seq.asked_base, usable
+        probs = _matching_probs(result)
+        seq.arrived_probs = probs[:len(usable)] if probs is not None else None
         seq.asked_id = seq.asked_base = None
         return True
 
@@ -237,6 +241,15 @@ class ModelDrafter:
         if output[len(base):] != arrived[:emitted]:
             return [], None
         return arrived[emitted:], probs[emitted:] if probs is not None else None
+
+
+def _inside_vocabulary(token_ids: list[int], vocab_size: int | None) -> list[int]:
+    """The proposals up to the first id the target has no embedding for (a draft model's padded vocabulary may be
+    larger): verification would reject it anyway, and everything after it depends on it."""
+    if vocab_size is None:
+        return list(token_ids)
+    cut = next((i for i, token in enumerate(token_ids) if not 0 <= token < vocab_size), len(token_ids))
+    return list(token_ids[:cut])
 
 
 def _matching_probs(result: DraftResult) -> list[SparseProbs] | None:

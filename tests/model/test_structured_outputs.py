@@ -69,8 +69,8 @@ def test_constrained_outputs_follow_their_grammars_and_equal_their_lone_runs(loa
 
 def test_a_grammar_the_engine_cannot_use_fails_that_request_alone(loaded_rounded):
     engine = make_engine(loaded_rounded)
-    broken = Request("broken", loaded_rounded.tokenizer.encode("Hi"), SamplingParams(max_tokens=4, grammar="start: /(ab/"),
-                     loaded_rounded.eos_token_ids)
+    broken = Request("broken", loaded_rounded.tokenizer.encode("Hi"),
+                     SamplingParams(max_tokens=4, temperature=1.0, seed=3, grammar="start: /(ab/"), loaded_rounded.eos_token_ids)
     fine = _requests(loaded_rounded, True)[3]
     engine.add_requests([broken, fine])
     outputs = {}
@@ -80,6 +80,21 @@ def test_a_grammar_the_engine_cannot_use_fails_that_request_alone(loaded_rounded
                 outputs[out.request_id] = out
     assert outputs["broken"].finish_reason == "error" and "grammar" in outputs["broken"].error
     assert outputs[fine.request_id].finish_reason == "stop"
+    assert engine.runner.sampler._generators == {}  # the refused request's seeded generator did not outlive it
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_complete_grammar_ends_the_output_even_before_min_tokens(loaded_rounded, temperature):
+    """A choice is complete after one word: only EOS may follow, so min_tokens yields to the grammar (the request
+    stops with its choice) rather than leaving no token to choose."""
+    request = Request("mood", loaded_rounded.tokenizer.encode(PROMPTS[3]),
+                      SamplingParams(max_tokens=12, min_tokens=10, temperature=temperature, seed=1, grammar=MOOD),
+                      loaded_rounded.eos_token_ids)
+    engine = make_engine(loaded_rounded)
+    engine.add_requests([request])
+    finished = [out for _ in range(40) if engine.has_unfinished_requests() for out in engine.step() if out.finished]
+    assert [(out.finish_reason, out.error) for out in finished] == [("stop", None)]
+    assert _texts(loaded_rounded, [request], {"mood": request.output_token_ids})[0] in ("positive", "negative", "neutral")
 
 
 def test_with_ngram_drafts_constrained_outputs_equal_the_targets_own_and_drafts_are_kept(loaded_rounded):

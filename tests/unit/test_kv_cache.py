@@ -151,3 +151,13 @@ def test_at_most_max_parked_sessions_are_kept():
         _finished(blocks, f"r-{session}", list(range(5)), session=session)
     assert blocks.resume("x", "s1", list(range(6))) is None
     assert blocks.resume("y", "s3", list(range(6))) == 5
+
+
+def test_a_prefix_two_parked_sessions_share_counts_as_parked_not_as_used():
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    _finished(blocks, "a", list(range(9)), session="s1")  # blocks of 4 + 4 + 1
+    assert blocks.find_cached_prefix("b", list(range(9))) == 8  # the second session starts from the first's two full blocks
+    assert blocks.allocate("b", 9)
+    blocks.park("b", "s2", list(range(9)))
+    # nothing runs: the two shared blocks and each session's partial one are all reclaimable, none is in use
+    assert (blocks.num_used_blocks, blocks.num_parked_blocks, blocks.num_free_blocks) == (0, 4, 4)

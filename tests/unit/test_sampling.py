@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from app.engine.request import Request, SamplingParams
@@ -121,3 +122,17 @@ def test_logit_bias_out_of_range_is_refused():
 
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={3: 101.0})
+
+
+def test_a_row_of_nan_logits_raises_rather_than_giving_a_token():
+    """NaN logits have no token to give: the sampler raises, and the runner then samples the batch-mates again without
+    that request (app/engine/runner.py: _isolated). A token id from a NaN row would be garbage, or past the vocabulary."""
+    logits = torch.tensor([[0.0, 5.0, 1.0], [float("nan")] * 3])
+    for temperature in (0.0, 1.0):
+        requests = [_req("a", temperature=temperature), _req("b", temperature=temperature)]
+        with pytest.raises(ValueError, match="no token can be"):
+            Sampler().sample(logits.clone(), requests)
+        alone = Sampler().sample(logits[:1].clone(), requests[:1])  # the finite row, without its batch-mate
+        assert alone == [1] if temperature == 0 else 0 <= alone[0] < 3
+    with pytest.raises(ValueError, match="no token can be drawn"):
+        draw_rows(torch.tensor([[0.5, 0.5], [0.0, 0.0]]), [None, None])

@@ -184,3 +184,16 @@ def test_where_drafting_cannot_pay_a_rare_probe_that_nobody_waits_for_measures_t
     request.output_token_ids.append(5)  # the target moved on by the token the draft guessed
     drafter.propose(request, 4, 1, STEP_S, 7000.0)
     assert request.spec_token_ids == [9, 10, 11]  # still fits: verified
+
+
+def test_proposals_past_the_targets_vocabulary_are_cut_before_the_first_of_them():
+    """A draft model with a larger (padded) vocabulary may propose an id the target has no embedding for: fed to
+    the target's step it would fail the whole batch; verification would reject it anyway."""
+    config = SpecConfig(drafter="model", draft="d", num_speculative_tokens=4)
+    drafter, request = ModelDrafter(0, config, max_model_len=1000, vocab_size=100), _request([7])
+    drafter.propose(request, 4, 1, STEP_S, 0.0)
+    [call] = drafter.take_calls()
+    probs = [([11], [1.0]), ([12], [1.0]), ([100], [1.0]), ([13], [1.0])]
+    drafter.add_result(DraftResult(call.call_id, 0, request.request_id, [11, 12, 100, 13], probs=probs), 0.01)
+    drafter.propose(request, 4, 1, STEP_S, 0.02)
+    assert request.spec_token_ids == [11, 12] and request.spec_draft_probs == probs[:2]
