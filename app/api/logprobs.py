@@ -5,17 +5,32 @@ first, the first one's logprob and alternatives null, as OpenAI and vLLM return 
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Sequence
 
 from app.engine.request import TokenLogprob
+
+logger = logging.getLogger(__name__)
 
 
 class LogprobFormatter:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._byte_tokenizer = None  # built on first need: ~0.5 s for a 49k vocabulary
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def token_bytes(self, token_id: int, text: str) -> list[int]:
+        """The token's own UTF-8 bytes, as OpenAI's ``bytes`` gives them: a token holding part of a character
+        decodes to U+FFFD on its own, so its bytes come from the vocabulary itself (llguidance's reading of it)."""
+        if "\ufffd" not in text:
+            return list(text.encode("utf-8"))
+        if self._byte_tokenizer is None:
+            self._byte_tokenizer = _byte_tokenizer(self.tokenizer)
+        if not self._byte_tokenizer:  # a vocabulary llguidance cannot read: the text's bytes, as vLLM gives them
+            return list(text.encode("utf-8"))
+        return list(self._byte_tokenizer.decode_bytes([token_id]))
 
     def chat(self, logprobs: list[TokenLogprob] | None) -> dict | None:
         if logprobs is None:
@@ -23,7 +38,7 @@ class LogprobFormatter:
 
         def entry(token_id: int, logprob: float) -> dict:
             text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": logprob, "bytes": self.token_bytes(token_id, text)}
 
         return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
 
@@ -54,3 +69,14 @@ def next_text_offset(logprobs: dict | None, text_offset: int) -> int:
     if not logprobs or not logprobs["tokens"]:
         return text_offset
     return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+
+
+def _byte_tokenizer(tokenizer):
+    """llguidance's view of the vocabulary (each token's bytes), or False where it cannot read this tokenizer."""
+    try:
+        import llguidance.hf
+
+        return llguidance.hf.from_tokenizer(tokenizer)
+    except Exception:  # noqa: BLE001 - any tokenizer it cannot read: fall back to the text's bytes
+        logger.warning("token bytes of partial characters unavailable for this tokenizer", exc_info=True)
+        return False

@@ -140,3 +140,17 @@ async def test_streamed_logprobs_continue_the_offsets_and_every_token_is_among_i
     for token, value, top in zip(whole["tokens"], whole["token_logprobs"], whole["top_logprobs"]):
         assert top is None if value is None else (top[token] == value and len(top) <= 2), (token, top)
     assert sum(len(top) == 2 for top in whole["top_logprobs"] if top) >= 1  # some token was not the most likely
+
+
+async def test_a_token_holding_part_of_a_character_gives_its_own_bytes(server_fp32, loaded_fp32):
+    """OpenAI's chat logprob ``bytes`` are the token's bytes: for a token that is one byte of a multi-byte character
+    (its text alone is U+FFFD), not the replacement character's."""
+    token = next(t for t in range(1000) if loaded_fp32.tokenizer.decode([t]) == "\ufffd")
+    body = {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "max_tokens": 1, "logit_bias": {str(token): 100}}
+    answer = await server_fp32.serving.chat(parse_body(body, ChatCompletionRequest))
+    [entry] = answer["choices"][0]["logprobs"]["content"]
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # SmolLM2's is byte-level BPE: a char per byte
+
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    expected = [byte_of[char] for char in loaded_fp32.tokenizer.convert_ids_to_tokens(token)]
+    assert entry["token"] == "\ufffd" and entry["bytes"] == expected != list("\ufffd".encode())
