@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Callable
@@ -204,9 +203,11 @@ def _vocab_size(loaded: LoadedModel) -> int:
 
 
 def _set_torch_threads(requested: int) -> None:
-    # Ray sets OMP_NUM_THREADS to the actor's num_cpus (often 1); a replica that owns the
-    # machine's cores should use them all unless told otherwise.
+    # Ray sets OMP_NUM_THREADS to the actor's num_cpus (often 1); a replica that owns the machine's cores should use
+    # them all unless told otherwise, and no more than its container's CPU limit allows (app/engine/host_cpus.py).
     import torch
 
-    threads = requested or len(os.sched_getaffinity(0))
+    from app.engine.host_cpus import usable_cpus
+
+    threads = requested or usable_cpus()
     torch.set_num_threads(threads)

@@ -11,7 +11,9 @@ forward in one frame), ``argmax`` (greedy sampling).
 The runner calls :func:`install_fast_path` once per engine. Each part is installed only where it gives
 the module's own results (the bits, or float rounding for norms), checked on a test input first, and
 each can be set back to torch's ops in ``EngineConfig``; a CPU or machine where the kernels cannot be
-built keeps torch's ops everywhere (the fallbacks are the model as transformers runs it).
+built keeps torch's ops everywhere but in Linear layers, where ``auto`` still times oneDNN's packed products
+against torch's (a library route, not ours) and keeps the faster (the fallbacks are the model as transformers
+runs it, to the order of a sum).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ CPU_DIR = Path(__file__).parent
 KERNELS_DIR = CPU_DIR / "kernels"
 OPS_SOURCE = CPU_DIR / "csrc" / "ops.cpp"
 C_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
-DISABLE_VARIABLE = "LLM_SERVE_CPU_KERNELS"  # 0: torch's ops everywhere, as on a CPU the kernels do not support
+DISABLE_VARIABLE = "LLM_SERVE_CPU_KERNELS"  # 0: none of ours, as on a CPU they do not support (Linear: oneDNN or torch)
 _SUPPORTED_CAPABILITIES = ("AVX2", "AVX512")  # torch's own CPU dispatch level: both have AVX2 and FMA
 _TIMEOUT_S = 300
 
@@ -108,7 +108,9 @@ def _build_key() -> str:
     digest = hashlib.sha256()
     for source in sources():
         digest.update(source.name.encode() + source.read_bytes())
-    for part in (C_FLAGS, _cxx_flags(), [torch.__version__, _version(c_compiler()), _version(cxx_compiler())]):
+    # the compilers' whole command lines too: CC="cc -march=native" built elsewhere must not load here under this key
+    c, cxx = c_compiler(), cxx_compiler()
+    for part in (C_FLAGS, _cxx_flags(), c, cxx, [torch.__version__, _version(c), _version(cxx)]):
         digest.update(" ".join(part).encode())
     return digest.hexdigest()[:16]
 

@@ -221,7 +221,7 @@ def machine_key(kernel_build: str | None) -> str:
     """What a decision depends on besides the shape: the CPU, its thread count and the libraries doing the work."""
     parts = [_cpu_model(), " ".join(_cpu_flags()), f"threads={torch.get_num_threads()}", f"torch={torch.__version__}",
              f"onednn={torch.backends.mkldnn.is_available()}", f"kernels={kernel_build}",
-             f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '')}"]
+             *(f"{name}={os.environ[name]}" for name in _ONEDNN_ISA_VARIABLES if os.environ.get(name))]
     return " | ".join(parts)
 
 
@@ -266,26 +266,40 @@ class ChoiceCache:
             yield
 
 
-def _cpu_model() -> str:
+# oneDNN reads its ISA cap under either prefix (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16: AMX off, for an A/B)
+_ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+# What names the CPU in /proc/cpuinfo: x86's model name with its family and model numbers (a VM may show only "AMD
+# EPYC"), and ARM's implementer and part numbers (no model name there)
+_MODEL_FIELDS = ("model name", "cpu family", "model", "CPU implementer", "CPU architecture", "CPU variant", "CPU part")
+
+
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def _cpu_model() -> str:
+    fields = _cpuinfo_fields()
+    named = [f"{name}={fields[name]}" for name in _MODEL_FIELDS if name in fields]
+    return " ".join(named) or platform.processor() or platform.machine()
 
 
 def _cpu_flags() -> list[str]:
-    """The flags that change which kernel can win (ISA extensions for matrix products)."""
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8", "avx_ne_convert")
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return [flag for flag in wanted if flag in have]
-    except OSError:
-        pass
-    return []
+    """The flags that change which kernel can win (ISA extensions for matrix products; ARM's "Features" too)."""
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8", "avx_ne_convert",
+              "asimd", "asimddp", "bf16", "i8mm", "sve", "sve2", "sme")
+    fields = _cpuinfo_fields()
+    have = set((fields.get("flags") or fields.get("Features") or "").split())
+    return [flag for flag in wanted if flag in have]

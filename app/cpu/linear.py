@@ -212,8 +212,9 @@ def choose_kernels(choice: str, weight_dtype: torch.dtype, bf16_products: bool, 
         if choice != "auto":
             raise ValueError(f"engine.batch_invariant needs a fixed-order kernel, and engine.cpu_linear_kernel is {choice!r}: "
                              "use auto, avx2 or avx512-bf16")
-        logger.warning("engine.batch_invariant: our fixed-order kernels cannot run here (%s); torch's kernels may sum a "
-                       "row differently beside other rows", unavailable_reason() or "no fixed-order kernel for this dtype")
+        logger.warning("engine.batch_invariant: our fixed-order kernels cannot run here (%s); %s may sum a row "
+                       "differently beside other rows", unavailable_reason() or "no fixed-order kernel for this dtype",
+                       f"{fixed.name}'s products" if fixed is not None else "torch's products")
     if choice != "auto" or batch_invariant:
         return one_for_all
     if weight_dtype == torch.bfloat16 and not available():

@@ -111,6 +111,22 @@ def test_auto_dtype_on_cpu_is_fp32_on_our_kernels_else_bf16_only_where_native(mo
     assert loader.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
 
 
+@pytest.mark.parametrize("flags, onednn, native", [
+    (frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq"}), True, False),  # Skylake: oneDNN converts only
+    (frozenset({"avx512f", "avx512_bf16"}), True, True), (frozenset({"amx_tile", "amx_bf16"}), True, True),
+    (frozenset({"avx512_bf16"}), False, False),  # a torch build without oneDNN's bf16
+    (None, True, True),  # no /proc/cpuinfo flags (another OS, ARM's "Features"): oneDNN's own test decides
+])
+def test_native_bf16_needs_the_cpus_bf16_instructions_not_only_onednns_conversions(monkeypatch, flags, onednn, native):
+    import torch
+
+    from app.models import loader
+
+    monkeypatch.setattr(loader, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
+    assert loader.cpu_has_native_bf16() is native
+
+
 def test_a_speculative_twin_name_needs_a_drafter_and_must_be_unique():
     from app.config import AppConfig
 

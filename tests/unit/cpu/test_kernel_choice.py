@@ -263,3 +263,34 @@ def test_a_timing_disturbed_by_other_work_keeps_the_incumbent_and_is_not_cached(
     assert choose(shapes, kernels, "ours", "fp32", None, cache) == {shapes[0].key: {b.name: "ours" for b in BUCKETS}}
     assert cache.get(kernel_choice.machine_key(None), "fp32, rows 1/4/32/256", shapes[0].key) is None  # timed again next start
     assert not cache.path.exists()
+
+
+def test_the_machine_key_names_the_cpu_by_its_numbers_and_arms_by_implementer_and_part(monkeypatch):
+    epyc = {"model name": "AMD EPYC", "cpu family": "25", "model": "1", "flags": "fpu avx2 fma avx512f avx512_bf16"}
+    monkeypatch.setattr(kernel_choice, "_cpuinfo_fields", lambda: epyc)
+    milan = kernel_choice.machine_key(None)
+    assert "model name=AMD EPYC cpu family=25 model=1" in milan and "avx2 fma avx512f avx512_bf16" in milan
+    monkeypatch.setattr(kernel_choice, "_cpuinfo_fields", lambda: {**epyc, "model": "17"})
+    assert kernel_choice.machine_key(None) != milan  # another generation under the same name a VM shows
+    graviton = {"CPU implementer": "0x41", "CPU part": "0xd40", "Features": "fp asimd sve bf16 i8mm"}
+    monkeypatch.setattr(kernel_choice, "_cpuinfo_fields", lambda: graviton)
+    key = kernel_choice.machine_key(None)
+    assert "CPU implementer=0x41 CPU part=0xd40" in key and "asimd bf16 i8mm sve" in key
+
+
+def test_onednns_isa_cap_under_either_prefix_is_part_of_the_machine_key(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    plain = kernel_choice.machine_key(None)
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert kernel_choice.machine_key(None) == plain + " | DNNL_MAX_CPU_ISA=AVX512_CORE_BF16"
+
+
+def test_the_kernels_build_key_covers_flags_given_in_cc(monkeypatch):
+    from app.cpu import build
+
+    if build.c_compiler() is None or build.cxx_compiler() is None:
+        pytest.skip("no C/C++ compiler on this machine: nothing is built, so nothing is keyed")
+    plain = build._build_key()
+    monkeypatch.setenv("CC", " ".join(build.c_compiler() + ["-march=x86-64-v3"]))
+    assert build._build_key() != plain  # a library built with CC="cc -march=native" elsewhere is not loaded here
