@@ -70,7 +70,7 @@ def check_parity(engine, loaded) -> ParityReport:
                         SamplingParams(max_tokens=_NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=MAX_LOGPROBS),
                         loaded.eos_token_ids)
                 for i, (text, length) in enumerate(zip(_TEXTS, _LENGTHS))]
-    logprobs = _run_engine(engine, requests, arch)
+    logprobs = _run_engine(engine, requests, arch, loaded.max_model_len)
     quantized = getattr(loaded.model.config, "quantization_config", None) is not None
     tolerance = parity_tolerance(loaded.dtype, engine.runner.kv_pool.dtype, loaded.bf16_products, quantized)
     gap = 0.0
@@ -82,11 +82,11 @@ def check_parity(engine, loaded) -> ParityReport:
     return report
 
 
-def _run_engine(engine, requests: list[Request], arch: str) -> dict[str, list[TokenLogprob]]:
+def _run_engine(engine, requests: list[Request], arch: str, max_model_len: int) -> dict[str, list[TokenLogprob]]:
     """Step ``requests`` through the engine with a small step budget (chunked prefill); check every step's layers."""
     logprobs: dict[str, list[TokenLogprob]] = {r.request_id: [] for r in requests}
     expected = set(range(engine.runner.kv_pool.shape[0]))
-    window = engine.runner.sliding_window
+    windows = configured_windows(engine.runner.model.config, len(expected), max_model_len)
     with _step_budget(engine.scheduler, _CHUNK_TOKENS), _short_prompts_through_every_path(engine.runner):
         engine.add_requests(requests)
         while engine.has_unfinished_requests():
@@ -99,10 +99,32 @@ def _run_engine(engine, requests: list[Request], arch: str) -> dict[str, list[To
                 missing = sorted(expected - set(attended))
                 raise ParityError(f"{arch} cannot be served exactly: attention layers {_span(missing)} did not take the "
                                   "paged attention path (their decoder layers call attention in another way)")
-            if window is not None and any(w != window for w in attended.values()):
-                raise ParityError(f"{arch}: the config says every layer slides by {window} tokens, but the layers "
-                                  f"attended with windows {sorted(set(attended.values()), key=str)}")
+            wrong = [layer for layer, window in attended.items() if _no_longer_than(window, max_model_len) != windows[layer]]
+            if wrong:
+                layer = wrong[0]
+                raise ParityError(f"{arch} cannot be served exactly: its config gives attention layer {layer} "
+                                  f"{_described(windows[layer])}, but the layer attended with {_described(attended[layer])} "
+                                  f"(layers {_span(wrong)}; its attention does not pass the window to the attention function)")
     return logprobs
+
+
+def configured_windows(config, num_layers: int, max_model_len: int) -> list[int | None]:
+    """Each layer's sliding window as the config states it (``sliding_window`` for every layer, or for the layers
+    ``layer_types`` calls sliding); None: the whole history. A window at least as long as the context is none."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return [None] * num_layers
+    kinds = list(getattr(config, "layer_types", None) or ["sliding_attention"] * num_layers)
+    kinds += ["full_attention"] * (num_layers - len(kinds))
+    return [_no_longer_than(int(window), max_model_len) if kind == "sliding_attention" else None for kind in kinds[:num_layers]]
+
+
+def _no_longer_than(window: int | None, max_model_len: int) -> int | None:
+    return None if window is None or window >= max_model_len else window
+
+
+def _described(window: int | None) -> str:
+    return "the whole history" if window is None else f"a {window}-token sliding window"
 
 
 @contextlib.contextmanager

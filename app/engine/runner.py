@@ -20,6 +20,7 @@ from app.config import EngineConfig
 from app.cpu import install_fast_path
 from app.engine.attention_choice import attention_route
 from app.engine.grammar import Grammars
+from app.models.exact_context import packed_step_limit
 from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import SequenceSlice, register_paged_attention
 from app.engine.request import Request, TokenLogprob
@@ -82,9 +83,18 @@ def uniform_sliding_window(model_config) -> int | None:
     return int(window)
 
 
+def _require_steps_within_the_packed_limit(model_config, max_num_batched_tokens: int) -> None:
+    """Refuse a step budget past what the architecture computes exactly in one packed pass (app/models/exact_context.py)."""
+    limit = packed_step_limit(model_config)
+    if limit is not None and max_num_batched_tokens > limit[0]:
+        raise ValueError(f"engine.max_num_batched_tokens {max_num_batched_tokens} is past the {limit[0]} tokens one step "
+                         f"of this model may pack: {limit[1]}; set it to at most {limit[0]}")
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.model = loaded.model
+        _require_steps_within_the_packed_limit(loaded.model.config, config.max_num_batched_tokens)
         self.sliding_window = uniform_sliding_window(loaded.model.config)
         self.device = loaded.device
         self.block_size = config.block_size

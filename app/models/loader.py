@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from app.config import ModelConfig
+from app.models.exact_context import exact_context_limit
 from app.models.quantization import QuantizationError, from_pretrained_kwargs
 from app.quiet import quiet_gptqmodel
 from app.models.registry import BUILTIN_MODELS, prepare_builtin
@@ -231,14 +232,21 @@ def _quantization_kwargs(config: ModelConfig, path: str, gguf_file: str | None, 
 
 def _context_length(config: ModelConfig, model: torch.nn.Module, source: str) -> int:
     native = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    exact, why = exact_context_limit(model.config) or (None, "")  # app/models/exact_context.py
     if config.max_model_len is None:
         if native is None:
             raise ModelLoadError(f"model {source!r} does not state its context length; set model.max_model_len")
+        if exact is not None and native > exact:
+            logger.warning("model %s: context capped at %d of its %d tokens: %s", source, exact, native, why)
+            return exact
         return int(native)
     if native is not None and config.max_model_len > native:
         raise ModelLoadError(
             f"model {source!r}: max_model_len {config.max_model_len} exceeds the model's context of {native} tokens"
         )
+    if exact is not None and config.max_model_len > exact:
+        raise ModelLoadError(f"model {source!r}: max_model_len {config.max_model_len} is past the {exact} tokens this model "
+                             f"is served exactly to: {why}; set model.max_model_len to at most {exact}")
     return config.max_model_len
 
 

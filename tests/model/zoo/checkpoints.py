@@ -52,6 +52,16 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "gemma3": ("Gemma3TextConfig", {**SMALL, "head_dim": 16, "sliding_window": WINDOW, "sliding_window_pattern": 2,
                                     "query_pre_attn_scalar": 16}),
     "starcoder2": ("Starcoder2Config", {**SMALL, "sliding_window": None}),
+    # its config's window is past any context served here: every layer attends the whole history (refused before)
+    "phimoe": ("PhimoeConfig", {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4096}),
+    # sliding layers in its config that never pass their window to the attention function: refused by the check
+    "qwen2-moe-mixed": ("Qwen2MoeConfig", {**SMALL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                           "shared_expert_intermediate_size": 64, "use_sliding_window": True,
+                                           "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}),
+    # long factors from position 32 on: served to 32 tokens (app/models/exact_context.py)
+    "phi3-longrope": ("Phi3Config", {**SMALL, "pad_token_id": 0, "original_max_position_embeddings": 32,
+                                     "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                                         "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 64.0]}}),
 }
 
 

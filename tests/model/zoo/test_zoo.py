@@ -1,4 +1,4 @@
-"""The model zoo: twenty tiny seeded checkpoints of transformers architectures, each served exactly as transformers
+"""The model zoo: twenty-three tiny seeded checkpoints of transformers architectures, each served exactly as transformers
 computes it (fp32: every greedy token transformers' top choice up to a 1e-4 near-tie, every logprob within 1e-4)
 or refused at load. Prompts of 7-50 tokens in a batch of 4 (longer than the sliding windows), prefilled in
 chunks of at most 32 tokens, then one alone (the prefix cache holds its first blocks) and one that shares a
@@ -25,8 +25,10 @@ TOLERANCE = 1e-4
 NEW_TOKENS = 6
 PROMPT_LENGTHS = (7, 20, 41, 50)
 # Architectures the engine refuses, with what the refusal names.
-REFUSED = {"falcon": "did not take the paged attention path"}
-SERVED = [name for name in ARCHITECTURES if name not in REFUSED]
+REFUSED = {"falcon": "did not take the paged attention path",
+           "qwen2-moe-mixed": f"gives attention layer 0 a {WINDOW}-token sliding window, but the layer attended with the whole history"}
+CAPPED = {"phi3-longrope": 32}  # served to this context (app/models/exact_context.py), tested on their own below
+SERVED = [name for name in ARCHITECTURES if name not in REFUSED and name not in CAPPED]
 
 
 @pytest.fixture(scope="session")
@@ -193,3 +195,19 @@ def test_parity_check_refuses_a_dropped_softcap(zoo_dir, tokenizer, monkeypatch)
                         lambda kwargs: paged_attention.AttentionOptions(options(kwargs).window, None))
     with pytest.raises(ParityError, match="Gemma2ForCausalLM cannot be served exactly: at generated token"):
         check_parity(engine, loaded)
+
+
+def test_longrope_is_served_to_its_original_context_and_no_further(zoo_dir, tokenizer):
+    """transformers takes longrope's long factors for a whole forward pass once a position passes the original context;
+    a packed engine step cannot reproduce that per request, so the context is capped where the short factors hold."""
+    from app.models import ModelLoadError
+
+    path = build_checkpoint("phi3-longrope", zoo_dir, tokenizer)
+    loaded = load_model(ModelConfig(source=str(path), dtype="float32"))
+    assert loaded.max_model_len == CAPPED["phi3-longrope"]  # of its 512 positions
+    with pytest.raises(ModelLoadError, match="max_model_len 64 is past the 32 tokens this model is served exactly to: longrope"):
+        load_model(ModelConfig(source=str(path), dtype="float32", max_model_len=64))
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32))
+    check_parity(engine, loaded)
+    prompts = [prompt[:24] for prompt in _prompts(tokenizer, loaded.model.config.vocab_size)]  # room for 6 new tokens
+    _assert_matches_transformers(_reference_model(path), _run(engine, prompts, "batch"))

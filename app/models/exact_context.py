@@ -1,0 +1,59 @@
+"""How long a context the engine serves exactly as transformers computes it, for architectures whose layers depend on
+a token's absolute position in ways a batched, chunked engine step does not reproduce past some length.
+
+transformers decides some things once per forward pass, from the pass's largest position: Phi-3's ``longrope`` takes
+the long factors for every token of a pass once any position is past ``original_max_position_embeddings``. The engine
+runs many requests, and a long prompt's chunks, in one packed pass, so a batch-mate (or the prompt's own later chunk)
+would decide for a token that transformers computes with the short factors. Llama 4's chunked local attention exists
+only in transformers' attention mask, and its query temperature tuning reads the position within the pass. Below each
+limit none of this differs (short factors throughout; one chunk; a scale of exactly 1), so the model is served up to
+it: the context is capped there, or a longer ``max_model_len`` asked for is refused, naming why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def exact_context_limit(config: Any) -> tuple[int, str] | None:
+    """(the longest context served exactly, why), or None where the architecture has no such limit."""
+    limits = [limit for limit in (_longrope(config), _chunked_attention(config), _temperature_tuning(config)) if limit]
+    return min(limits) if limits else None
+
+
+def _rope_parameters(config: Any) -> list[dict]:
+    """The rope settings, one dict, or one per layer type (Gemma 3: {"full_attention": {...}, ...})."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope and all(isinstance(value, dict) for value in rope.values()):
+        return list(rope.values())
+    return [rope] if isinstance(rope, dict) else []
+
+
+def _longrope(config: Any) -> tuple[int, str] | None:
+    for rope in _rope_parameters(config):
+        if (rope.get("rope_type") or rope.get("type")) == "longrope":
+            original = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+            if original:
+                return int(original), (f"longrope takes its long factors for a whole forward pass once any position passes "
+                                       f"{int(original)}, which a batched engine step cannot reproduce per request")
+    return None
+
+
+def _chunked_attention(config: Any) -> tuple[int, str] | None:
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
+        return int(chunk), f"chunked local attention (chunks of {int(chunk)} tokens) is not implemented by the paged engine"
+    return None
+
+
+def _temperature_tuning(config: Any) -> tuple[int, str] | None:
+    floor_scale = getattr(config, "floor_scale", None)
+    if getattr(config, "attn_temperature_tuning", False) and floor_scale:
+        return int(floor_scale) - 1, (f"query temperature tuning scales queries from position {int(floor_scale) - 1} on, "
+                                      "by positions the engine's packed steps do not give it")
+    return None
+
+
+def packed_step_limit(config: Any) -> tuple[int, str] | None:
+    """The most tokens one engine step may pack for this architecture (its layers read positions within the pass)."""
+    return _temperature_tuning(config)

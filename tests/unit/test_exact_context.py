@@ -1,0 +1,32 @@
+"""The context an architecture is served exactly to (app/models/exact_context.py), from transformers' own configs."""
+
+import pytest
+from transformers import Gemma3TextConfig, LlamaConfig, Llama4TextConfig, Phi3Config
+
+from app.engine.runner import _require_steps_within_the_packed_limit
+from app.models.exact_context import exact_context_limit
+
+
+def test_most_architectures_have_no_limit():
+    assert exact_context_limit(LlamaConfig()) is None
+    assert exact_context_limit(LlamaConfig(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                            "original_max_position_embeddings": 8192})) is None
+    assert exact_context_limit(Gemma3TextConfig()) is None  # rope settings per layer type, none of them longrope
+
+
+def test_longrope_holds_to_its_original_context():
+    config = Phi3Config(original_max_position_embeddings=4096, max_position_embeddings=131072,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 48,
+                                         "long_factor": [2.0] * 48})
+    tokens, why = exact_context_limit(config)
+    assert tokens == 4096 and "longrope" in why
+
+
+def test_llama4_holds_to_its_attention_chunk_and_below_its_temperature_tuning():
+    tokens, why = exact_context_limit(Llama4TextConfig(attention_chunk_size=8192, floor_scale=8192))
+    assert (tokens, why.startswith("query temperature tuning")) == (8191, True)
+    assert exact_context_limit(Llama4TextConfig(attention_chunk_size=1024, floor_scale=8192))[0] == 1024
+    _require_steps_within_the_packed_limit(Llama4TextConfig(floor_scale=8192), 2048)
+    with pytest.raises(ValueError, match="engine.max_num_batched_tokens 8192 is past the 8191 tokens one step"):
+        _require_steps_within_the_packed_limit(Llama4TextConfig(floor_scale=8192), 8192)
