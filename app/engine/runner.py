@@ -35,6 +35,28 @@ _CPU_DEFAULT_KV_BYTES = 1 << 30
 _CUDA_FREE_FRACTION = 0.8
 
 
+class UnsupportedArchitectureError(ValueError):
+    """The model's layers are of a kind the paged engine does not run (the message names it)."""
+
+
+ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def require_attention_decoder(model_config) -> None:
+    """Refuse, naming it, an architecture whose KV the paged pool cannot hold: layers that are not attention (linear
+    attention, convolutions, state-space layers), or keys and values of different sizes (latent attention)."""
+    name = (getattr(model_config, "architectures", None) or [type(model_config).__name__])[0]
+    kinds = list(getattr(model_config, "layer_types", None) or [])
+    others = [i for i, kind in enumerate(kinds) if kind not in ATTENTION_LAYER_KINDS]
+    if others:
+        names = " and ".join(sorted({kinds[i] for i in others}))
+        raise UnsupportedArchitectureError(f"{name} cannot be served: it has {names} layers (layer {', '.join(map(str, others[:8]))}), "
+                                           "not attention; the paged engine serves decoders whose every layer attends")
+    if getattr(model_config, "kv_lora_rank", None):
+        raise UnsupportedArchitectureError(f"{name} cannot be served: it uses multi-head latent attention (kv_lora_rank, as "
+                                           "DeepSeek-V2/V3 do), keys and values of different sizes, which the paged KV pool does not hold")
+
+
 @dataclass
 class KVCacheShape:
     num_layers: int
@@ -43,8 +65,14 @@ class KVCacheShape:
 
     @classmethod
     def of(cls, model_config) -> "KVCacheShape":
+        require_attention_decoder(model_config)
         heads = model_config.num_attention_heads
-        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+        try:
+            head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+        except Exception as exc:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError (Gemma 4)
+            name = (getattr(model_config, "architectures", None) or [type(model_config).__name__])[0]
+            raise UnsupportedArchitectureError(f"{name} cannot be served: its attention layers have head sizes of their own "
+                                               "(head_dim varies by layer), where the paged KV pool holds one size") from exc
         kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
         return cls(model_config.num_hidden_layers, kv_heads, head_dim)
 

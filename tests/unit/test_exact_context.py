@@ -1,4 +1,5 @@
-"""The context an architecture is served exactly to (app/models/exact_context.py), from transformers' own configs."""
+"""The context an architecture is served exactly to (app/models/exact_context.py), and the layers the paged KV pool
+cannot hold (app/engine/runner.py), from transformers' own configs."""
 
 import pytest
 from transformers import Gemma3TextConfig, LlamaConfig, Llama4TextConfig, Phi3Config
@@ -30,3 +31,20 @@ def test_llama4_holds_to_its_attention_chunk_and_below_its_temperature_tuning():
     _require_steps_within_the_packed_limit(Llama4TextConfig(floor_scale=8192), 2048)
     with pytest.raises(ValueError, match="engine.max_num_batched_tokens 8192 is past the 8191 tokens one step"):
         _require_steps_within_the_packed_limit(Llama4TextConfig(floor_scale=8192), 8192)
+
+
+@pytest.mark.parametrize("config, message", [
+    ("DeepseekV3Config", "DeepseekV3Config cannot be served: it uses multi-head latent attention"),
+    ("Qwen3NextConfig", r"Qwen3NextConfig cannot be served: it has linear_attention layers \(layer 0, 1, 2,"),
+    ("Gemma4TextConfig", "Gemma4TextConfig cannot be served: its attention layers have head sizes of their own"),
+])
+def test_layers_the_paged_pool_cannot_hold_are_refused_by_name(config, message):
+    """Refused when the engine is built, before any forward: the message names the architecture and what it has."""
+    import transformers
+
+    from app.engine.runner import KVCacheShape, UnsupportedArchitectureError
+
+    fields = {"head_dim": 16, "global_head_dim": 32} if config == "Gemma4TextConfig" else {}
+    with pytest.raises(UnsupportedArchitectureError, match=message):
+        KVCacheShape.of(getattr(transformers, config)(**fields))
+    assert KVCacheShape.of(LlamaConfig(hidden_size=64, num_attention_heads=4)).head_dim == 16
