@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from app.engine.async_engine import EngineDeadError, EngineOverloadedError, EngineQueueTimeoutError, EngineShutdownError, RequestFailedError
+from app.engine.async_engine import (EngineDeadError, EngineOverloadedError, EngineQueueTimeoutError, EngineShutdownError,
+                                     GrammarFailedError, RequestFailedError)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -60,6 +61,9 @@ def to_api_error(exc: BaseException, request_id: str | None = None) -> APIError:
     innermost = chain[-1]
     if isinstance(innermost, APIError):
         return innermost
+    if isinstance(innermost, GrammarFailedError):  # the request's grammar, not our failure: llguidance's words
+        return APIError(400, f"the output cannot follow this request's grammar with this model's vocabulary: "
+                             f"{innermost.reason}", code="invalid_grammar")
     status, message, code = _server_failure(chain)
     return APIError(status, f"{message} (request id {request_id})" if request_id else message, code=code)
 

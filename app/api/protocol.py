@@ -268,8 +268,11 @@ def parse_body(raw: bytes | str | dict, model_cls: type[_Strict]) -> Any:
             raw = json.loads(raw or b"")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+        except (RecursionError, ValueError) as exc:  # nested past the parser's depth; an integer of 4,300+ digits
+            raise APIError(400, f"request body cannot be read: {str(exc) or 'nested too deeply'}", code="invalid_json") from None
         if not isinstance(raw, dict):
             raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    _require_plain_text(raw)
     try:
         request = model_cls.model_validate(raw)
     except pydantic.ValidationError as exc:
@@ -279,6 +282,32 @@ def parse_body(raw: bytes | str | dict, model_cls: type[_Strict]) -> Any:
     return request
 
 
+MAX_NESTING = 64  # levels of objects and lists in a body: a schema deeper than this is no schema a model follows
+
+
+def _require_plain_text(body: dict) -> None:
+    """Every string is text the tokenizer can encode (JSON's "\\ud800" escape decodes to a lone UTF-16 surrogate,
+    which is not), and the body is nested at most MAX_NESTING deep (later steps re-serialize parts of it)."""
+    pending: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while pending:
+        value, path, depth = pending.pop()
+        if depth > MAX_NESTING:
+            raise APIError(400, f"request body is nested more than {MAX_NESTING} levels deep (at {path})",
+                           param=path or None, code="invalid_json")
+        if isinstance(value, str) and _SURROGATE.search(value):
+            raise APIError(400, f"{path or 'the body'} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text",
+                           param=path or None, code="invalid_text")
+        if isinstance(value, list) and all(type(item) is int for item in value):
+            continue  # token ids: nothing to look into (a prompt of thousands)
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            if isinstance(key, str) and _SURROGATE.search(key):
+                raise APIError(400, f"a key in {path or 'the body'} holds a lone UTF-16 surrogate", param=path or None,
+                               code="invalid_text")
+            pending.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\])$")
 
 

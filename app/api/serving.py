@@ -178,6 +178,10 @@ class OpenAIServing:
         """``count`` engine requests per prompt (choice j: seed + j), indexed prompt_index * n + j."""
         if len(prepared) == 1 and count == 1:
             return prepared
+        holds = getattr(self.engine, "capacity", None)  # a request past what the replica ever holds could never start
+        if holds is not None and len(prepared) * count > holds:
+            raise APIError(400, f"{len(prepared)} prompt(s) x {count} choices is more generations than this replica holds "
+                           f"at once ({holds}: engine.max_num_seqs + engine.max_queued_requests); send fewer", param="n")
         n, base = n or count, prepared[0].request_id
         plans: list[_Prepared] = []
         for prompt_index, p in enumerate(prepared):
@@ -238,6 +242,9 @@ class OpenAIServing:
             outside = [t for t in ids if not 0 <= t < self.vocab_size]
             if outside:
                 raise APIError(400, f"{param} token ids must be in [0, {self.vocab_size}); got {outside[0]}", param=param)
+        if sampling.min_tokens and len(set(sampling.stop_token_ids)) >= self.vocab_size:
+            raise APIError(400, "stop_token_ids holds every token of the vocabulary, so min_tokens leaves none to choose",
+                           param="stop_token_ids")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         model = request.model or self.model_name
         return _Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model))

@@ -80,7 +80,8 @@ def resolve_choice(tool_choice: Any, tools: list[Tool]) -> str | Tool | None:
         if not tools:
             raise APIError(400, f"tool_choice {tool_choice!r} needs tools", param="tool_choice")
         return tool_choice
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
         raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
                        param="tool_choice")
@@ -151,7 +152,16 @@ def _call_from(value: Any, arguments_key: str) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get(arguments_key, value.get("arguments", {}))
-    return ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+    call = ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+    return call if _is_text(call.name) and _is_text(call.arguments) else None  # "\ud800" decodes to no text
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def template_renders_tools(tokenizer) -> bool:

@@ -45,6 +45,23 @@ class RequestFailedError(RuntimeError):
     """This request failed inside the engine (the others went on)."""
 
 
+class GrammarFailedError(RequestFailedError):
+    """This request's grammar cannot be followed with the model's vocabulary (found by the engine's matcher: a token
+    the grammar needs that the vocabulary cannot give, a schema that never ends): the request's to change."""
+
+    @property
+    def reason(self) -> str:
+        """llguidance's words, without the engine's prefixes (the exception's class, the request id)."""
+        text = str(self).removeprefix("GrammarError: ")
+        return text.split(": ", 1)[1] if text.startswith("request ") and ": " in text else text
+
+
+def _failure(error: str | None) -> RequestFailedError:
+    """The engine's text for a failed request, as the exception its caller maps to a status."""
+    text = error or "request failed in the engine"
+    return (GrammarFailedError if text.startswith("GrammarError: ") else RequestFailedError)(text)
+
+
 class EngineShutdownError(RuntimeError):
     """The replica shut down before this request finished (its drain window ran out); the caller may retry."""
 
@@ -139,7 +156,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 if item.finish_reason == "error":
-                    raise RequestFailedError(item.error or "request failed in the engine")
+                    raise _failure(item.error)
                 finished = item.finished
                 yield item
                 pause = self._chunk_pause_s()
@@ -339,6 +356,11 @@ class AsyncEngine:
             call()
         else:
             loop.call_soon_threadsafe(call)
+
+    @property
+    def capacity(self) -> int:
+        """The most requests this replica holds at once, running and queued (one more is refused: overloaded)."""
+        return self._max_queued
 
     def _check_accepting(self) -> None:
         if self._dead_reason is not None:

@@ -197,7 +197,8 @@ def _require_finite(chosen: torch.Tensor, requests: Sequence[Request]) -> None:
     (the model's logits were not finite): it fails, alone (the runner samples its batch-mates again without it)."""
     bad = [r.request_id for r, ok in zip(requests, torch.isfinite(chosen).squeeze(1).tolist()) if not ok]
     if bad:
-        raise ValueError(f"no token can be chosen for request {bad[0]}: its logits are not finite (NaN or inf)")
+        raise ValueError(f"no token can be chosen for request {bad[0]}: its logits are not finite (NaN or inf), "
+                         "or every token is masked")
 
 
 # Top-k / top-p keep a prefix of the tokens by probability; it is looked for among this many of the most likely

@@ -126,3 +126,22 @@ def test_preemption_keeps_each_grammar_where_its_output_is(loaded_rounded):
     tight = run_engine(tight_engine, requests("t"))
     assert tight_engine.stats()["num_preemptions"] > 0
     assert [tight[f"t{i}"] for i in range(8)] == [roomy[f"r{i}"] for i in range(8)]
+
+
+@pytest.mark.parametrize("structured", [{"grammar": "start: <[49152]>"},  # a token id past the vocabulary
+                                        {"choice": ["<|im_end|>"]}])  # a special token's text: llguidance cannot give it
+async def test_a_grammar_the_vocabulary_cannot_follow_is_a_400_and_its_neighbour_answers_as_alone(server_fp32, structured):
+    import asyncio
+
+    from app.api.errors import to_api_error
+    from app.api.protocol import CompletionRequest, parse_body
+
+    plain = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+    alone = await server_fp32.serving.completion(parse_body(plain, CompletionRequest))
+    bad = server_fp32.serving.completion(parse_body({"prompt": "Say it:", "max_tokens": 4, "structured_outputs": structured},
+                                                    CompletionRequest))
+    failed, beside = await asyncio.gather(bad, server_fp32.serving.completion(parse_body(plain, CompletionRequest)),
+                                          return_exceptions=True)
+    error = to_api_error(failed)
+    assert (error.status, error.code) == (400, "invalid_grammar"), error.message
+    assert beside["choices"][0]["text"] == alone["choices"][0]["text"]

@@ -63,3 +63,14 @@ def test_client_errors_pass_unchanged_even_through_ray():
 
 def test_without_a_request_id_the_message_is_the_plain_words_alone():
     assert to_api_error(RuntimeError(SECRET)).message == "internal error while serving this request; the server log has the details"
+
+
+def test_a_grammar_the_vocabulary_cannot_follow_is_the_clients_400_in_llguidances_words():
+    from app.engine.async_engine import _failure
+
+    failure = _failure("GrammarError: request cmpl-1: token 2 does not continue the grammar: forced bytes: got '<'")
+    for exc in (failure, _from_replica(failure)):
+        error = to_api_error(exc, "r9")
+        assert (error.status, error.code) == (400, "invalid_grammar")
+        assert error.message.endswith("vocabulary: token 2 does not continue the grammar: forced bytes: got '<'")
+    assert to_api_error(_failure("RuntimeError: boom"), "r9").status == 500  # any other failure stays ours

@@ -175,3 +175,20 @@ def test_logit_bias_keys_must_be_token_ids():
     with pytest.raises(APIError) as info:
         parse_body(json.dumps({"prompt": "x", "logit_bias": {"3": 200}}), CompletionRequest).sampling_params(4)
     assert (info.value.status, info.value.param) == (400, "logit_bias")
+
+
+@pytest.mark.parametrize("raw, param, code", [
+    ('{"prompt": "a\\ud800b"}', "prompt", "invalid_text"),  # JSON's escape of a lone surrogate: no text to tokenize
+    ('{"prompt": ["x", "\\udfff"]}', "prompt.1", "invalid_text"),
+    ('{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', "messages.0.content", "invalid_text"),
+    ('{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}", None, "invalid_json"),  # past Python's 4,300 digits
+    ('{"prompt": "x", "metadata": ' + "[" * 3000 + "]" * 3000 + "}", None, "invalid_json"),  # past the parser's depth
+    ('{"prompt": "x", "structured_outputs": {"json": ' + '{"items": ' * 70 + "{}" + "}" * 70 + "}}", None, "invalid_json"),
+])
+def test_bodies_no_tokenizer_or_serializer_could_take_are_400s(raw, param, code):
+    request_cls = ChatCompletionRequest if "messages" in raw else CompletionRequest
+    with pytest.raises(APIError) as info:
+        parse_body(raw, request_cls)
+    assert info.value.status == 400 and info.value.code == code
+    assert param is None or info.value.param == param
+    assert parse_body('{"prompt": "an emoji \\ud83d\\ude00 is a surrogate pair"}', CompletionRequest).prompt.endswith("pair")

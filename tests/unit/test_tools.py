@@ -43,7 +43,8 @@ def test_tool_choice_resolves_or_is_a_400_naming_it():
     tools = parse_tools([WEATHER, TIME])
     assert resolve_choice(None, tools) == "auto" and resolve_choice(None, []) is None and resolve_choice("none", tools) is None
     assert resolve_choice({"type": "function", "function": {"name": "get_time"}}, tools).name == "get_time"
-    for bad in ({"type": "function", "function": {"name": "missing"}}, "sometimes", {"type": "function"}):
+    for bad in ({"type": "function", "function": {"name": "missing"}}, "sometimes", {"type": "function"},
+                {"type": "function", "function": None}, {"type": "function", "function": "get_time"}):
         with pytest.raises(APIError) as caught:
             resolve_choice(bad, tools)
         assert caught.value.param == "tool_choice"
@@ -93,3 +94,11 @@ def test_a_template_without_tools_gets_them_and_the_transcript_as_hermes_text():
     assert rendered[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'}
     assert rendered[3] == {"role": "tool", "content": "<tool_response>\nsunny, 12 C\n</tool_response>"}
     assert all(set(m) == {"role", "content"} for m in rendered)  # nothing a plain template cannot join
+
+
+def test_a_call_whose_decoded_name_or_arguments_are_no_text_stays_content():
+    """JSON's "\\ud800" escape decodes to a lone surrogate, which no response can encode: not a call."""
+    text = '<tool_call>\n{"name": "\\ud800", "arguments": {}}\n</tool_call>'
+    assert parse_calls(text, "hermes") == (text, [])
+    text = '<tool_call>\n{"name": "get_time", "arguments": "\\udfff"}\n</tool_call>'
+    assert parse_calls(text, "hermes") == (text, [])

@@ -1,0 +1,37 @@
+"""What a replica refuses with a 400 before any work: requests it could never run (more choices than it ever holds,
+a vocabulary wholly stopped under min_tokens), on the real serving layer over the fake model (no Ray)."""
+
+import pytest
+
+from app.api.errors import APIError
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from app.config import AppConfig
+from tests.serve.fake_model import fake_model_server
+
+
+@pytest.fixture
+def server():
+    served = {"model": {"source": "fake-limits"}, "engine": {"separate_process": False, "max_num_seqs": 2, "max_queued_requests": 2}}
+    server = fake_model_server(AppConfig.from_dict({"models": [served]}).models[0])
+    yield server
+    server.shutdown(timeout_s=1)
+
+
+async def test_more_choices_than_the_replica_ever_holds_is_a_400_and_as_many_answer(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with pytest.raises(APIError) as info:
+        await server.serving.chat(parse_body({**chat, "n": 5}, ChatCompletionRequest))
+    assert (info.value.status, info.value.param) == (400, "n") and "holds at once (4" in info.value.message
+    answer = await server.serving.chat(parse_body({**chat, "n": 4}, ChatCompletionRequest))
+    assert len(answer["choices"]) == 4
+    with pytest.raises(APIError, match="3 prompt"):
+        await server.serving.completion(parse_body({"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2}, CompletionRequest))
+
+
+async def test_every_token_a_stop_token_under_min_tokens_is_a_400(server):
+    body = {"prompt": "x", "max_tokens": 2, "min_tokens": 1, "stop_token_ids": list(range(256))}
+    with pytest.raises(APIError) as info:
+        await server.serving.completion(parse_body(body, CompletionRequest))
+    assert (info.value.status, info.value.param) == (400, "stop_token_ids")
+    answer = await server.serving.completion(parse_body({**body, "min_tokens": 0}, CompletionRequest))  # may stop at once
+    assert len(answer["choices"]) == 1
