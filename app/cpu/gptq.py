@@ -58,7 +58,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel.apply(x, self.packed, self.bias, self.out_features)
+        # the kernels compute and answer in fp32; a bf16 model's next layer takes its own dtype back
+        return self.kernel.apply(x, self.packed, self.bias, self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, kernel={self.kernel.name}"

@@ -100,9 +100,11 @@ def quantize_gptq(
     partial = output.with_name(output.name + f".partial-{os.getpid()}")
     started = time.monotonic()
     logger.info("GPTQ %s: loading (bits %d, group_size %d, desc_act %s)", source, settings.bits, settings.group_size, settings.desc_act)
+    # GPTQModel's group-aware activation order (its default without desc_act) needs groups: off for one group per column
+    grouped = {} if settings.group_size > 0 else {"act_group_aware": False}
     config = QuantizeConfig(
         bits=settings.bits, group_size=settings.group_size, desc_act=settings.desc_act,
-        sym=settings.sym, damp_percent=settings.damp_percent,
+        sym=settings.sym, damp_percent=settings.damp_percent, **grouped,
     )
     model = GPTQModel.load(source, config, **hub_kwargs)
     logger.info("GPTQ %s: calibrating on %d texts, layer by layer", source, len(calibration))

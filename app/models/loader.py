@@ -159,9 +159,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
         quantization = _quantization_kwargs(config, path, gguf_file, dtype, device, common)
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
         # device_map, not .to(): quantized weights are placed as they load and must not move afterwards.
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device}, **quantization, **common)
+        model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device}, output_loading_info=True,
+                                                              **quantization, **common)
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(f"model {config.source!r} could not be loaded from {path!r}: {exc}") from exc
+    _require_every_weight(config.source, loading)
     model.eval()
     loaded = LoadedModel(
         name=config.name,
@@ -228,6 +230,22 @@ def _quantization_kwargs(config: ModelConfig, path: str, gguf_file: str | None, 
         return from_pretrained_kwargs(config.quantization, path, dtype, device, common)
     except QuantizationError as exc:
         raise ModelLoadError(f"model {config.source!r}: {exc}") from exc
+
+
+def _require_every_weight(source: str, loading: dict) -> None:
+    """transformers fills a weight the checkpoint lacks with random values and goes on (a quantized ``lm_head`` it
+    cannot read, an older GPTQ layout read as a plain checkpoint): refuse, naming them, rather than serve noise."""
+    missing = sorted(loading.get("missing_keys") or [])
+    if not missing:
+        return
+    unexpected = loading.get("unexpected_keys") or []
+    packed = sorted({key.rsplit(".", 1)[-1] for key in unexpected if key.endswith((".qweight", ".qzeros", ".scales", ".g_idx"))})
+    hint = (f"; the checkpoint holds quantized tensors ({', '.join(packed)}) that this load did not read: a GPTQ checkpoint "
+            "needs model.quantization: gptq and a quantization_config in its config.json (AutoGPTQ's older "
+            "quantize_config.json alone is not read), and a quantized lm_head is not supported") if packed else ""
+    shown = ", ".join(missing[:4]) + (f" (and {len(missing) - 4} more)" if len(missing) > 4 else "")
+    raise ModelLoadError(f"model {source!r}: the checkpoint has no values for {shown}, which transformers would fill "
+                         f"with random numbers{hint}")
 
 
 def _context_length(config: ModelConfig, model: torch.nn.Module, source: str) -> int:

@@ -68,8 +68,10 @@ def _gptq_kwargs(existing: dict[str, Any] | None, device: torch.device) -> dict[
     if not existing or existing.get("quant_method") != "gptq":
         found = f"a {existing.get('quant_method')} quantization_config" if existing else "no quantization_config"
         raise QuantizationError(
-            f"quantization: gptq needs a GPTQ checkpoint, but its config.json has {found}; "
-            "make one with `python -m app quantize SOURCE OUTPUT_DIR`, or use quantization: none / bnb-int8 / bnb-nf4"
+            f"quantization: gptq needs a GPTQ checkpoint, but its config.json has {found} (an older AutoGPTQ "
+            "checkpoint keeps it in quantize_config.json alone: copy those settings into config.json as "
+            "quantization_config with quant_method: gptq); make one with `python -m app quantize SOURCE OUTPUT_DIR`, "
+            "or use quantization: none / bnb-int8 / bnb-nf4"
         )
     for module, package in (("gptqmodel", "gptqmodel==7.6.0"), ("optimum", "optimum==2.3.0")):
         if importlib.util.find_spec(module) is None:

@@ -118,6 +118,17 @@ def test_the_gptq_model_passes_the_load_time_parity_check():
     assert report.max_gap < report.tolerance, report
 
 
+def test_the_gptq_model_in_bf16_runs_its_int4_layers_and_passes_the_parity_check():
+    """dtype: bfloat16: the int4 kernels answer in fp32, and the bf16 layers after them take bf16 back."""
+    from app.engine.parity import check_parity
+
+    loaded = load_model(ModelConfig(source="smollm2-135m-instruct-gptq", quantization="gptq", dtype="bfloat16"))
+    engine = make_engine(loaded, batch_invariant=False)
+    assert any(type(m).__name__ == "Int4Linear" for m in loaded.model.modules())
+    report = check_parity(engine, loaded)
+    assert report.max_gap < report.tolerance, report
+
+
 def test_torch_int4_is_gptqmodels_layer_bit_for_bit_and_the_rebuilt_weight_passes_the_parity_check():
     """Where ``auto`` keeps torch's int4 op it computes what GPTQModel's CPU layer computes, bit for bit (same op,
     scales and offsets), without the layer's per-call gather; with every layer on the weight rebuilt at each call

@@ -211,3 +211,24 @@ def test_longrope_is_served_to_its_original_context_and_no_further(zoo_dir, toke
     check_parity(engine, loaded)
     prompts = [prompt[:24] for prompt in _prompts(tokenizer, loaded.model.config.vocab_size)]  # room for 6 new tokens
     _assert_matches_transformers(_reference_model(path), _run(engine, prompts, "batch"))
+
+
+def test_a_checkpoint_missing_weights_is_refused_naming_them(zoo_dir, tokenizer, tmp_path):
+    """transformers fills a weight the checkpoint lacks with random numbers and goes on (a quantized lm_head it cannot
+    read, an older GPTQ layout read as a plain checkpoint): the loader refuses instead, naming what is missing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from app.models import ModelLoadError
+
+    source = build_checkpoint("llama", zoo_dir, tokenizer)
+    path = tmp_path / "llama-without-its-head"
+    shutil.copytree(source, path)
+    weights = load_file(path / "model.safetensors")
+    head = weights.pop("lm_head.weight")
+    weights["lm_head.qweight"] = head.to(torch.int32)  # what a quantized head looks like to a plain load
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"no values for lm_head.weight, which transformers would fill with random "
+                                             r"numbers; the checkpoint holds quantized tensors \(qweight\)"):
+        load_model(ModelConfig(source=str(path), dtype="float32"))
