@@ -328,11 +328,9 @@ def _machine() -> dict:
 
 def _cpu_class() -> list[str]:
     """The CPU features that pick our paths (as `lscpu | grep -o 'avx512_bf16\\|avx2'` shows them)."""
-    try:
-        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return []
-    return sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    from app.engine.host_cpus import cpu_flags
+
+    return sorted((cpu_flags() or frozenset()) & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ from typing import Callable
 
 import torch
 
+from app.engine import host_cpus
+
 logger = logging.getLogger(__name__)
 
 MARGIN = 0.10  # a challenger must be at least this much faster than the incumbent to replace it,
@@ -273,25 +275,8 @@ _ONEDNN_ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 _MODEL_FIELDS = ("model name", "cpu family", "model", "CPU implementer", "CPU architecture", "CPU variant", "CPU part")
 
 
-def _cpuinfo_fields() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if not line.strip():
-                    if fields:
-                        break
-                    continue
-                name, _, value = line.partition(":")
-                fields.setdefault(name.strip(), value.strip())
-    except OSError:
-        pass
-    return fields
-
-
 def _cpu_model() -> str:
-    fields = _cpuinfo_fields()
+    fields = host_cpus.cpuinfo_fields()
     named = [f"{name}={fields[name]}" for name in _MODEL_FIELDS if name in fields]
     return " ".join(named) or platform.processor() or platform.machine()
 
@@ -300,6 +285,5 @@ def _cpu_flags() -> list[str]:
     """The flags that change which kernel can win (ISA extensions for matrix products; ARM's "Features" too)."""
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8", "avx_ne_convert",
               "asimd", "asimddp", "bf16", "i8mm", "sve", "sve2", "sme")
-    fields = _cpuinfo_fields()
-    have = set((fields.get("flags") or fields.get("Features") or "").split())
+    have = host_cpus.cpu_flags() or frozenset()
     return [flag for flag in wanted if flag in have]

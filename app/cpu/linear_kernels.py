@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from app.config import CPU_LINEAR_KERNELS
 from app.cpu.kernel_choice import Bucket
 from app.cpu.ops import OPS, available, unavailable_reason
+from app.engine import host_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -242,8 +243,4 @@ def bf16_products_available() -> bool:
 @functools.cache
 def cpu_has_avx512_bf16() -> bool:
     """Whether this CPU executes ``vdpbf16ps`` (the kernel's one instruction beyond AVX-512F/BW/VL)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in cpuinfo)
-    except OSError:  # not Linux: no way to ask here, so no
-        return False
+    return "avx512_bf16" in (host_cpus.cpu_flags() or ())  # not Linux: no way to ask here, so no

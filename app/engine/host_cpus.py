@@ -1,4 +1,5 @@
-"""How many CPUs this process may use: the ones it may run on, capped by its container's CPU limit.
+"""This host's CPUs: how many this process may use (the ones it may run on, capped by its container's CPU limit),
+and what they are (/proc/cpuinfo: the first processor's fields and flags).
 
 A container limited to 4 CPUs (Docker ``--cpus 4``, a Kubernetes CPU limit without the static CPU manager) still
 sees every core of its node in its affinity; one OpenMP thread per core there runs 64 threads on a 4-CPU quota, and
@@ -8,6 +9,7 @@ the kernel throttles them all at every period. The limit is the cgroup's CPU quo
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
@@ -68,3 +70,28 @@ def _ratio(quota_and_period: list[str]) -> float | None:
     except (ValueError, IndexError):
         return None
     return quota / period if quota > 0 and period > 0 else None
+
+
+@functools.cache
+def cpuinfo_fields() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none: another OS)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """The CPU's instruction-set flags (x86's "flags", ARM's "Features"); None where /proc/cpuinfo has none."""
+    fields = cpuinfo_fields()
+    line = fields.get("flags") or fields.get("Features")
+    return frozenset(line.split()) if line is not None else None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import logging
 import warnings
 from dataclasses import dataclass
@@ -12,6 +10,7 @@ from pathlib import Path
 import torch
 
 from app.config import ModelConfig
+from app.engine import host_cpus
 from app.models.exact_context import exact_context_limit
 from app.models.quantization import QuantizationError, from_pretrained_kwargs
 from app.quiet import quiet_gptqmodel
@@ -83,7 +82,7 @@ def cpu_has_native_bf16() -> bool:
     matmul ran at 1.3 GFLOP/s in bf16 against 168 in fp32, so batched steps were ~6x slower. oneDNN's own
     test (``_is_mkldnn_bf16_supported``) also passes on AVX-512 CPUs without avx512_bf16 (Skylake to Ice Lake)
     and on avx_ne_convert ones, where it converts rather than multiplies bf16: the CPU's flags decide first."""
-    flags = _cpu_flags()
+    flags = host_cpus.cpu_flags()
     if flags is not None and not flags & {"avx512_bf16", "amx_bf16"}:
         return False
     try:
@@ -91,16 +90,6 @@ def cpu_has_native_bf16() -> bool:
     except (AttributeError, RuntimeError):
         return False
 
-
-@functools.cache
-def _cpu_flags() -> frozenset[str] | None:
-    """The CPU's flags from /proc/cpuinfo (None where there is none to read: then oneDNN's test alone decides)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            line = next((line for line in cpuinfo if line.startswith("flags")), None)
-    except OSError:
-        return None
-    return frozenset(line.split(":", 1)[1].split()) if line is not None else None
 
 
 def resolve_source(source: str) -> tuple[str, str | None]:

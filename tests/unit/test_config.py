@@ -122,7 +122,7 @@ def test_native_bf16_needs_the_cpus_bf16_instructions_not_only_onednns_conversio
 
     from app.models import loader
 
-    monkeypatch.setattr(loader, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(loader.host_cpus, "cpu_flags", lambda: flags)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn)
     assert loader.cpu_has_native_bf16() is native
 

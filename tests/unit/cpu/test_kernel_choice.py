@@ -266,14 +266,16 @@ def test_a_timing_disturbed_by_other_work_keeps_the_incumbent_and_is_not_cached(
 
 
 def test_the_machine_key_names_the_cpu_by_its_numbers_and_arms_by_implementer_and_part(monkeypatch):
+    from app.engine import host_cpus
+
     epyc = {"model name": "AMD EPYC", "cpu family": "25", "model": "1", "flags": "fpu avx2 fma avx512f avx512_bf16"}
-    monkeypatch.setattr(kernel_choice, "_cpuinfo_fields", lambda: epyc)
+    monkeypatch.setattr(host_cpus, "cpuinfo_fields", lambda: epyc)
     milan = kernel_choice.machine_key(None)
     assert "model name=AMD EPYC cpu family=25 model=1" in milan and "avx2 fma avx512f avx512_bf16" in milan
-    monkeypatch.setattr(kernel_choice, "_cpuinfo_fields", lambda: {**epyc, "model": "17"})
+    monkeypatch.setattr(host_cpus, "cpuinfo_fields", lambda: {**epyc, "model": "17"})
     assert kernel_choice.machine_key(None) != milan  # another generation under the same name a VM shows
     graviton = {"CPU implementer": "0x41", "CPU part": "0xd40", "Features": "fp asimd sve bf16 i8mm"}
-    monkeypatch.setattr(kernel_choice, "_cpuinfo_fields", lambda: graviton)
+    monkeypatch.setattr(host_cpus, "cpuinfo_fields", lambda: graviton)
     key = kernel_choice.machine_key(None)
     assert "CPU implementer=0x41 CPU part=0xd40" in key and "asimd bf16 i8mm sve" in key
 
