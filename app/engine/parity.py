@@ -22,6 +22,7 @@ import torch
 
 from app.engine.paged_attention import ATTENTION_NAME
 from app.engine.request import MAX_LOGPROBS, Request, SamplingParams, TokenLogprob
+from app.engine.runner import configured_windows, no_longer_than
 
 logger = logging.getLogger(__name__)
 
@@ -99,28 +100,13 @@ def _run_engine(engine, requests: list[Request], arch: str, max_model_len: int) 
                 missing = sorted(expected - set(attended))
                 raise ParityError(f"{arch} cannot be served exactly: attention layers {_span(missing)} did not take the "
                                   "paged attention path (their decoder layers call attention in another way)")
-            wrong = [layer for layer, window in attended.items() if _no_longer_than(window, max_model_len) != windows[layer]]
+            wrong = [layer for layer, window in attended.items() if no_longer_than(window, max_model_len) != windows[layer]]
             if wrong:
                 layer = wrong[0]
                 raise ParityError(f"{arch} cannot be served exactly: its config gives attention layer {layer} "
                                   f"{_described(windows[layer])}, but the layer attended with {_described(attended[layer])} "
                                   f"(layers {_span(wrong)}; its attention does not pass the window to the attention function)")
     return logprobs
-
-
-def configured_windows(config, num_layers: int, max_model_len: int) -> list[int | None]:
-    """Each layer's sliding window as the config states it (``sliding_window`` for every layer, or for the layers
-    ``layer_types`` calls sliding); None: the whole history. A window at least as long as the context is none."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return [None] * num_layers
-    kinds = list(getattr(config, "layer_types", None) or ["sliding_attention"] * num_layers)
-    kinds += ["full_attention"] * (num_layers - len(kinds))
-    return [_no_longer_than(int(window), max_model_len) if kind == "sliding_attention" else None for kind in kinds[:num_layers]]
-
-
-def _no_longer_than(window: int | None, max_model_len: int) -> int | None:
-    return None if window is None or window >= max_model_len else window
 
 
 def _described(window: int | None) -> str:

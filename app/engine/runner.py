@@ -101,14 +101,25 @@ def uniform_sliding_window(model_config) -> int | None:
     """The window every attention layer of the model slides by (Mistral, Qwen2 with every layer sliding), or None
     where some layer attends the whole history (Gemma 2/3's global layers) or none slides. The layers' own
     arguments decide what each attends; this only lets the engine hand back blocks no layer will read again
-    (and the load-time parity check confirms that every layer attended with this window)."""
+    (and the load-time parity check confirms that every layer attended with its configured window)."""
+    windows = set(configured_windows(model_config, len(getattr(model_config, "layer_types", None) or [None])))
+    return windows.pop() if len(windows) == 1 else None
+
+
+def configured_windows(model_config, num_layers: int, max_model_len: int | None = None) -> list[int | None]:
+    """Each layer's sliding window as the config states it (``sliding_window`` for every layer, or for the layers
+    ``layer_types`` calls sliding); None: the whole history. A window at least as long as the context is none."""
     window = getattr(model_config, "sliding_window", None)
     if not window or getattr(model_config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(model_config, "layer_types", None)
-    if layer_types is not None and any(kind != "sliding_attention" for kind in layer_types):
-        return None
-    return int(window)
+        return [None] * num_layers
+    kinds = list(getattr(model_config, "layer_types", None) or ["sliding_attention"] * num_layers)
+    kinds += ["full_attention"] * (num_layers - len(kinds))
+    return [no_longer_than(int(window), max_model_len) if kind == "sliding_attention" else None for kind in kinds[:num_layers]]
+
+
+def no_longer_than(window: int | None, max_model_len: int | None) -> int | None:
+    """A window, or None where it covers the whole context anyway."""
+    return None if window is None or (max_model_len is not None and window >= max_model_len) else window
 
 
 def _require_steps_within_the_packed_limit(model_config, max_num_batched_tokens: int) -> None:
