@@ -42,10 +42,15 @@ class UnsupportedArchitectureError(ValueError):
 ATTENTION_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 
 
+def architecture_name(model_config) -> str:
+    """The checkpoint's architecture as its config names it (else the config's class)."""
+    return (getattr(model_config, "architectures", None) or [type(model_config).__name__])[0]
+
+
 def require_attention_decoder(model_config) -> None:
     """Refuse, naming it, an architecture whose KV the paged pool cannot hold: layers that are not attention (linear
     attention, convolutions, state-space layers), or keys and values of different sizes (latent attention)."""
-    name = (getattr(model_config, "architectures", None) or [type(model_config).__name__])[0]
+    name = architecture_name(model_config)
     kinds = list(getattr(model_config, "layer_types", None) or [])
     others = [i for i, kind in enumerate(kinds) if kind not in ATTENTION_LAYER_KINDS]
     if others:
@@ -70,8 +75,7 @@ class KVCacheShape:
         try:
             head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
         except Exception as exc:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError (Gemma 4)
-            name = (getattr(model_config, "architectures", None) or [type(model_config).__name__])[0]
-            raise UnsupportedArchitectureError(f"{name} cannot be served: its attention layers have head sizes of their own "
+            raise UnsupportedArchitectureError(f"{architecture_name(model_config)} cannot be served: its attention layers have head sizes of their own "
                                                "(head_dim varies by layer), where the paged KV pool holds one size") from exc
         kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
         return cls(model_config.num_hidden_layers, kv_heads, head_dim)
