@@ -67,9 +67,12 @@ shape_dir=""
 if [ -n "$BENCH_SHAPE" ]; then
     shape_dir="$("$PYTHON" -c "import sys; from app.bench.shapes import build_shape; print(build_shape(sys.argv[1]))" "$BENCH_SHAPE")"
 fi
+# Odd rounds run ours first, even rounds last (ABBA): the machine's drift within a round favours neither side.
 for round in $(seq "$BENCH_ROUNDS"); do
+    order="ours $ALTERNATED_PEERS"
+    [ $((round % 2)) -eq 0 ] && order="$(printf '%s\n' $order | tac | xargs)"
     for model_dir in "" ${shape_dir:+"$shape_dir"}; do
-        for server in ours $ALTERNATED_PEERS; do
+        for server in $order; do
             measure "$server" "$model_dir" "$round"
         done
     done

@@ -4,8 +4,8 @@
     .venv/bin/python -m app.bench peer --url http://127.0.0.1:8001 --name naive --model smollm2-135m-instruct
 
 What a first server around a Hugging Face model looks like: each request runs ``model.generate`` (greedy)
-while the others wait on a lock, and a streamed request is sent as server-sent events from a
-``TextIteratorStreamer`` (text comes out word by word, as the streamer releases it). It answers
+while the others wait on a lock, and a streamed request is sent as server-sent events from
+an ``AsyncTextIteratorStreamer`` (text comes out word by word, as the streamer releases it). It answers
 ``POST /v1/completions`` (``prompt``, ``max_tokens``, ``min_tokens``, ``ignore_eos``, ``stream``,
 ``stream_options.include_usage``; sampling parameters are accepted and ignored: always greedy),
 ``POST /v1/chat/completions`` (the same with ``messages``, through the tokenizer's chat template),
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
-from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+from transformers import AsyncTextIteratorStreamer, StoppingCriteria, StoppingCriteriaList
 
 DEFAULT_NAME = "smollm2-135m-instruct"
 
@@ -146,7 +146,9 @@ def create_app(model, tokenizer, served_name: str = DEFAULT_NAME) -> FastAPI:
         return StreamingResponse(stream(request, input_ids, request_id, created), media_type="text/event-stream")
 
     async def stream(request: dict, input_ids: torch.Tensor, request_id: str, created: int):
-        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        # Text reaches the event loop from the generating thread (call_soon_threadsafe): a stream waiting for the
+        # lock holds no executor thread, so 32 waiting streams cannot starve the one that generates.
+        streamer = AsyncTextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         cancelled, result = _Cancelled(), {}
 
         def run() -> None:
@@ -158,9 +160,8 @@ def create_app(model, tokenizer, served_name: str = DEFAULT_NAME) -> FastAPI:
 
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
-        chunks = iter(streamer)
         try:
-            while (text := await asyncio.to_thread(next, chunks, None)) is not None:
+            async for text in streamer:
                 if text:
                     yield f"data: {json.dumps(envelope(request, request_id, created, text, None, chunk=True))}\n\n"
             await asyncio.to_thread(thread.join)

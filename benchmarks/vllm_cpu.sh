@@ -77,7 +77,8 @@ start_background() {
     # setsid: a process group of its own, so stopping it reaches the engine process it forks
     setsid "$ROOT/benchmarks/vllm_cpu.sh" serve >"$log" 2>&1 &
     SERVER_PID=$!
-    trap stop EXIT INT TERM
+    trap stop EXIT
+    trap 'stop; exit 130' INT TERM  # interrupted: stop the server and the script, not just the server
     local started=$SECONDS
     until curl -sf "$URL/v1/models" >/dev/null 2>&1; do
         if ! kill -0 "$SERVER_PID" 2>/dev/null; then

@@ -229,13 +229,16 @@ async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, path: str, fields
     arrivals: list[float] = []  # chunks with text: what a reader of the stream sees
     token_chunks = 0
     usage: dict = {}
+    finished = False
     async with http.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if line == "data: [DONE]":
+                finished = True
+            if not line.startswith("data: ") or finished:
                 continue
-            chunk = json.loads(line[6:])
+            chunk = _event(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"stream error: {chunk['error']}")
             choice = (chunk.get("choices") or [None])[0]
@@ -248,14 +251,27 @@ async def _stream_one(http: httpx.AsyncClient, spec: LoadSpec, path: str, fields
     if not arrivals:
         raise RuntimeError("the server streamed no text")
     done = time.perf_counter()
+    # Every request asks for exactly max_tokens (min_tokens = max_tokens, ignore_eos): a stream cut short, or one
+    # that never said [DONE], failed, whatever it streamed before.
+    output_tokens = usage.get("completion_tokens", token_chunks)
+    if not finished or output_tokens != spec.max_tokens:
+        raise RuntimeError(f"incomplete stream: {output_tokens} of {spec.max_tokens} tokens" + ("" if finished else ", no [DONE]"))
     return RequestTiming(
         ttft_s=arrivals[0] - sent,
         e2e_s=done - sent,
         prompt_tokens=usage.get("prompt_tokens", 0),
-        output_tokens=usage.get("completion_tokens", len(arrivals)),
+        output_tokens=output_tokens,
         itl_s=[b - a for a, b in zip(arrivals, arrivals[1:])],
         chunks=token_chunks,
     )
+
+
+def _event(data: str) -> dict:
+    """One server-sent event's JSON; a malformed one fails its request, not the whole run."""
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        raise RuntimeError(f"malformed event {data[:100]!r}: {exc}") from None
 
 
 def _chunk_text(choice: dict) -> str:
@@ -314,8 +330,12 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def _at(ordered: list[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile of sorted values."""
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    """The ``q`` quantile of sorted values, interpolated linearly between the closest ranks (numpy's default, as
+    vLLM's benchmark computes them): the p50 of an even count is the mean of the two middle values."""
+    position = q * (len(ordered) - 1)
+    below = int(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 # --- standard workloads, sweeps -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ table of a CPU class's section (app/bench/report.py puts them in order). Standar
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,20 +154,30 @@ def servers(sources: list[Source]) -> list[ServerRuns]:
     return found
 
 
-def _reference(found: list[ServerRuns], prefix: str) -> ServerRuns | None:
-    return next((s for s in found if s.name.lower().startswith(prefix)), None)
-
-
-def _sitting_reference(found: list[ServerRuns], server: ServerRuns, prefix: str) -> ServerRuns | None:
-    """The ``prefix`` peer (vllm, naive) of ``server``'s sitting (files in one folder) on its model, the fastest on W1
-    where it ran several times or in several settings."""
-    peers = [s for s in found if s.name.lower().startswith(prefix) and s.model == server.model
-             and s.source.path.parent == server.source.path.parent and _tok_s(s, "W1") is not None]
-    return max(peers, key=lambda s: _tok_s(s, "W1"), default=None)
+def _sitting_reference(found: list[ServerRuns], folder: Path, model: str, prefix: str, workload: str) -> float | None:
+    """tok/s on ``workload`` of the ``prefix`` peer (vllm, naive) measured in one sitting (``folder``: a folder of
+    result files) on ``model``: the median of its runs there, of its faster setting (vLLM in bf16 or fp32). None
+    where that sitting has none: a ratio across sittings or models would measure the machine's drift or the model."""
+    settings: dict[str, list[float]] = {}
+    for s in found:
+        value = _tok_s(s, workload)
+        if s.name.lower().startswith(prefix) and s.model == model and s.source.path.parent == folder and value is not None:
+            settings.setdefault(s.name, []).append(value)
+    return max((statistics.median(values) for values in settings.values()), default=None)
 
 
 def _tok_s(server: ServerRuns | None, workload: str):
     return ((server.runs.get(workload) or {}).get("output_tok_per_s")) if server else None
+
+
+def _ratios(found: list[ServerRuns], folder: Path, model: str, w1, w2) -> list[str]:
+    """W1 vs vLLM, W1 vs naive, W2 vs vLLM, W2 vs naive, each against its sitting's peer on the same model."""
+    return [_ratio(value, _sitting_reference(found, folder, model, peer, workload))
+            for workload, value in (("W1", w1), ("W2", w2)) for peer in ("vllm", "naive")]
+
+
+def _failed_cell(*runs: dict | None) -> str:
+    return str(sum((run or {}).get("num_errors", 0) for run in runs))
 
 
 def server_table(sources: list[Source]) -> list[str]:
@@ -174,26 +185,25 @@ def server_table(sources: list[Source]) -> list[str]:
     hf = [s for s in sources if s.kind == "hf"]
     if not found and not hf:
         return ["No `compare` or `peer` results among these files."]
-    vllm, naive = _reference(found, "vllm"), _reference(found, "naive")
     header = ["server", "W1 tok/s", "W1 TTFT p50 (s)", "W1 TPOT p50 (ms)", "W1 ITL p50 (ms)", "W1 goodput", "W1 chunks / tokens",
-              "W2 tok/s", "W2 TPOT p50 (ms)", "W1 vs vLLM", "W1 vs naive", "W2 vs vLLM", "W2 vs naive", "source"]
+              "W2 tok/s", "W2 TPOT p50 (ms)", "failed (W1, W2)", "W1 vs vLLM", "W1 vs naive", "W2 vs vLLM", "W2 vs naive", "source"]
     rows = []
     for s in found:
         w1, w2 = s.runs.get("W1"), s.runs.get("W2")
-        vllm, naive = _sitting_reference(found, s, "vllm") or vllm, _sitting_reference(found, s, "naive") or naive
         rows.append([s.name, _num((w1 or {}).get("output_tok_per_s")), _pct(w1, "ttft_s", digits=2), _pct(w1, "tpot_ms"),
                      _pct(w1, "itl_ms"), _goodput_cell(w1), _streamed_cell(w1), _num((w2 or {}).get("output_tok_per_s")), _pct(w2, "tpot_ms"),
-                     _ratio(_tok_s(s, "W1"), _tok_s(vllm, "W1")), _ratio(_tok_s(s, "W1"), _tok_s(naive, "W1")),
-                     _ratio(_tok_s(s, "W2"), _tok_s(vllm, "W2")), _ratio(_tok_s(s, "W2"), _tok_s(naive, "W2")), s.source.ref])
+                     _failed_cell(w1, w2), *_ratios(found, s.source.path.parent, s.model, _tok_s(s, "W1"), _tok_s(s, "W2")), s.source.ref])
     for source in hf:
         batch = (source.data.get("generate_batch") or {}).get("output_tok_per_s")
         single = (source.data.get("generate_batch1") or {}).get("output_tok_per_s")
         dtype = (source.data.get("spec") or {}).get("dtype", "")
         rows.append([f"transformers offline, {dtype}: `generate_batch` (W1) / `generate` batch 1 (W2)", _num(batch), "–", "–", "–", "–", "–",
-                     _num(single), "–", _ratio(batch, _tok_s(vllm, "W1")), _ratio(batch, _tok_s(naive, "W1")),
-                     _ratio(single, _tok_s(vllm, "W2")), _ratio(single, _tok_s(naive, "W2")), source.ref])
-    lines = _table(header, rows)
-    missing = [what for what, ref in (("vLLM (`make bench-vllm`)", vllm), ("the naive baseline (`make bench-naive`)", naive)) if ref is None]
+                     _num(single), "–", "–", *_ratios(found, source.path.parent, "", batch, single), source.ref])
+    lines = _table(header, rows) + ["", "Ratios are to the peer measured in the same sitting (one folder of result files) on "
+                                    "the same model: the median of its runs there, of its faster setting; – where that "
+                                    "sitting has none. Failed requests are not in the other figures."]
+    missing = [what for what, prefix in (("vLLM (`make bench-vllm`)", "vllm"), ("the naive baseline (`make bench-naive`)", "naive"))
+               if not any(s.name.lower().startswith(prefix) for s in found)]
     if missing:
         lines += ["", f"No result for {' or '.join(missing)} among these files: those ratios are left out."]
     return lines

@@ -71,14 +71,14 @@ def test_report_tables_ratios_and_sources(files, tmp_path, monkeypatch):
     # W1/W2 by server, ratios to vLLM and to the naive baseline
     ours = _row(markdown, "this project (`continuous`)")
     assert ours[1] == "250.0" and ours[7] == "50.0"
-    assert ours[9:13] == ["0.50x", "12.50x", "2.00x", "2.50x"]
+    assert ours[9] == "0" and ours[10:14] == ["0.50x", "12.50x", "2.00x", "2.50x"]
     assert ours[5] == "1.50/s (94%)"
     assert ours[6] == "4096 / 4096" and _row(markdown, "vllm")[6] == "–"  # streamed chunks / tokens, where recorded
     # W5: what the streams paid while a long prompt arrived
     mixed = _row(markdown.split("(W5)", 1)[1], "this project (`continuous`)")
     assert mixed[1:7] == ["180", "180", "45", "1,905", "4.10", "2048 / 2048"]
     hf = _row(markdown, "transformers offline")
-    assert hf[1] == "75.0" and hf[9] == "0.15x" and hf[10] == "3.75x" and hf[12] == "0.75x"
+    assert hf[1] == "75.0" and hf[10] == "0.15x" and hf[11] == "3.75x" and hf[13] == "0.75x"
     # the seeds' table: ratios to the naive row of the same file
     assert _row(markdown, "dynamic batching")[6] == "5.00x"
     assert _row(markdown, "continuous batching")[6] == "6.25x"
@@ -112,7 +112,30 @@ def test_report_without_peers_says_which_ratios_are_missing(files, tmp_path, mon
     monkeypatch.setattr(plots, "pyplot", lambda: None)
     markdown, _ = report.render_report([files["compare.json"]], tmp_path / "b.md")
     assert "No result for vLLM (`make bench-vllm`) or the naive baseline (`make bench-naive`)" in markdown
-    assert _row(markdown, "this project (`continuous`)")[9] == "–"
+    assert _row(markdown, "this project (`continuous`)")[10] == "–"
+
+
+def test_ratios_take_the_peer_of_the_same_sitting_and_model_only(files, tmp_path, monkeypatch):
+    """A peer on another model, or measured in another folder, is no reference; several runs of a peer in one
+    sitting give their median, per workload."""
+    monkeypatch.setattr(plots, "pyplot", lambda: None)
+    rounds = tmp_path / "alternated"
+    rounds.mkdir()
+    paths = []
+    for name, model, figures in (("ours", "", (260.0, 40.0)), ("vllm", "", (250.0, 30.0)), ("vllm", "", (200.0, 50.0)),
+                                 ("vllm", "", (300.0, 20.0)), ("vllm", "llama-371m", (1000.0, 1000.0))):
+        path = rounds / f"{name}-{model or 'embedded'}-{len(paths)}.json"
+        failed = {"num_errors": 3} if len(paths) == 1 else {}
+        path.write_text(json.dumps({"peer": name, "model": model, "machine": MACHINE,
+                                    "servers": {name: {"W1": {**run(figures[0]), **failed}, "W2": run(figures[1])}}}))
+        paths.append(path)
+    markdown, _ = report.render_report([files["compare.json"], files["hf.json"], files["peer-naive.json"], *paths], tmp_path / "b.md")
+    hf = _row(markdown, "transformers offline")
+    assert hf[10:14] == ["–", "3.75x", "–", "0.75x"]  # no vLLM in the hf run's folder; the naive run beside it
+    ours = _row(markdown, "ours")
+    assert ours[10:14] == ["1.04x", "–", "1.33x", "–"]  # vLLM's median W1 250 and W2 30 there; no naive in that folder
+    assert _row(markdown, "vllm on llama-371m")[10:14] == ["1.00x", "–", "1.00x", "–"]
+    assert _row(markdown, "vllm")[9] == "3"  # the failed requests of a run, beside its figures
 
 
 def test_report_command_writes_markdown_and_plots(files, tmp_path):
@@ -182,7 +205,7 @@ def test_summary_records_goodput_per_request():
     timings = [load.RequestTiming(ttft_s=0.5, e2e_s=2.0, prompt_tokens=10, output_tokens=4, itl_s=[0.1, 0.1, 0.3]),
                load.RequestTiming(ttft_s=3.0, e2e_s=4.0, prompt_tokens=10, output_tokens=4, itl_s=[0.1, 0.1, 0.1])]
     summary = load.summarize(load.LoadSpec(slo_ttft_s=2.0, slo_itl_ms=350.0), timings, wall_s=4.0)
-    assert summary["requests"][0] == {"ttft_s": 0.5, "e2e_s": 2.0, "output_tokens": 4, "itl_p99_ms": 300.0, "itl_max_ms": 300.0}
+    assert summary["requests"][0] == {"ttft_s": 0.5, "e2e_s": 2.0, "output_tokens": 4, "itl_p99_ms": 296.0, "itl_max_ms": 300.0}
     assert summary["goodput"]["good_requests"] == 1 and summary["goodput"]["fraction"] == 0.5
     assert load.summarize(load.LoadSpec(slo_itl_ms=200.0), timings[:1], 4.0)["goodput"]["good_requests"] == 0
 
@@ -263,6 +286,40 @@ def test_a_token_with_no_text_counts_as_streamed_and_the_opening_and_closing_chu
 
     timing = asyncio.run(one())
     assert (timing.chunks, timing.output_tokens, len(timing.itl_s)) == (5, 5, 3)  # gaps between the 4 texts a reader sees
+
+
+@pytest.mark.parametrize("ending, error", [
+    ("cut", "incomplete stream: 3 of 5 tokens, no [DONE]"),  # the connection closed mid-stream
+    ("short", "incomplete stream: 3 of 5 tokens"),  # a server that stopped early and said so
+    ("malformed", "malformed event"),
+])
+def test_a_stream_cut_short_or_malformed_fails_its_request_alone(ending, error, monkeypatch):
+    """One bad stream among four is a failed request, counted; the other three are measured."""
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        broken = len(calls) == 2
+        tokens = 3 if broken and ending != "malformed" else 5
+        text = "".join(f"data: {json.dumps({'choices': [{'index': 0, 'text': f' t{i}'}]})}\n\n" for i in range(tokens))
+        if broken and ending == "malformed":
+            text += "data: {not json\n\n"
+        text += f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': 7, 'completion_tokens': tokens}})}\n\n"
+        return httpx.Response(200, text=text if broken and ending == "cut" else text + "data: [DONE]\n\n")
+
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(load.httpx, "AsyncClient", lambda **kw: real_client(transport=httpx.MockTransport(handler), **kw))
+    result = asyncio.run(load.run_load(load.LoadSpec(num_requests=4, concurrency=1, max_tokens=5)))
+    assert (result["num_requests"], result["num_errors"], result["output_tokens"]) == (3, 1, 15)
+    assert error in result["first_error"]
+
+
+def test_percentiles_interpolate_between_the_closest_ranks():
+    assert load.percentiles([4.0, 1.0, 3.0, 2.0])["p50"] == 2.5  # an even count: the middle two's mean
+    assert load.percentiles([1.0, 2.0, 3.0])["p50"] == 2.0
+    assert load.percentiles([float(v) for v in range(1, 12)])["p90"] == 10.0
+    assert load.percentiles([0.0, 100.0])["p99"] == 99.0
+    assert load.percentiles([7.0]) == {"p50": 7.0, "p90": 7.0, "p99": 7.0, "mean": 7.0}
 
 
 def test_peer_and_sweep_commands_save_what_the_report_reads(mock_server, tmp_path, monkeypatch):
