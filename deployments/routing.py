@@ -29,9 +29,20 @@ class SequenceAffinityRouter(_BASE):
         sequence_id = _sequence_id(pending_request)
         if sequence_id is None or len(candidate_replicas) < 2:
             if _BASE is RequestRouter:  # the public base has no policy of its own: any of them
+                _back_off_when_all_full(pending_request)
                 return [list(candidate_replicas)]
             return await super().choose_replicas(candidate_replicas, pending_request)
+        _back_off_when_all_full(pending_request)
         return [[replica] for replica in rank(sequence_id, candidate_replicas)]  # the first choice, then the next if full
+
+
+def _back_off_when_all_full(pending_request: Optional[PendingRequest]) -> None:
+    """These candidates are every replica: if all are full, Serve's routing loop must sleep before it asks again.
+    It sleeps only where the router says so (Serve's own routers set this once they offer every replica);
+    without it, a draft call waiting for a full draft deployment spins, probing every replica's queue each pass."""
+    context = getattr(pending_request, "routing_context", None)
+    if context is not None:
+        context.should_backoff = True
 
 
 def rank(sequence_id: str, replicas: List[RunningReplica]) -> List[RunningReplica]:

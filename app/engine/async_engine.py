@@ -10,6 +10,7 @@ between the loop and the core, and the loop never blocks on torch.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 import time
@@ -226,7 +227,9 @@ class AsyncEngine:
         if self._loop is not None and not self._loop.is_closed():
             raise RuntimeError("an AsyncEngine serves one event loop at a time")
         self._loop = loop
-        loop.add_reader(self._conn.fileno(), self._read_reports)
+        # Registered from whichever request came first, the reader would run (and start tasks) in that request's
+        # context for the engine's whole life: it serves every request, so it runs in none.
+        contextvars.Context().run(loop.add_reader, self._conn.fileno(), self._read_reports)
 
     def _read_reports(self) -> None:
         try:

@@ -10,6 +10,7 @@ a result with an error: it costs speed (the drafter stands down for a while), ne
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import time
@@ -37,19 +38,27 @@ class DraftCallSender:
             return
         loop = asyncio.get_running_loop()
         for call in calls:
-            task = loop.create_task(self._send_one(call))
+            # A call belongs to no client request: in an empty context it carries no request's id (Serve files a
+            # handle call under the request whose context it runs in, and cancels it with that request).
+            task = contextvars.Context().run(loop.create_task, self._send_one(call))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
 
     async def _send_one(self, call) -> None:
         started = time.monotonic()
+        # Every call is answered, even one cancelled under it: its sequence asks again only once answered.
+        result = _failed(call, "the draft call was cancelled")
         try:
             result = await asyncio.wait_for(self._client(call), DRAFT_CALL_TIMEOUT_S)
             result = dataclasses.replace(result, elapsed_s=time.monotonic() - started)
+        except asyncio.CancelledError:
+            logger.warning("draft call for %s was cancelled", call.sequence_id)
+            raise
         except Exception as exc:  # noqa: BLE001 - a lost draft costs speed, never output: report and go on
             logger.warning("draft call for %s failed: %s: %s", call.sequence_id, type(exc).__name__, exc)
             result = _failed(call, f"{type(exc).__name__}: {exc}")
-        self._post_results([result])
+        finally:
+            self._post_results([result])
 
 
 def _failed(call, error: str):

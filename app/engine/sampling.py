@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 
 from app.cpu.argmax import argmax_rows
-from app.engine.grammar import Grammars
+from app.engine.grammar import Grammars, consume
 from app.engine.request import Request, SparseProbs, TokenLogprob
 
 _NEG_INF = float("-inf")
@@ -80,6 +80,8 @@ class Sampler:
             if self.grammars is None:
                 raise ValueError("this engine takes no structured outputs")
             request.matcher = self.grammars.matcher(request.sampling.grammar)
+            for token_id in request.output_token_ids:  # one that comes with output (a draft call: the target's so far)
+                consume(request, token_id)             # continues the grammar from there, not from its start
 
     def generator_for(self, request: Request, device: torch.device) -> torch.Generator:
         """The request's own generator (made at admission, or on first use; for seeded requests only)."""

@@ -115,6 +115,19 @@ def test_with_ngram_drafts_constrained_outputs_equal_the_targets_own_and_drafts_
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
 
 
+def test_a_request_that_comes_with_output_continues_its_grammar_from_there(loaded_rounded):
+    """A draft call carries the target's output so far: the draft model's grammar stands where that output is, so
+    its greedy proposals are the target's own continuation (it shares the target's weights here), not the grammar's
+    first tokens."""
+    prompt = loaded_rounded.tokenizer.encode("Write the numbers:")
+    counting = request_grammar(None, {"regex": "one two three four five six seven eight nine ten"})
+    sampling = SamplingParams(max_tokens=24, temperature=0, grammar=counting)
+    whole = run_engine(make_engine(loaded_rounded, max_model_len=512), [Request("whole", list(prompt), sampling, loaded_rounded.eos_token_ids)])["whole"]
+    start = 3
+    continued = Request("continued", list(prompt), sampling, loaded_rounded.eos_token_ids, output_token_ids=whole[:start])
+    assert run_engine(make_engine(loaded_rounded, max_model_len=512), [continued])["continued"] == whole  # max_tokens counts it
+
+
 def test_preemption_keeps_each_grammar_where_its_output_is(loaded_rounded):
     """A preempted request recomputes its KV, not its tokens: its matcher stays where its output is."""
     def requests(tag: str) -> list[Request]:
