@@ -33,11 +33,18 @@ target gives padding ids probability 0, as masked logits do).
 p and q must be the request's *processed* distributions (penalties, min_tokens, temperature, top-k/p,
 min-p applied identically to both): ``app.spec.probs.processed_probs`` produces them.
 
-Randomness: a row with a ``torch.Generator`` draws, in this order, ``n_b`` uniforms and then one more
-(float64) from it, and nothing else, so a seeded sequence gives the same tokens alone or in any batch
-and whatever K the batch is padded to. Rows without one draw from torch's default generator. Greedy rows
-draw nothing from their generator. The final token is drawn by the engine sampler's own ``draw_rows``
-(the cumulative weights inverted at that uniform), which samples from ``r / sum(r)`` without normalizing r.
+Seeded rows (a sampled row with a ``torch.Generator``) follow a coupled rule instead: at each position
+``j <= n_b`` the target's token is drawn from ``p_j`` with one uniform of the row's generator, exactly as the
+engine's sampler draws a token (``draw_rows``), and the draft is kept while it equals that token; the first
+token that differs, or the bonus, is emitted and nothing more is drawn. Every emitted token is then the
+target's own draw (lossless for any drafter), and a seeded sequence's k-th token always comes from its k-th
+uniform, so its tokens do not depend on how many tokens were drafted (which the draft-length policy sizes by
+the batch): the same alone, in any batch, and as without speculation. For a one-hot q it accepts with
+probability ``p_j(x)``, as the rule above does; for a sampled q it accepts less (``sum q p`` for
+``sum min(p, q)``): the price a seeded request pays for its reproducibility. Rows without a generator draw
+from torch's default generator; greedy rows draw nothing. Sampled tokens are drawn by the engine sampler's
+own ``draw_rows`` (the cumulative weights inverted at one uniform), which samples from ``r / sum(r)`` without
+normalizing r.
 """
 
 from __future__ import annotations
@@ -118,9 +125,6 @@ def rejection_sample(
     target_argmax = p.argmax(dim=-1)  # [B, K+1]
 
     u = torch.rand(B, K, device=device)  # [B, K]
-    for b in seeded:
-        if not greedy_list[b] and n_list[b] > 0:
-            u[b, : n_list[b]] = torch.rand(n_list[b], device=device, generator=generators[b])
     accept_sampled = u * q_draft < p_draft  # [B, K]: P(u < p/q) = min(1, p/q); never accepts p = 0
     accept_greedy = draft == target_argmax[:, :K]  # [B, K]
     accept = torch.where(greedy.unsqueeze(1), accept_greedy, accept_sampled) & valid  # [B, K]
@@ -142,18 +146,28 @@ def rejection_sample(
         # probability 0: it can only come from rounding, and p is then the right distribution.
         use_residual = rejected & (residual.sum(dim=-1) > 0)  # [B]
         final_probs = torch.where(use_residual.unsqueeze(1), residual, p_final)  # [B, V_p]
-    final_generators = [None] * B
+    sampled_final = draw_rows(final_probs, [None] * B)  # [B]
+    final = torch.where(greedy, target_argmax[rows, j], sampled_final)  # [B]
     for b in seeded:
         if not greedy_list[b]:
-            final_generators[b] = generators[b]
-    sampled_final = draw_rows(final_probs, final_generators)  # [B]
-    final = torch.where(greedy, target_argmax[rows, j], sampled_final)  # [B]
+            num_accepted[b], final[b] = _coupled(p[b], draft[b], n_list[b], generators[b])
+    j = num_accepted
 
     token_ids = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)  # [B, K+1]
     keep = torch.arange(K, device=device).unsqueeze(0) < num_accepted.unsqueeze(1)  # [B, K]
     token_ids[:, :K] = torch.where(keep, draft, PLACEHOLDER_TOKEN_ID)
     token_ids[rows, j] = final
     return RejectionOutput(token_ids=token_ids, num_accepted=num_accepted)
+
+
+def _coupled(p: torch.Tensor, draft: torch.Tensor, n: int, generator: torch.Generator) -> tuple[int, int]:
+    """A seeded row (the module docstring): p [K+1, V], draft [K]. Draws the target's token at positions 0..n,
+    one uniform each, until one differs from the draft; returns (drafts kept, the token emitted after them)."""
+    for position in range(n + 1):
+        token = int(draw_rows(p[position:position + 1], [generator])[0])
+        if position == n or token != int(draft[position]):
+            return position, token
+    raise AssertionError("unreachable: position n always returns")
 
 
 def padded_from_packed(

@@ -79,17 +79,19 @@ def test_penalties_and_sampling_see_the_drafts_before_each_position(loaded_round
     assert stats["spec_num_drafts"] > 0
 
 
-def test_a_seeded_sampled_request_is_reproducible_with_speculation(loaded_rounded):
+def test_a_seeded_sampled_request_gives_its_tokens_without_speculation_alone_or_in_a_batch(loaded_rounded):
+    """The draft-length policy drafts less in a larger batch: a seeded request's tokens must not follow it."""
     prompt = loaded_rounded.tokenizer.encode(PROMPTS[12])
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=11)
 
-    def run():
-        engine = make_engine(loaded_rounded, max_model_len=512, speculative=NGRAM)
-        out = run_engine(engine, [Request("seeded", prompt, params, loaded_rounded.eos_token_ids)])["seeded"]
-        return out, engine.stats()["spec_num_drafts"]
+    def run(speculative, mates: int):
+        engine = make_engine(loaded_rounded, max_model_len=512, speculative=speculative)
+        others = _requests(loaded_rounded, [PROMPTS[i] for i in range(mates)], "mate")
+        out = run_engine(engine, [Request("seeded", prompt, params, loaded_rounded.eos_token_ids), *others])["seeded"]
+        return out, engine.stats().get("spec_num_drafts", 0)
 
-    (first, drafts), (second, _) = run(), run()
-    assert first == second and len(first) >= 1 and drafts > 0
+    (plain, _), (alone, drafts), (in_batch, _) = run(SpecConfig(), 0), run(NGRAM, 0), run(NGRAM, 7)
+    assert alone == plain == in_batch and len(plain) >= 1 and drafts > 0
 
 
 def test_preemption_and_stop_conditions_with_speculation(loaded_rounded):

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from app.engine.sampling import draw_rows
 from app.spec.rejection import PLACEHOLDER_TOKEN_ID, padded_from_packed, rejection_sample
 
 
@@ -183,6 +184,27 @@ def test_seeded_rows_repeat_alone_or_in_any_batch_and_padding():
                                           torch.Generator().manual_seed(s + 1)]).tolist()[2] for s in seeds]
     assert batch == [alone(s) for s in seeds]
     assert len({tuple(t) for t in batch}) > 5  # the seed matters: outcomes vary across seeds
+
+
+@pytest.mark.parametrize("soft_q", [False, True])
+def test_a_seeded_row_emits_what_plain_sampling_draws_however_many_tokens_were_drafted(soft_q):
+    """The draft-length policy sizes drafts by the batch: a seeded row's tokens must not depend on it. Its k-th
+    token is its generator's k-th draw from p, as the sampler draws without speculation (and so p-distributed,
+    whatever the drafts were or were drawn from)."""
+    gen = torch.Generator().manual_seed(5)
+    K, V = 4, 12
+    p = random_dists(K + 1, V, gen, scale=0.5)  # flat: a wrong draft is often drawn over
+    q = random_dists(K, V, gen, scale=0.5)[None] if soft_q else None
+    for seed in range(30):
+        plain_gen = torch.Generator().manual_seed(seed)
+        plain = [int(draw_rows(p[k:k + 1], [plain_gen])[0]) for k in range(K + 1)]
+        for n in range(K + 1):
+            for wrong_at in range(n + 1):  # drafts equal to plain's tokens up to there, then one that is not
+                draft = torch.tensor(plain[:K])
+                if wrong_at < n:
+                    draft[wrong_at] = (plain[wrong_at] + 1) % V
+                out = rejection_sample(draft[None], [n], q, p[None], generators=[torch.Generator().manual_seed(seed)])
+                assert out.tolist()[0] == plain[:wrong_at + 1], (seed, n, wrong_at)
 
 
 def test_padded_from_packed_lays_each_sequence_in_its_row():
