@@ -119,6 +119,30 @@ class BlockManager:
             parent = block_hash
         return len(entry.table) * self.block_size
 
+    def first_uncached_block(self, token_ids: list[int]) -> bytes | None:
+        """The prefix hash of the first block of ``token_ids`` that ``find_cached_prefix`` would not find, or None."""
+        if not self.enable_prefix_caching:
+            return None
+        parent = b""
+        for index in range((len(token_ids) - 1) // self.block_size):
+            parent = _hash_block(parent, token_ids[index * self.block_size : (index + 1) * self.block_size])
+            if parent not in self._cached:
+                return parent
+        return None
+
+    def blocks_filled(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> list[bytes]:
+        """The prefix hashes of the request's blocks that become full once ``num_computed_tokens`` are computed:
+        those a step computing up to there registers in the cache (``cache_full_blocks``)."""
+        if not self.enable_prefix_caching:
+            return []
+        entry = self._requests.get(request_id) or _RequestBlocks()
+        parent = entry.hashes[-1] if entry.hashes else b""
+        filled = []
+        for index in range(len(entry.hashes), num_computed_tokens // self.block_size):
+            parent = _hash_block(parent, token_ids[index * self.block_size : (index + 1) * self.block_size])
+            filled.append(parent)
+        return filled
+
     def record_prefix_query(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (a lookup retried after a failed admission counts once)."""
         self.prefix_stats.queried_tokens += num_queried_tokens

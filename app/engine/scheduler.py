@@ -158,18 +158,41 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, output: SchedulerOutput) -> None:
         if self.config.gang and not self.running:
             self._active_group = None
+        filling = self._blocks_filled(output.scheduled)
+        deferred = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if self.config.gang and self._active_group not in (None, request.group):
-                return  # dynamic batching: the next group waits for this one to finish
+                break  # dynamic batching: the next group waits for this one to finish
+            if self._filled_by_another(request, filling):
+                deferred.append(self.waiting.popleft())  # next step, it finds those blocks in the prefix cache
+                continue
             num_new = self._admit(request, budget)
             if num_new == 0:
-                return  # not enough free blocks: wait for running requests to finish
+                break  # not enough free blocks: wait for running requests to finish
             self.waiting.popleft()
             self.running.append(request)
             self._active_group = request.group
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+            filling.update(self._blocks_filled(output.scheduled[-1:]))
+        self.waiting.extendleft(reversed(deferred))
+
+    def _blocks_filled(self, scheduled: list[ScheduledRequest]) -> set[bytes]:
+        """The prefix hashes of the blocks that this step's prefill chunks complete."""
+        if not self.waiting:
+            return set()
+        return {block_hash for item in scheduled if item.num_new_tokens > 1 + item.num_spec_tokens
+                for block_hash in self.blocks.blocks_filled(item.request.request_id, item.request.all_token_ids,
+                                                             item.request.num_computed_tokens + item.num_new_tokens - item.num_spec_tokens)}
+
+    def _filled_by_another(self, request: Request, filling: set[bytes]) -> bool:
+        """Whether the first block ``request`` would compute is one a request in this step computes already:
+        the choices of one prompt (n, best_of) or chats behind one system prompt, arriving together, would
+        otherwise each compute (and hold) the shared prompt, since a block is cached only once computed."""
+        if not filling or request.sampling.prompt_logprobs is not None or request.session_id is not None:
+            return False
+        return self.blocks.first_uncached_block(request.all_token_ids) in filling
 
     def _admit(self, request: Request, budget: int) -> int:
         """Attach cached prefix blocks and blocks for the first chunk; returns the chunk's size (0: no room)."""

@@ -74,7 +74,7 @@ def test_gang_mode_runs_a_group_to_completion_before_the_next():
 
 def test_running_out_of_blocks_preempts_the_newest_and_recomputes_it_later():
     scheduler = _scheduler(num_blocks=4, block_size=4)  # 16 token slots
-    old, new = _request("old", 6, max_tokens=8), _request("new", 6, max_tokens=8)
+    old, new = _request("old", 6, max_tokens=8), _request("new", 6, max_tokens=8, first_token=500)
     scheduler.add_request(old)
     scheduler.add_request(new)
     for _ in range(3):  # prefill (6 tokens), then decodes of tokens 7 and 8: two blocks each, pool full
@@ -117,6 +117,41 @@ def test_prefix_hit_skips_cached_tokens():
     assert b.num_cached_tokens == 8
     stats = scheduler.blocks.prefix_stats
     assert (stats.queried_tokens, stats.hit_tokens) == (20, 8)
+
+
+def test_requests_arriving_together_compute_their_shared_prompt_once():
+    """n choices of one prompt arrive at once: the first computes the prompt; the others wait one step and find
+    it in the cache (a block is cached only once computed); a request sharing nothing is admitted beside it."""
+    scheduler = _scheduler(block_size=4)
+    for rid in ("c0", "c1", "c2"):
+        scheduler.add_request(_request(rid, 10, max_tokens=2))
+    scheduler.add_request(_request("other", 6, max_tokens=2, first_token=500))
+    assert _step(scheduler) == {"c0": 10, "other": 6}
+    assert _step(scheduler) == {"c0": 1, "other": 1, "c1": 2, "c2": 2}  # 8 of 10 from the cache
+    stats = scheduler.blocks.prefix_stats
+    assert (stats.queried_tokens, stats.hit_tokens) == (36, 16)
+    while scheduler.has_unfinished_requests():
+        _step(scheduler)
+    assert scheduler.blocks.num_free_blocks == 64
+
+
+def test_a_shared_prompt_prefilled_in_chunks_is_waited_for_chunk_by_chunk():
+    scheduler = _scheduler(block_size=4, max_num_batched_tokens=8)
+    scheduler.add_request(_request("first", 20, max_tokens=1))
+    scheduler.add_request(_request("twin", 20, max_tokens=1))
+    # twin waits while its next block is being computed; its last block (never looked up: the last token always
+    # runs) it computes itself, beside first's
+    assert [_step(scheduler) for _ in range(3)] == [{"first": 8}, {"first": 8}, {"first": 4, "twin": 4}]
+    assert scheduler.blocks.prefix_stats.hit_tokens == 16
+
+
+def test_prompt_logprobs_take_no_cached_prefix_so_nothing_waits_for_one():
+    scheduler = _scheduler(block_size=4)
+    scheduler.add_request(_request("a", 10, max_tokens=1))
+    scored = _request("scored", 10, max_tokens=1)
+    scored.sampling = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    scheduler.add_request(scored)
+    assert _step(scheduler) == {"a": 10, "scored": 10}
 
 
 def _step_capped(scheduler: Scheduler, cap: int) -> dict[str, int]:
