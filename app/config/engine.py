@@ -171,6 +171,10 @@ class EngineConfig:
         self.drafters = _drafters(self.speculative)
         if self.batching == "none":
             self.max_num_seqs = 1  # the naive baseline: one request at a time, whatever else is set
+        if self.max_num_batched_tokens < self.max_num_seqs:  # as vLLM requires
+            raise ValueError(f"engine.max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least engine.max_num_seqs "
+                             f"({self.max_num_seqs}): every running sequence needs a token of each step, or the newest wait "
+                             "step after step; raise the one or lower the other")
 
 
 def require_int(name: str, value: Any, minimum: int) -> None:

@@ -105,6 +105,7 @@ def attended_keys(scheduled: SchedulerOutput) -> float:
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.config = config
+        self.max_model_len = loaded.max_model_len
         self.runner = ModelRunner(loaded, config)
         if self.runner.num_token_slots < loaded.max_model_len:
             raise ValueError(
@@ -136,6 +137,7 @@ class LLMEngine:
         for request in requests:
             request.group = group
             try:
+                self._require_room(request)
                 self.runner.admit(request)
             except Exception as exc:  # noqa: BLE001 - this request's failure alone; the group goes on without it
                 logger.exception("request %s failed at admission", request.request_id)
@@ -146,6 +148,12 @@ class LLMEngine:
 
     def add_request(self, request: Request) -> None:
         self.add_requests([request])
+
+    def _require_room(self, request: Request) -> None:
+        """A request must leave room for a token within the context: one that cannot would wait for blocks
+        forever (the API refuses it first, with a 400; this holds for every other caller)."""
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(f"{request.num_tokens} tokens leave no room to generate within max_model_len={self.max_model_len}")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.remove_request(request_id)

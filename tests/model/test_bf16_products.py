@@ -50,7 +50,7 @@ def test_auto_and_bfloat16_load_the_bf16_kernel_path(loaded):
 
 def test_a_request_has_the_same_bits_alone_and_in_a_chunked_batch(loaded):
     prompts = {f"p{i}": loaded.tokenizer.encode(p) for i, p in enumerate(PROMPTS[:8])}
-    together = _logprobs(make_engine(loaded, max_model_len=512, enable_prefix_caching=False, max_num_batched_tokens=48),
+    together = _logprobs(make_engine(loaded, max_model_len=512, enable_prefix_caching=False, max_num_batched_tokens=48, max_num_seqs=16),
                          prompts, loaded.eos_token_ids)
     engine = make_engine(loaded, max_model_len=512, enable_prefix_caching=False)
     for rid, ids in prompts.items():

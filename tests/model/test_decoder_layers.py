@@ -8,7 +8,7 @@ from tests.model.conftest import PROMPTS, greedy, make_engine
 
 
 def _run(loaded, setting: str) -> dict[str, list[tuple[int, float, list]]]:
-    engine = make_engine(loaded, max_num_batched_tokens=48, cpu_decoder_layer=setting)  # 48: long prompts prefill in chunks
+    engine = make_engine(loaded, max_num_batched_tokens=48, max_num_seqs=16, cpu_decoder_layer=setting)  # 48: long prompts prefill in chunks
     fused = sum(isinstance(m.__dict__.get("forward"), DecoderLayerForward) for m in loaded.model.modules())
     assert fused == (loaded.model.config.num_hidden_layers if setting == "auto" else 0)
     requests = [Request(f"r{i}", loaded.tokenizer.encode(p), greedy(10, logprobs=3)) for i, p in enumerate(PROMPTS)]

@@ -24,7 +24,7 @@ def references(loaded_rounded, prompt_ids):
 @pytest.mark.parametrize("mode", ["none", "dynamic", "continuous"])
 def test_every_mode_equals_hf_generate(loaded_rounded, prompt_ids, references, mode):
     # A small token budget makes the long prompt's prefill span several steps, mixed with decodes.
-    engine = make_engine(loaded_rounded, batching=mode, max_num_batched_tokens=32)
+    engine = make_engine(loaded_rounded, batching=mode, max_num_batched_tokens=32, max_num_seqs=16)
     # "none" runs one sequence after another, a step per token each: every other prompt is enough there
     chosen = list(range(len(prompt_ids)))[:: 2 if mode == "none" else 1]
     requests = [Request(f"{mode}-{i}", prompt_ids[i], greedy(MAX_TOKENS), loaded_rounded.eos_token_ids) for i in chosen]

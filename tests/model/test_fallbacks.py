@@ -15,7 +15,7 @@ pytestmark = pytest.mark.model
 
 def test_without_the_kernels_every_prompt_still_equals_generate_inside_a_batch(kernels_off):
     loaded_fp32 = load_model(ModelConfig(dtype="float32"))  # its own copy: the shared one may be packed for our GEMM
-    engine = make_engine(loaded_fp32, max_model_len=512, max_num_batched_tokens=48)  # prefill in chunks beside decodes
+    engine = make_engine(loaded_fp32, max_model_len=512, max_num_batched_tokens=48, max_num_seqs=16)  # prefill in chunks beside decodes
     path = engine.runner.fast_path
     assert path.kernels.startswith("off") and path.attention is None
     assert path.parts["rms_norm"] == "torch" and path.parts["argmax"] == "torch"

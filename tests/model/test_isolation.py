@@ -77,3 +77,15 @@ def test_a_seed_torch_refuses_fails_at_admission_alone(loaded_rounded):
     finals = _run(engine, [*requests, bad])
     assert finals["bad"].finish_reason == "error" and finals["bad"].num_output_tokens == 0
     assert all(finals[r.request_id].finish_reason == "length" for r in requests)
+
+
+def test_a_request_with_no_room_in_the_context_fails_at_admission_alone(loaded_rounded):
+    """Below the API (which answers 400), a prompt filling the whole context would wait for blocks forever."""
+    engine = make_engine(loaded_rounded, max_model_len=64)
+    requests = _requests(loaded_rounded, bad=False)
+    full = Request("full", list(range(100, 164)), SamplingParams(max_tokens=4), frozenset())
+    engine.add_requests([*requests, full])
+    finals = {out.request_id: out for _ in range(50) if engine.has_unfinished_requests() for out in engine.step() if out.finished}
+    assert not engine.has_unfinished_requests()
+    assert finals["full"].finish_reason == "error" and "max_model_len=64" in finals["full"].error
+    assert all(finals[r.request_id].finish_reason == "length" for r in requests)

@@ -59,7 +59,7 @@ def test_chunks_and_batch_mates_leave_logprobs_unchanged(loaded_rounded):
     eos = loaded_rounded.eos_token_ids
     alone = _logprobs(make_engine(loaded_rounded, enable_prefix_caching=False), {"q": system + question}, eos)["q"]
     # chunks of 48 tokens a step shared with five prompts of 5-97 words, and no prefix cache
-    chunked = make_engine(loaded_rounded, enable_prefix_caching=False, max_num_batched_tokens=48)
+    chunked = make_engine(loaded_rounded, enable_prefix_caching=False, max_num_batched_tokens=48, max_num_seqs=16)
     assert _logprobs(chunked, {**_words(loaded_rounded, 5, 23), "q": system + question}, eos)["q"] == alone
 
 

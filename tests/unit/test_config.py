@@ -27,6 +27,7 @@ def test_dtype_aliases_are_normalised():
         ({"models": [{"model": "a"}, {"model": "a"}]}, "unique"),
         ({"models": [{"default_sampling": {"temprature": 0.1}}]}, "default_sampling"),
         ({"models": [{"engine": {"max_num_batched_tokens": 0}}]}, "engine.max_num_batched_tokens"),
+        ({"models": [{"engine": {"max_num_batched_tokens": 32}}]}, r"engine.max_num_batched_tokens \(32\) must be at least engine.max_num_seqs \(64\)"),
         ({"models": [{"engine": {"block_size": "16"}}]}, "engine.block_size"),
         ({"models": [{"engine": {"batch_wait_timeout_s": -1}}]}, "engine.batch_wait_timeout_s"),
         ({"models": [{"engine": {"kv_cache_memory_mb": -5}}]}, "engine.kv_cache_memory_mb"),

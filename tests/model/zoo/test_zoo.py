@@ -61,7 +61,7 @@ def one_tokenizer_load(tokenizer, zoo_dir, monkeypatch):
 
 def _engine(path, **engine_fields):
     loaded = load_model(ModelConfig(source=str(path), dtype="float32", max_model_len=256))
-    fields = {"num_kv_blocks": 64, "max_num_batched_tokens": 32, **engine_fields}
+    fields = {"num_kv_blocks": 64, "max_num_batched_tokens": 32, "max_num_seqs": 16, **engine_fields}
     return loaded, LLMEngine(loaded, EngineConfig(**fields))
 
 
@@ -207,7 +207,7 @@ def test_longrope_is_served_to_its_original_context_and_no_further(zoo_dir, toke
     assert loaded.max_model_len == CAPPED["phi3-longrope"]  # of its 512 positions
     with pytest.raises(ModelLoadError, match="max_model_len 64 is past the 32 tokens this model is served exactly to: longrope"):
         load_model(ModelConfig(source=str(path), dtype="float32", max_model_len=64))
-    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32))
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32, max_num_seqs=16))
     check_parity(engine, loaded)
     prompts = [prompt[:24] for prompt in _prompts(tokenizer, loaded.model.config.vocab_size)]  # room for 6 new tokens
     _assert_matches_transformers(_reference_model(path), _run(engine, prompts, "batch"))
