@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+# A request's wait for its first step and its prefill: milliseconds when idle, minutes behind a long queue.
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -49,12 +51,18 @@ class RequestMetrics:
     inter_token: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     # the engine's phases of a request: waiting for its first step, prefill until its first token, decode after
-    queue: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
-    prefill: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    queue: Histogram = field(default_factory=lambda: Histogram(PHASE_BUCKETS))
+    prefill: Histogram = field(default_factory=lambda: Histogram(PHASE_BUCKETS))
     decode: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason: stop, length, abort, error
+    # requests turned away before the engine took them (overloaded, draining, stopped): never served, so in no
+    # latency or token figure above
+    rejected: dict[str, int] = field(default_factory=dict)
+
+    def record_rejection(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
     def record(self, timing: "RequestTiming") -> None:
         """A request that ended (normally, aborted or failed)."""
@@ -82,6 +90,7 @@ class RequestMetrics:
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
             "request_success": dict(self.finished),
+            "request_rejected": dict(self.rejected),
         }
 
 
@@ -105,9 +114,7 @@ class RequestTiming:
             return
         self.output_tokens += count
         if self.first_token_s is None:
-            self.first_token_s = now  # the first token is TTFT's; a chunk's other tokens came with it
-            if count > 1:
-                self.gaps.append((0.0, count - 1))
+            self.first_token_s = now  # TTFT's; other tokens of its chunk have no gap of their own to show
         else:
             self.gaps.append((now - self.last_token_s, count))
         self.last_token_s = now
@@ -167,6 +174,9 @@ def render(models: dict[str, dict]) -> str:
         for reason, count in (requests.get("request_success") or {}).items():
             name = PREFIX + "request_success_total"
             add(name, "counter", [f'{name}{{{label},finished_reason="{_escape(reason)}"}} {float(count)}'])
+        for reason, count in (requests.get("request_rejected") or {}).items():
+            name = PREFIX + "request_rejected_total"
+            add(name, "counter", [f'{name}{{{label},reason="{_escape(reason)}"}} {float(count)}'])
     for name, (kind, samples) in families.items():
         lines += [f"# TYPE {name} {kind}", *samples]
     return "\n".join(lines) + "\n"

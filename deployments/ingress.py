@@ -316,9 +316,16 @@ class OpenAIIngress:
         return {"model": result["model"], "text": choice["text"], "finish_reason": choice["finish_reason"], "usage": result["usage"]}
 
     async def _metrics(self) -> PlainTextResponse:
-        routes = list({id(route): route for route in self._routes.values()}.values())  # a twin shares its model's
-        gathered = await asyncio.gather(*(route.metrics() for route in routes))
-        by_model = {name: data for per_route in gathered for name, data in per_route.items()}
+        names = {id(route): name for name, route in reversed(list(self._routes.items()))}  # a twin shares its model's
+        routes = list({id(route): route for route in self._routes.values()}.values())
+        gathered = await asyncio.gather(*(asyncio.wait_for(route.metrics(), timeout=_PROBE_TIMEOUT_S) for route in routes),
+                                        return_exceptions=True)
+        by_model = {}
+        for route, result in zip(routes, gathered):
+            if isinstance(result, BaseException):  # the others' figures still go out; its series go stale
+                logger.warning("metrics of %s unavailable: %s: %s", names[id(route)], type(result).__name__, result)
+                continue
+            by_model.update(result)
         return PlainTextResponse(render(by_model), media_type="text/plain; version=0.0.4")
 
     async def _models(self) -> dict:

@@ -23,7 +23,7 @@ from app.api.logprobs import LogprobFormatter, next_text_offset
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
 from app.engine.request import TokenLogprob
-from app.engine.async_engine import Admit
+from app.engine.async_engine import Admit, EngineDeadError, ReplicaDrainingError
 from app.metrics import RequestMetrics, RequestTiming
 
 
@@ -259,6 +259,12 @@ class OpenAIServing:
     async def _generate(self, prepared: _Prepared) -> AsyncIterator[RequestOutput]:
         request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling, self.eos_token_ids,
                           drafter=prepared.drafter)
+        metrics = self.metrics.setdefault(self._metrics_name(prepared.model), RequestMetrics())
+        try:
+            self.engine.check_accepting()
+        except Exception as exc:  # turned away before the engine took it: counted apart, in no latency figure
+            metrics.record_rejection(_rejection_reason(exc))
+            raise
         timing = RequestTiming(time.monotonic(), len(prepared.prompt_token_ids))  # ends as "abort" unless told
         try:
             async for output in self.engine.generate(request, self.admit):
@@ -269,12 +275,18 @@ class OpenAIServing:
                     timing.finish_reason = output.finish_reason or "stop"
                     timing.phase_times = output.phase_times or {}
                 yield output
-        except Exception:
+        except Exception as exc:
             timing.finish_reason = "error"
+            timing.phase_times = getattr(exc, "phase_times", None) or {}  # a failure in the engine carries them
             raise
         finally:
             timing.finish(time.monotonic(), timing.finish_reason)
-            self.metrics.setdefault(prepared.model, RequestMetrics()).record(timing)
+            metrics.record(timing)
+
+    def _metrics_name(self, model: str) -> str:
+        """The served name a request's figures go under: the name it was sent to where this model serves it, else
+        the model's own (a handle call naming something else is answered; its name must not grow the metrics)."""
+        return model if model in self.speculative_names else self.model_name
 
     async def _collect(self, prepared: _Prepared) -> tuple[str, RequestOutput, list[TokenLogprob] | None]:
         parts, last, logprobs = [], None, None
@@ -393,3 +405,10 @@ def _best(plans: list[_Prepared], results: list, n: int) -> list:
 
 def _num_prompts(plans: list[_Prepared]) -> int:
     return len({p.prompt_index for p in plans})
+
+
+def _rejection_reason(error: Exception) -> str:
+    """The ``reason`` label of a request refused at the engine's door."""
+    if isinstance(error, ReplicaDrainingError):
+        return "draining"
+    return "stopped" if isinstance(error, EngineDeadError) else "overloaded"

@@ -57,10 +57,13 @@ class GrammarFailedError(RequestFailedError):
         return text.split(": ", 1)[1] if text.startswith("request ") and ": " in text else text
 
 
-def _failure(error: str | None) -> RequestFailedError:
-    """The engine's text for a failed request, as the exception its caller maps to a status."""
+def _failure(error: str | None, phase_times: dict[str, float] | None = None) -> RequestFailedError:
+    """The engine's text for a failed request, as the exception its caller maps to a status; it carries the
+    request's queue/prefill/decode times for the metrics."""
     text = error or "request failed in the engine"
-    return (GrammarFailedError if text.startswith("GrammarError: ") else RequestFailedError)(text)
+    failure = (GrammarFailedError if text.startswith("GrammarError: ") else RequestFailedError)(text)
+    failure.phase_times = phase_times or {}
+    return failure
 
 
 class EngineShutdownError(RuntimeError):
@@ -136,7 +139,7 @@ class AsyncEngine:
         leaves the engine); a request that has had its first token is never timed out.
         """
         arrived = time.monotonic()
-        self._check_accepting()
+        self.check_accepting()
         self._attach()
         if request.request_id in self._streams:
             raise ValueError(f"request id {request.request_id!r} is already running")
@@ -157,7 +160,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 if item.finish_reason == "error":
-                    raise _failure(item.error)
+                    raise _failure(item.error, item.phase_times)
                 finished = item.finished
                 yield item
                 pause = self._chunk_pause_s()
@@ -305,6 +308,8 @@ class AsyncEngine:
         logger.error("engine declared dead: %s", reason)
         self._dead_reason = reason
         self._end_all(EngineDeadError(f"engine stopped: {reason}"))
+        # its last report no longer describes anything: a dead replica shows no load (autoscaling reads it)
+        self._core_stats = {**self._core_stats, "num_running": 0, "num_waiting": 0, "kv_usage": 0.0}
 
     # ---- drain and shutdown ------------------------------------------------------------------
     @property
@@ -365,7 +370,9 @@ class AsyncEngine:
         """The most requests this replica holds at once, running and queued (one more is refused: overloaded)."""
         return self._max_queued
 
-    def _check_accepting(self) -> None:
+    def check_accepting(self) -> None:
+        """Raise what a request arriving now would be refused with (EngineDeadError, ReplicaDrainingError,
+        EngineOverloadedError), before it reaches the engine."""
         if self._dead_reason is not None:
             raise EngineDeadError(f"engine stopped: {self._dead_reason}")
         if self._draining or self._stopping:

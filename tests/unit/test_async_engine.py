@@ -6,7 +6,8 @@ import asyncio
 import pytest
 
 from app.engine import AsyncEngine, EngineOverloadedError, Request, RequestFailedError, SamplingParams
-from app.engine.core_process import EngineStartupError
+from app.engine.async_engine import EngineDeadError
+from app.engine.core_process import EngineStartupError, ThreadCore
 from tests.unit.fakes import CountingCore, SlowCountingCore, in_thread, until
 
 
@@ -98,3 +99,27 @@ async def test_paced_streams_merge_tokens_into_fewer_chunks_and_drop_none():
         assert sum(o.finished for o in chunks) == 1 and chunks[-1].finished
     # 40 tokens of 5 ms steps take 0.2 s; paced at 0.1 s a chunk, a stream cannot have sent one chunk per token
     assert min(len(chunks) for chunks in outputs) < 40
+
+
+async def test_a_dead_engine_reports_no_load():
+    """Its last report would keep the replica's running/waiting figures (and the autoscaler's queue depth) up
+    until Serve replaces it."""
+    class DiesOnThirdStep(CountingCore):
+        steps = 0
+
+        def step(self):
+            self.steps += 1
+            if self.steps == 3:
+                raise ValueError("step broke")
+            return super().step()
+
+    engine = AsyncEngine(ThreadCore(lambda: (DiesOnThirdStep(), None)))
+
+    async def run(i):
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate(Request(f"r{i}", [1, 2], SamplingParams(max_tokens=50))):
+                pass
+
+    await asyncio.gather(*(run(i) for i in range(3)))
+    stats = engine.stats()
+    assert not engine.is_healthy() and (stats["num_running"], stats["num_waiting"], stats["num_requests"]) == (0, 0, 0)

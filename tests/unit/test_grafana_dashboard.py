@@ -26,6 +26,7 @@ def populated_models() -> dict[str, dict]:
         timing.finish(0.5, reason)
         timing.phase_times = {"queue_s": 0.01, "prefill_s": 0.09, "decode_s": 0.4}
         requests.record(timing)
+    requests.record_rejection("overloaded")
     speculation = SpecDecodingStats.new(3)
     speculation.observe_batch([3, 3, 2], [3, 1, 0])
     step_tokens = Histogram(STEP_TOKEN_BUCKETS)

@@ -52,3 +52,78 @@ def test_render_writes_valid_prometheus_text_with_cumulative_buckets_per_model()
     counts = [float(line.rsplit(" ", 1)[1]) for line in ttft]
     assert counts == sorted(counts) and counts[-1] == 1.0 and ttft[-1].endswith('le="+Inf"} 1.0')
     assert sum(line.startswith("# TYPE llm_serve:num_requests_running ") for line in lines) == 1  # one family header
+
+
+def test_a_first_chunk_of_several_tokens_adds_no_zero_gaps():
+    """A consumer that fell behind gets its first tokens merged into one chunk: they came with TTFT, so they have no
+    gap of their own to show (counted as 0 s, they would pull the inter-token percentiles to nothing)."""
+    timing = RequestTiming(arrival_s=0.0, prompt_tokens=3)
+    timing.tokens(0.5, 3)
+    timing.tokens(0.55, 1)
+    timing.tokens(0.6, 1)
+    timing.finish(0.6, "length")
+    metrics = RequestMetrics()
+    metrics.record(timing)
+    itl = metrics.to_dict()["inter_token_latency_seconds"]
+    assert itl["count"] == 2 and abs(itl["sum"] - 0.1) < 1e-9
+    assert metrics.generation_tokens == 5
+
+
+def test_queue_and_prefill_times_of_milliseconds_land_in_their_own_buckets():
+    metrics = RequestMetrics()
+    timing = RequestTiming(0.0, 3)
+    timing.tokens(0.04, 1)
+    timing.finish(0.1, "stop")
+    timing.phase_times = {"queue_s": 0.002, "prefill_s": 0.035, "decode_s": 0.06}
+    metrics.record(timing)
+    for key, bound in (("request_queue_time_seconds", 0.0025), ("request_prefill_time_seconds", 0.05)):
+        histogram = metrics.to_dict()[key]
+        assert histogram["counts"][histogram["buckets"].index(bound)] == 1  # not all in a first bucket of 0.3 s
+
+
+def test_rejected_requests_are_their_own_counter():
+    metrics = RequestMetrics()
+    for reason in ("overloaded", "overloaded", "draining"):
+        metrics.record_rejection(reason)
+    data = metrics.to_dict()
+    assert data["request_rejected"] == {"overloaded": 2, "draining": 1} and data["e2e_request_latency_seconds"]["count"] == 0
+    lines = render({"m": {"requests": data}}).splitlines()
+    assert 'llm_serve:request_rejected_total{model_name="m",reason="overloaded"} 2.0' in lines
+    assert all(SAMPLE.match(line) for line in lines)
+
+
+async def test_served_figures_leave_out_refusals_and_names_this_model_does_not_serve():
+    """Through the real serving layer on the fake model: a request refused at the door (overloaded) is in no
+    latency or token figure (a failure in the engine is: it was served); a name this model does not serve
+    (a handle call) is counted under the model's own."""
+    import asyncio
+
+    from app.api.protocol import CompletionRequest
+    from app.config import AppConfig
+    from app.engine import EngineOverloadedError
+    from tests.serve.fake_model import fake_model_server
+
+    engine = {"separate_process": False, "max_num_seqs": 1, "max_queued_requests": 1, "max_batch_size": 1}
+    server = fake_model_server(AppConfig.from_args({"models": [{"model": {"source": "fake-a"}, "engine": engine}]}).models[0])
+
+    async def one(prompt: str, model: str = "fake-a"):
+        try:
+            await server.serving.completion(CompletionRequest(model=model, prompt=prompt, max_tokens=4))
+        except Exception as exc:  # noqa: BLE001 - what each ended with
+            return type(exc)
+        return None
+
+    try:
+        outcomes = await asyncio.gather(*(one("hello") for _ in range(5)))
+        failed = await one("fail-after-2")
+        await one("hello", model="a-typo")
+    finally:
+        server.shutdown(1)
+    refused = outcomes.count(EngineOverloadedError)
+    assert refused >= 1 and failed is not None
+    data = server.metrics()["fake-a"]["requests"]
+    served = len(outcomes) - refused + 2
+    assert data["request_rejected"] == {"overloaded": refused}
+    assert data["e2e_request_latency_seconds"]["count"] == served and sum(data["request_success"].values()) == served
+    assert data["request_success"]["error"] == 1
+    assert set(server.serving.metrics) == {"fake-a"}
