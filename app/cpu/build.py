@@ -18,6 +18,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
+from app.engine import host_cpus
 from app.models.registry import cache_dir
 
 CPU_DIR = Path(__file__).parent
@@ -57,10 +59,15 @@ def sources() -> list[Path]:
 
 def build_library() -> Path:
     """The ops library, compiled into the cache unless an identical build is there (builders race harmlessly)."""
-    directory = _kernel_dir()
-    library = directory / f"llm_serve_ops-{_build_key()}.so"
-    if library.exists():
-        return library
+    name = f"llm_serve_ops-{_build_key()}.so"
+    directories = _kernel_dirs()
+    for directory in directories:  # a read-only cache may still hold this build
+        if (directory / name).exists():
+            return directory / name
+    directory = next((d for d in directories if os.access(d, os.W_OK | os.X_OK)), None)
+    if directory is None:
+        raise OSError(f"no writable directory for the compiled kernels (tried {', '.join(map(str, directories)) or 'none'})")
+    library = directory / name
     with tempfile.TemporaryDirectory(dir=directory) as scratch, ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         # the C++ file (torch's headers) takes most of the time: the C files compile beside it
         ops = pool.submit(_compile_ops, Path(scratch))
@@ -112,6 +119,11 @@ def _build_key() -> str:
     c, cxx = c_compiler(), cxx_compiler()
     for part in (C_FLAGS, _cxx_flags(), c, cxx, [torch.__version__, _version(c), _version(cxx)]):
         digest.update(" ".join(part).encode())
+    # ... and where those name machine options (-march=native, -mavx512f), the CPU: the same command on a CPU with
+    # fewer extensions, sharing the cache (a shared volume, a baked image), would load a library that dies on an
+    # illegal instruction
+    if any(arg.startswith("-m") for arg in (*c, *cxx)):
+        digest.update(" ".join(sorted(host_cpus.cpu_flags() or ())).encode() + str(host_cpus.cpuinfo_fields()).encode())
     return digest.hexdigest()[:16]
 
 
@@ -140,11 +152,22 @@ def _compiler(variable: str, names: tuple[str, ...]) -> list[str] | None:
     return None
 
 
-def _kernel_dir() -> Path:
-    for directory in (cache_dir() / "kernels", Path(tempfile.gettempdir()) / "llm-serve-kernels"):
+def _kernel_dirs() -> list[Path]:
+    """Where the compiled kernels may be: the cache, then a folder of this user's own in the temp directory (a read-only
+    home). Never a folder other users can write: a library planted there would be loaded and run."""
+    found = []
+    cache = cache_dir() / "kernels"
+    private = Path(tempfile.gettempdir()) / f"llm-serve-kernels-{os.getuid()}"
+    for directory in (cache, private):
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            return directory
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError:
             continue
-    raise OSError("no writable directory for the compiled kernels")
+        if directory == cache or _own_and_private(directory):
+            found.append(directory)
+    return found
+
+
+def _own_and_private(directory: Path) -> bool:
+    info = directory.stat()
+    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)

@@ -133,6 +133,7 @@ def time_candidates(shape: LinearShape, kernels: dict[str, object], buckets=BUCK
                for _ in range(copies)]
     if shape.bf16_exact:
         weights = [w.to(torch.bfloat16).float() for w in weights]
+    kernels = _working(kernels, weights[0], columns)
     packed = {name: [kernel.pack(w) for w in weights] for name, kernel in kernels.items()}
     times: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
@@ -149,6 +150,21 @@ def time_candidates(shape: LinearShape, kernels: dict[str, object], buckets=BUCK
                         best[name] = min(best[name], (clock() - start) / used)
             times[bucket.name] = best
     return times
+
+
+def _working(kernels: dict[str, object], weight: torch.Tensor, columns: int) -> dict[str, object]:
+    """The candidates that pack and run here: one that raises (an op this torch build lacks on this CPU) is left
+    out of the bake-off, not fatal to the start."""
+    working = {}
+    with torch.inference_mode():
+        for name, kernel in kernels.items():
+            try:
+                kernel.apply(torch.zeros(1, weight.shape[1]), kernel.pack(weight), None, columns)
+            except Exception as exc:  # noqa: BLE001 - any failure rules the candidate out
+                logger.warning("Linear kernel %s fails on this machine (%s: %s): left out of the timing", name, type(exc).__name__, exc)
+                continue
+            working[name] = kernel
+    return working
 
 
 def choose(shapes: list[LinearShape], kernels: dict[str, object], incumbent: str, family: str,
@@ -175,9 +191,7 @@ def choose_timed(keys: list[str], timer: Callable[[str], dict[str, dict[str, flo
     decisions, measured = {}, {}
     started, cpu_started = time.perf_counter(), time.process_time()
     for key in keys:
-        entry = cache.get(machine, family, key)
-        if entry is not None and "us" in entry:  # today's rule on the times as measured: a rule change needs no timing
-            entry = {**entry, "choice": decider(_seconds(entry["us"]))}
+        entry = _decided_again(cache.get(machine, family, key), decider)
         if not usable(entry):
             # decided on the times as cached (0.1 us), so a replica reading the cache decides as this one did
             us = {bucket: {name: round(s * 1e6, 1) for name, s in by_kernel.items()} for bucket, by_kernel in timer(key).items()}
@@ -187,7 +201,7 @@ def choose_timed(keys: list[str], timer: Callable[[str], dict[str, dict[str, flo
     if not measured:
         return decisions
     wall = time.perf_counter() - started
-    share = (time.process_time() - cpu_started) / (wall * torch.get_num_threads())
+    share = (time.process_time() - cpu_started) / (wall * _cpus_for_threads())
     if share < MIN_CPU_SHARE:
         logger.warning("%s timing disturbed by other work on this machine (it had %.0f%% of its %d threads' time): "
                        "our kernels kept everywhere; timed again at the next start", what, 100 * share, torch.get_num_threads())
@@ -196,6 +210,24 @@ def choose_timed(keys: list[str], timer: Callable[[str], dict[str, dict[str, flo
     logger.info("%s timed on this CPU in %.1f s (%s, %.0f%% of its threads' time, cached in %s):\n%s", what, wall,
                 family, 100 * share, cache.path, describe_table(measured))
     return decisions
+
+
+def _cpus_for_threads() -> float:
+    """The CPU time per second the timing's threads can get: their number, at most the container's CPU quota (a
+    500m pod's one thread gets half a CPU, which is not other work disturbing it)."""
+    quota = host_cpus.cgroup_cpu_quota()
+    return min(torch.get_num_threads(), quota) if quota is not None else torch.get_num_threads()
+
+
+def _decided_again(entry: dict | None, decider: Callable[[dict[str, dict[str, float]]], dict[str, str]]) -> dict | None:
+    """A cached entry with today's rule applied to its times as measured (a rule change needs no timing); None for
+    an entry this code did not write (a hand edit, another tool): timed again."""
+    if entry is None or "us" not in entry:
+        return entry
+    try:
+        return {**entry, "choice": decider(_seconds(entry["us"]))}
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
 
 
 def _seconds(us: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -215,8 +247,9 @@ def describe_table(entries: dict[str, dict]) -> str:
 
 def _usable(entry: dict | None, kernels: dict[str, object]) -> bool:
     """A cached entry decides every bucket, each with a kernel still among the candidates."""
-    return (entry is not None and set(entry.get("choice", {})) == {bucket.name for bucket in BUCKETS}
-            and all(name in kernels for name in entry["choice"].values()))
+    choice = entry.get("choice") if isinstance(entry, dict) else None
+    return (isinstance(choice, dict) and set(choice) == {bucket.name for bucket in BUCKETS}
+            and all(isinstance(name, str) and name in kernels for name in choice.values()))
 
 
 def machine_key(kernel_build: str | None) -> str:
@@ -240,7 +273,10 @@ class ChoiceCache:
         self.path = path or cache_path()
 
     def get(self, machine: str, family: str, shape: str) -> dict | None:
-        return self._read().get(machine, {}).get(family, {}).get(shape)
+        node = self._read()
+        for part in (machine, family, shape):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node if isinstance(node, dict) else None
 
     def put(self, machine: str, family: str, entries: dict[str, dict]) -> None:
         """Add ``entries`` (shape key -> entry) under a lock: replicas starting together merge, never clobber."""
@@ -248,7 +284,11 @@ class ChoiceCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._locked():
                 data = self._read()
-                data.setdefault(machine, {}).setdefault(family, {}).update(entries)
+                if not isinstance(data.get(machine), dict):  # what this code did not write is replaced
+                    data[machine] = {}
+                if not isinstance(data[machine].get(family), dict):
+                    data[machine][family] = {}
+                data[machine][family].update(entries)
                 partial = self.path.with_suffix(f".{os.getpid()}.tmp")
                 partial.write_text(json.dumps(data, indent=1, sort_keys=True))
                 os.replace(partial, self.path)
@@ -257,9 +297,10 @@ class ChoiceCache:
 
     def _read(self) -> dict:
         try:
-            return json.loads(self.path.read_text())
+            data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return {}
+        return data if isinstance(data, dict) else {}
 
     @contextlib.contextmanager
     def _locked(self):

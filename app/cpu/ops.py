@@ -27,7 +27,9 @@ def load_ops() -> str | None:
     try:
         torch.ops.load_library(str(build.build_library()))
     except subprocess.CalledProcessError as exc:
-        return f"compiling the CPU kernels failed: {(exc.stderr or '').strip()[-500:]}"
+        command = " ".join(map(str, exc.cmd))
+        return (f"compiling the CPU kernels failed: `{command[:200]}` exited with {exc.returncode}"
+                + (f": {exc.stderr.strip()[-500:]}" if (exc.stderr or "").strip() else ""))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return f"building or loading the CPU kernels failed: {exc}"
     _register_fakes()

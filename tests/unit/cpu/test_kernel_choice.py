@@ -296,3 +296,86 @@ def test_the_kernels_build_key_covers_flags_given_in_cc(monkeypatch):
     plain = build._build_key()
     monkeypatch.setenv("CC", " ".join(build.c_compiler() + ["-march=x86-64-v3"]))
     assert build._build_key() != plain  # a library built with CC="cc -march=native" elsewhere is not loaded here
+
+
+def test_machine_options_in_cc_key_the_build_to_this_cpu(monkeypatch):
+    """The same CC="cc -march=native" on a CPU with fewer extensions, sharing the cache, must not load the library
+    built on the stronger one (it would die on an illegal instruction); without such options the build is portable."""
+    from app.cpu import build
+    from app.engine import host_cpus
+
+    if build.c_compiler() is None or build.cxx_compiler() is None:
+        pytest.skip("no C/C++ compiler on this machine: nothing is built, so nothing is keyed")
+    strong = {"model name": "Xeon", "flags": "avx2 fma avx512f avx512_bf16 amx_tile"}
+    weak = {"model name": "EPYC", "flags": "avx2 fma"}
+    keys = {}
+    for cc in ([], ["-march=native"]):
+        monkeypatch.setenv("CC", " ".join(build.c_compiler() + cc) if cc else build.c_compiler()[0])
+        for name, fields in (("strong", strong), ("weak", weak)):
+            monkeypatch.setattr(host_cpus, "cpuinfo_fields", lambda fields=fields: fields)
+            monkeypatch.setattr(host_cpus, "cpu_flags", lambda fields=fields: frozenset(fields["flags"].split()))
+            keys[bool(cc), name] = build._build_key()
+    assert keys[False, "strong"] == keys[False, "weak"]
+    assert keys[True, "strong"] != keys[True, "weak"]
+
+
+@pytest.mark.parametrize("content", ["[]", "null", '{"m": []}', '{"m": {"f": {"s": "x"}}}', '{"m": {"f": {"s": {"us": []}}}}',
+                                     '{"m": {"f": {"s": {"us": {"1": {}}}}}}', '{"m": {"f": {"s": {"choice": "torch"}}}}'])
+def test_a_cache_file_this_code_did_not_write_is_timed_again_not_fatal(tmp_path, monkeypatch, content):
+    from app.cpu.kernel_choice import choose_timed
+
+    monkeypatch.setattr(kernel_choice, "MIN_CPU_SHARE", 0.0)
+    monkeypatch.setattr(kernel_choice, "machine_key", lambda build: "m")
+    cache = ChoiceCache(tmp_path / "choices.json")
+    cache.path.write_text(content)
+    times = {bucket.name: {"ours": 2.0, "theirs": 1.0} for bucket in BUCKETS}
+    usable = lambda entry: kernel_choice._usable(entry, {"ours": None, "theirs": None})  # noqa: E731
+    decided = choose_timed(["s"], lambda key: times, "ours", "f", None, usable, cache)
+    assert decided == {"s": {bucket.name: "theirs" for bucket in BUCKETS}}
+    assert cache.get("m", "f", "s")["choice"] == decided["s"]  # and written over
+
+
+def test_a_candidate_that_fails_here_is_left_out_of_the_timing():
+    class Broken(TorchKernel):
+        def apply(self, *args, **kwargs):
+            raise RuntimeError("this op is not built for this CPU")
+
+    times = kernel_choice.time_candidates(LinearShape(32, 16), {"torch": TorchKernel(), "broken": Broken()},
+                                          buckets=BUCKETS[:1])
+    assert set(times[BUCKETS[0].name]) == {"torch"}
+
+
+def test_a_cpu_quota_below_one_cpu_is_not_taken_for_a_disturbed_timing(tmp_path, monkeypatch):
+    from app.cpu.kernel_choice import choose_timed
+    from app.engine import host_cpus
+
+    clock = iter([0.0, 1.0])
+    monkeypatch.setattr(kernel_choice.time, "perf_counter", lambda: next(clock))  # one second of timing ...
+    cpu = iter([0.0, 0.5])
+    monkeypatch.setattr(kernel_choice.time, "process_time", lambda: next(cpu))  # ... with half a CPU's time
+    monkeypatch.setattr(kernel_choice.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(host_cpus, "cgroup_cpu_quota", lambda: 0.5)  # all a 500m pod gets
+    times = {bucket.name: {"ours": 2.0, "theirs": 1.0} for bucket in BUCKETS}
+    cache = ChoiceCache(tmp_path / "choices.json")
+    decided = choose_timed(["s"], lambda key: times, "ours", "f", None, lambda entry: entry is not None, cache)
+    assert set(decided["s"].values()) == {"theirs"} and cache.path.exists()
+
+
+def test_the_kernels_temp_folder_is_this_users_own(tmp_path, monkeypatch):
+    """With the cache unwritable, the kernels go to a temp folder of this user's own: a shared one another user can
+    write could hold a planted library under the expected name."""
+    import os
+
+    from app.cpu import build
+
+    monkeypatch.setattr(build, "cache_dir", lambda: tmp_path / "no" / "cache")
+    (tmp_path / "no").mkdir(mode=0o500)
+    monkeypatch.setattr(build.tempfile, "gettempdir", lambda: str(tmp_path))
+    private = tmp_path / f"llm-serve-kernels-{os.getuid()}"
+    if os.access(tmp_path / "no", os.W_OK):  # root: permission bits bind nobody, so the cache itself is taken
+        assert build._kernel_dirs()[0] == tmp_path / "no" / "cache" / "kernels"
+    else:
+        assert build._kernel_dirs() == [private] and (private.stat().st_mode & 0o777) == 0o700
+    private.mkdir(exist_ok=True)
+    private.chmod(0o777)  # another user could write here: never loaded from, never built in
+    assert private not in build._kernel_dirs()
