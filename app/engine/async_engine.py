@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import queue
 import threading
 import time
 from typing import AsyncIterator, Awaitable, Callable
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 CoreHost = ProcessCore | ThreadCore
 _MAX_REPORTS_PER_READ = 16
+_STOP_SENDING = object()  # ends the sender thread
 
 
 class EngineOverloadedError(RuntimeError):
@@ -108,7 +110,13 @@ class AsyncEngine:
         ``is_healthy`` reports it wedged (a step that never returns, an engine process that stopped answering)."""
         self._host = host
         self._conn = host.connection
-        self._send_lock = threading.Lock()  # shutdown may send from another thread than the loop
+        self._fileno = self._conn.fileno()  # still known once the connection is closed (to stop reading it)
+        # Commands go out on a thread of their own: a send waits while the core's end is full (a long prompt while
+        # the core itself waits to hand over a large report, e.g. prompt logprobs); on the serving loop it would stop
+        # the loop reading reports, and the two would wait on each other for good.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_commands, name="engine-commands", daemon=True)
+        self._sender.start()
         self._drafts = DraftCallSender(draft_client, lambda results: self._send(("drafts", results)))
         self._step_timeout_s = step_timeout_s
         self._max_queued = max_queued_requests
@@ -215,11 +223,16 @@ class AsyncEngine:
     def _send(self, command: tuple) -> None:
         if self._dead_reason is not None or self._stopping:
             return  # nobody reads it: every request was already ended with an error
-        try:
-            with self._send_lock:
+        self._outbox.put(command)  # in order, by the sender thread
+
+    def _send_commands(self) -> None:
+        while (command := self._outbox.get()) is not _STOP_SENDING:
+            try:
                 self._conn.send(command)
-        except OSError as exc:
-            self._declare_dead(f"the engine core stopped ({self._host.describe_exit()}): {exc}")
+            except OSError as exc:
+                if not self._stopping:
+                    self._declare_dead(f"the engine core stopped ({self._host.describe_exit()}): {exc}")
+                return
 
     # ---- the core's reports, read on the serving loop ------------------------------------------
     def _attach(self) -> None:
@@ -232,7 +245,7 @@ class AsyncEngine:
         self._loop = loop
         # Registered from whichever request came first, the reader would run (and start tasks) in that request's
         # context for the engine's whole life: it serves every request, so it runs in none.
-        contextvars.Context().run(loop.add_reader, self._conn.fileno(), self._read_reports)
+        contextvars.Context().run(loop.add_reader, self._fileno, self._read_reports)
 
     def _read_reports(self) -> None:
         try:
@@ -263,7 +276,7 @@ class AsyncEngine:
 
     def _detach(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._conn.fileno())
+            self._loop.remove_reader(self._fileno)
 
     # ---- health and counters -----------------------------------------------------------------
     @property
@@ -288,7 +301,8 @@ class AsyncEngine:
         stopped answering) is declared dead here: its requests end with EngineDeadError at once,
         and the replica's health check fails so Serve replaces it.
         """
-        if self._dead_reason is None and not self._host.is_alive() and not self._stopping:
+        alive = self._host.is_alive()  # asked every time: it also reaps an engine process that has exited
+        if self._dead_reason is None and not alive and not self._stopping:
             self._declare_dead(self._host.describe_exit())
         if self._dead_reason is None and self.stalled_s > self._step_timeout_s:
             self._declare_dead(f"no engine step completed in {self.stalled_s:.1f} s (engine.step_timeout_s: "
@@ -331,7 +345,9 @@ class AsyncEngine:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Let the requests in flight finish (up to ``timeout_s``, when the serving loop runs on another thread),
-        end the rest with an error, then stop the core. Callable from any thread."""
+        end the rest with an error, then stop the core. Callable from any thread, more than once."""
+        if self._stopping:
+            return
         self.begin_drain()
         deadline = time.monotonic() + timeout_s
         while self.num_unfinished and time.monotonic() < deadline and self.is_healthy():
@@ -340,6 +356,8 @@ class AsyncEngine:
         healthy = self.is_healthy()
         self._stopping = True
         self._on_loop(self._detach)
+        self._outbox.put(_STOP_SENDING)  # the commands already queued go first (the core reads them before "stop")
+        self._sender.join(timeout=5.0)
         self._host.close(timeout_s=10.0 if healthy else 1.0)  # a wedged engine process is killed
 
     def _end_remaining(self) -> int:

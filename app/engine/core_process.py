@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import socket
 import threading
 from dataclasses import dataclass
@@ -170,7 +171,23 @@ def _widen_buffers(connection: Connection) -> None:
 # ---- the core's side ------------------------------------------------------------------------------
 def _process_main(build: CoreBuild, conn: Connection) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s [engine-core]: %(message)s")
+    _exit_with_parent()
     _host(build, conn)
+
+
+def _exit_with_parent() -> None:
+    """End this process as soon as the serving process is gone (killed, out of memory): it would notice only at its
+    next read of the socket, never while loading the model or inside a step that hangs, and meanwhile hold the
+    model's memory the replica replacing its parent needs."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _host(build: CoreBuild, conn: Connection) -> None:

@@ -103,6 +103,13 @@ def build_broken_core():
     raise RuntimeError("weights missing")
 
 
+def build_forever_loading_core():
+    """A model load that never ends (a stalled download, a device that does not answer)."""
+    import time
+
+    time.sleep(3600)
+
+
 class SlowCountingCore(CountingCore):
     """A CountingCore whose steps take 5 ms, like a (very fast) model."""
 

@@ -2,6 +2,10 @@
 and how streams pace their chunks under load."""
 
 import asyncio
+import os
+import socket
+import threading
+import time
 
 import pytest
 
@@ -123,3 +127,39 @@ async def test_a_dead_engine_reports_no_load():
     await asyncio.gather(*(run(i) for i in range(3)))
     stats = engine.stats()
     assert not engine.is_healthy() and (stats["num_running"], stats["num_waiting"], stats["num_requests"]) == (0, 0, 0)
+
+
+async def test_a_long_prompt_sent_while_the_core_hands_over_a_large_report_does_not_deadlock():
+    """Both ends of the socket full at once: the core waits to hand over a 16 MB report (prompt logprobs of a long
+    prompt can be that large) while a 3M-token prompt goes the other way. Sent from the serving loop, the prompt
+    stopped the loop reading reports, and neither end ever moved again (a watchdog cuts the socket after 30 s)."""
+    front_sends = threading.Event()
+
+    class LargeReportWhileTheFrontSends(CountingCore):
+        def step(self):
+            if not front_sends.is_set():
+                time.sleep(0.01)
+                return super().step()
+            front_sends.clear()
+            time.sleep(0.2)  # inside a step, reading no command, while the front's send fills the socket
+            outputs = super().step()
+            for output in outputs:
+                output.new_text = "y" * 16_000_000
+            return outputs
+
+    engine = AsyncEngine(ThreadCore(lambda: (LargeReportWhileTheFrontSends(), None)))
+    watchdog = threading.Timer(30, lambda: socket.socket(fileno=os.dup(engine._conn.fileno())).shutdown(socket.SHUT_RDWR))
+    watchdog.start()
+
+    async def run(request_id: str, prompt: list[int], max_tokens: int) -> int:
+        return sum([1 async for _ in engine.generate(Request(request_id, prompt, SamplingParams(max_tokens=max_tokens)))])
+
+    try:
+        streaming = asyncio.create_task(run("streaming", [1], 200))
+        await asyncio.sleep(0.1)
+        front_sends.set()
+        assert await run("long", [100_000] * 3_000_000, 2) >= 1  # ~15 MB pickled
+        assert await streaming >= 1
+    finally:
+        watchdog.cancel()
+        engine.shutdown(1)

@@ -43,7 +43,9 @@ async def test_a_core_loop_that_fails_reports_why_and_fails_its_requests():
         async for _ in engine.generate(Request("x", [1], SamplingParams(max_tokens=3))):
             pass
     assert not engine.is_healthy() and "step broke" in engine.dead_reason
+    await fakes.until(lambda: (engine.is_healthy(), engine._host._process.exitcode)[1] is not None)  # reaped: no zombie
     engine.shutdown(1)
+    engine.shutdown(1)  # a second shutdown (another thread's, a finalizer's) is a no-op
 
 
 async def test_an_abort_after_shutdown_sends_nothing():
@@ -54,3 +56,37 @@ async def test_an_abort_after_shutdown_sends_nothing():
     with pytest.raises(Exception, match="shut down"):
         await stream.__anext__()
     assert engine.dead_reason is None  # a stopped engine is not a dead one
+
+
+def test_the_engine_process_ends_with_the_serving_process_even_while_loading():
+    """A serving process killed (out of memory, say) while its engine process loads the model: that process must not
+    live on holding the model's memory (it touches the socket only once loaded)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import threading, time, multiprocessing\n"
+        "from app.engine.core_process import ProcessCore\n"
+        "from tests.unit import fakes\n"
+        "threading.Thread(target=ProcessCore, args=(fakes.build_forever_loading_core,), daemon=True).start()\n"
+        "while not multiprocessing.active_children(): time.sleep(0.05)\n"
+        "print(multiprocessing.active_children()[0].pid, flush=True)\n"
+        "time.sleep(3600)\n")], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{child}/stat") as stat:
+            if stat.read().split(")")[-1].split()[0] == "Z":  # exited; only its reaping is left (to init)
+                return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    raise AssertionError("the engine process outlived the serving process by 20 s")
