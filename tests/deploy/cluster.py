@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import secrets
 import shutil
 import signal
 import socket
@@ -44,22 +45,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def token_available(env: dict[str, str]) -> bool:
-    """Whether Ray finds an auth token (its own lookup: variable, token path, then ~/.ray/auth_token)."""
-    if env.get("RAY_AUTH_TOKEN"):
-        return True
-    if env.get("RAY_AUTH_TOKEN_PATH"):
-        return pathlib.Path(env["RAY_AUTH_TOKEN_PATH"]).is_file()
-    return (pathlib.Path(env.get("HOME", str(pathlib.Path.home()))) / ".ray" / "auth_token").is_file()
-
-
 def cluster_env() -> dict[str, str]:
-    """The environment of `ray start` and the serve CLI: no inherited cluster address, the repository on
-    the workers' path (the fake model lives in tests/), RAY_AUTH_MODE=token exactly when a token exists."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    """The environment of `ray start` and the serve CLI: no inherited cluster address, the repository on the
+    workers' path (the fake model lives in tests/), and token authentication with a token of this cluster's own.
+    Left to Ray, the head turns authentication on if ~/.ray/auth_token exists as it starts, which the serve tier's
+    first ray.init() may be writing at that very moment on a fresh machine, while the joining node and the CLI
+    decide by the environment alone."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    if token_available(env):
-        env["RAY_AUTH_MODE"] = "token"
+    env["RAY_AUTH_MODE"] = "token"
+    env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     return env
 
 
@@ -108,7 +103,7 @@ def serve_cli(address: str, env: dict[str, str], *args: str) -> subprocess.Compl
     )  # fmt: skip
 
 
-def wait_for_dashboard(address: str, log_path: pathlib.Path, timeout_s: float = 60) -> None:
+def wait_for_dashboard(address: str, log_path: pathlib.Path, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
