@@ -7,7 +7,8 @@ run's torch, and every engine it starts, runs on half of the cores (``LLM_SERVE_
 tests/conftest.py): OpenMP pools each as wide as the machine would stall each other at every parallel region.
 
 The first computing run reports as it goes; the others' reports follow when they end. The exit status is the first
-failure of any. Options (``-x``, ``-k EXPR``, ``--durations=N``) go to every run; to run chosen test files,
+failure of any. A run still going after ``RUN_DEADLINE_S`` is killed (its whole process group) and fails, its
+output so far printed: a hang fails the suite with its log, not the CI job's time limit without one. Options (``-x``, ``-k EXPR``, ``--durations=N``) go to every run; to run chosen test files,
 call pytest itself. On a single core, one pytest run of everything.
 """
 
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 RAY_TIER = ("tests/serve",)
 CLUSTER_TESTS = ("tests/deploy",)  # a two-node Ray cluster of their own, started and stopped beside the rest
@@ -40,10 +43,14 @@ NO_TESTS = 5  # pytest's exit status when no test was selected
 # faster, and leaves the computing runs' timed tests (heartbeats, drain windows) ~3% of a core while the Ray tier
 # is busy, against ~25%.
 COMPUTE_NICENESS = 5
+RUN_DEADLINE_S = 30 * 60  # ~6x what the slowest run takes on a 2-core AVX2 EPYC
+KILLED = 124  # a run's status when its deadline killed it (as timeout(1) says it)
 
 
 def main(options: list[str]) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from app.engine.host_cpus import usable_cpus  # the container's CPU quota counts, not only the affinity
+
+    cores = usable_cpus()
     pytest = [sys.executable, "-m", "pytest", "-q", *options]
     if cores < 2:
         return subprocess.call(pytest)
@@ -54,21 +61,48 @@ def main(options: list[str]) -> int:
 
     def run(paths: tuple[str, ...], niceness: int, **output) -> subprocess.Popen:
         cache = f"cache_dir=.pytest_cache/{paths[0].split('/')[-1]}"  # each run's own last-failed record
-        return subprocess.Popen([*pytest, "-o", cache, *paths], env=env, preexec_fn=lambda: os.nice(niceness),
-                                **output)
 
+        def start() -> None:
+            os.setpgid(0, 0)  # a group of its own: a deadline kills the run with everything it started
+            os.nice(niceness)
+
+        return subprocess.Popen([*pytest, "-o", cache, *paths], env=env, preexec_fn=start, **output)
+
+    deadline = time.monotonic() + RUN_DEADLINE_S
+    started: list[subprocess.Popen] = []
     with contextlib.ExitStack() as logs:
-        background = []
-        for paths, niceness in [(p, COMPUTE_NICENESS) for p in computing] + [(RAY_TIER, 0), (CLUSTER_TESTS, 0)]:
-            log = logs.enter_context(tempfile.TemporaryFile(mode="w+"))
-            background.append((run(paths, niceness, stdout=log, stderr=subprocess.STDOUT), log, paths))
-        statuses = [run(reported, COMPUTE_NICENESS).wait()]  # reports as it goes
-        for process, log, paths in background:
-            statuses.append(process.wait())
-            log.seek(0)
-            print(f"\n---- {_name(paths)} ----", flush=True)
-            sys.stdout.write(log.read())
+        try:
+            background = []
+            for paths, niceness in [(p, COMPUTE_NICENESS) for p in computing] + [(RAY_TIER, 0), (CLUSTER_TESTS, 0)]:
+                log = logs.enter_context(tempfile.TemporaryFile(mode="w+"))
+                background.append((run(paths, niceness, stdout=log, stderr=subprocess.STDOUT), log, paths))
+                started.append(background[-1][0])
+            started.append(run(reported, COMPUTE_NICENESS))  # reports as it goes
+            statuses = [_wait(started[-1], deadline, _name(reported))]
+            for process, log, paths in background:
+                statuses.append(_wait(process, deadline, _name(paths)))
+                log.seek(0)
+                print(f"\n---- {_name(paths)} ----", flush=True)
+                sys.stdout.write(log.read())
+        finally:  # interrupted (Ctrl-C reaches only this process: the runs have groups of their own) or done
+            for process in started:
+                _kill_group(process)
     return _combined(*statuses)
+
+
+def _wait(process: subprocess.Popen, deadline: float, name: str) -> int:
+    try:
+        return process.wait(timeout=max(deadline - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+        print(f"\n---- {name}: still running after {RUN_DEADLINE_S // 60} min, killed ----", flush=True)
+        _kill_group(process)
+        process.wait()
+        return KILLED
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
 
 
 def _name(paths: tuple[str, ...]) -> str:
