@@ -1,7 +1,8 @@
 """Command line (also installed as ``llm-serve``).
 
 ``python -m app prepare [name ...]``
-    make built-in models ready (convert the GGUF, GPTQ-quantize derived ones) and print their paths.
+    make built-in models ready (convert the GGUF, GPTQ-quantize derived ones) and print their paths; build the CPU
+    kernels into the cache (once, rather than in every process that first needs them).
 ``python -m app quantize SOURCE OUTPUT [--bits 4 --group-size 64 --asym --desc-act --calibration FILE]``
     write a GPTQ checkpoint of any HF causal LM (hub id, local directory or built-in name) with GPTQModel.
 """
@@ -23,12 +24,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare":
             for name in args.names:
                 print(prepare_builtin(name))
+            _prepare_kernels()
         elif args.command == "quantize":
             _quantize(args)
     except GPTQSettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _prepare_kernels() -> None:
+    from app.cpu.ops import load_ops
+
+    reason = load_ops()
+    logging.getLogger("app.prepare").info("CPU kernels: %s", "built and cached" if reason is None else f"not used here ({reason})")
 
 
 def _quantize(args: argparse.Namespace) -> None:

@@ -191,14 +191,12 @@ async def test_a_delete_while_16_streams_run_finishes_short_ones_and_ends_the_re
     grace_s = 5.0
     await asyncio.to_thread(_deploy, _app(_args(), graceful_shutdown_timeout_s=grace_s))
     short, endless = 75, 100_000  # ~1.5 s of fake steps / ~30 min: cut at the end of the drain window
-    started = time.monotonic()
     # by fours: short on each model, then endless on each model (_model alternates)
     lengths = [short, short, endless, endless] * (NUM_STREAMS // 4)
     outcomes, took = await _run_streams(lengths, lambda: serve.delete(APP))
-    ended_after_s = time.monotonic() - started
     assert [o["outcome"] for o, n in zip(outcomes, lengths) if n == short] == ["complete"] * (NUM_STREAMS // 2), outcomes
     cut = [o for o, n in zip(outcomes, lengths) if n == endless]
     assert [o["outcome"] for o in cut] == ["error"] * (NUM_STREAMS // 2), outcomes
     for o in cut:
         assert o["code"] == "replica_unavailable" and "retry" in o["message"], o
-    assert ended_after_s < 3 * grace_s, ended_after_s  # ended within the grace periods, well before any timeout
+    assert took < 3 * grace_s, took  # the delete (the streams end with it) within the grace periods, well before any timeout

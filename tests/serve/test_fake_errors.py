@@ -111,7 +111,8 @@ def test_a_killed_replica_is_a_503_telling_to_retry(fake_client):
     assert in_stream["code"] == "replica_unavailable"
     _assert_plain_with_request_id(in_stream, streaming.headers["x-request-id"])
     error_after_s = arrivals[-2][0] - killed_at
-    assert error_after_s < 2, f"the error event came {error_after_s:.1f} s after the kill"
+    # seconds, not the reader's 30 s limit (routing the killer and Ray noticing the death, on a loaded CI machine)
+    assert error_after_s < 10, f"the error event came {error_after_s:.1f} s after the kill"
     served_after_s = _wait_until_served_again(fake_client, FRAGILE_MODEL) - killed_at
     assert served_after_s < 60, f"the replacement replica served {served_after_s:.1f} s after the kill"
     print(f"killed replica: error event after {error_after_s:.2f} s, served again after {served_after_s:.1f} s")

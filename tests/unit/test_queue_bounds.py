@@ -1,6 +1,7 @@
 """Backpressure in the engine front: a bounded wait for a place in the batch, a deadline on the first token."""
 
 import asyncio
+import time
 import json
 
 import pytest
@@ -35,8 +36,13 @@ async def test_a_request_without_a_place_in_time_ends_with_a_queue_timeout_and_l
 
 
 async def test_a_request_past_its_first_token_is_never_timed_out():
-    engine = AsyncEngine(in_thread(lambda: QueueingCore(max_running=1)), max_queue_time_s=0.05)
-    assert await _collect(engine, "slow", max_tokens=60) == list(range(60))  # ~0.3 s, six deadlines long
+    class Slower(QueueingCore):
+        def step(self):
+            time.sleep(0.02)
+            return super().step()
+
+    engine = AsyncEngine(in_thread(lambda: Slower(max_running=1)), max_queue_time_s=0.5)  # a loaded machine's first token in time
+    assert await _collect(engine, "slow", max_tokens=80) == list(range(80))  # ~2 s, four deadlines long
     engine.shutdown(1)
 
 

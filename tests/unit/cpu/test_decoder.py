@@ -9,6 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from app.config import EngineConfig
 from app.cpu.decoder import DecoderLayerForward, fuse_decoder_layers, unfuse_decoder_layers
 from app.cpu.linear import pack_cpu_linears
+from app.cpu.ops import unavailable_reason
 from app.engine.paged_attention import register_paged_attention
 
 
@@ -20,11 +21,19 @@ def _tiny_llama(bias: bool = False) -> LlamaForCausalLM:
 
 
 def _prepared(bias: bool = False) -> LlamaForCausalLM:
-    """As the runner leaves a model before fusing: paged attention registered, Linear weights packed."""
+    """As the runner leaves a model before fusing: paged attention registered, Linear weights packed (with our
+    kernels, the fixed-order one for every row count, whatever the bake-off would pick on this CPU)."""
     model = _tiny_llama(bias)
     register_paged_attention(model)
-    assert pack_cpu_linears(model) > 0
+    assert pack_cpu_linears(model, batch_invariant=unavailable_reason() is None) > 0
     return model
+
+
+def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    if unavailable_reason() is None:  # our kernels: a product's bits depend on nothing but its inputs
+        assert torch.equal(actual, expected)
+    else:  # the library's products (oneDNN, MKL) may not give one input the same bits from call to call
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
 
 
 def _fused(model: nn.Module) -> list[nn.Module]:
@@ -38,7 +47,7 @@ def test_fused_layers_give_the_modules_bits(bias):
     with torch.inference_mode():
         expected = model(ids, use_cache=False).logits
         assert fuse_decoder_layers(model) == 3
-        assert torch.equal(model(ids, use_cache=False).logits, expected)
+        _assert_same(model(ids, use_cache=False).logits, expected)
 
 
 def test_generate_with_a_kv_cache_takes_the_modules_own_path():
