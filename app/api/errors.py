@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from app.engine.async_engine import (EngineDeadError, EngineOverloadedError, EngineQueueTimeoutError, EngineShutdownError,
-                                     GrammarFailedError, RequestFailedError)
+                                     GrammarFailedError, ReplicaDrainingError, RequestFailedError)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -102,3 +102,10 @@ def _server_failure(chain: list[BaseException]) -> tuple[int, str, str]:
     if isinstance(innermost, RequestFailedError):  # carries the engine's exception text: not for clients
         return 500, _GENERATION_FAILED, "generation_failed"
     return 500, _INTERNAL, "internal_error"
+
+
+def rejection_reason(error: BaseException) -> str:
+    """The metrics' ``reason`` label of a request refused before the engine took it."""
+    if isinstance(error, ReplicaDrainingError):
+        return "draining"
+    return "stopped" if isinstance(error, EngineDeadError) else "overloaded"

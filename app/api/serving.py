@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from app.api import tools
-from app.api.errors import APIError
+from app.api.errors import APIError, rejection_reason
 from app.api.fim import fim_prompt
 from app.api.fanout import MAX_CHOICES, choice_seed, gather_or_cancel, merged
 from app.api.logprobs import LogprobFormatter, next_text_offset
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
 from app.engine.request import TokenLogprob
-from app.engine.async_engine import Admit, EngineDeadError, ReplicaDrainingError
+from app.engine.async_engine import Admit
 from app.metrics import RequestMetrics, RequestTiming
 
 
@@ -263,7 +263,7 @@ class OpenAIServing:
         try:
             self.engine.check_accepting()
         except Exception as exc:  # turned away before the engine took it: counted apart, in no latency figure
-            metrics.record_rejection(_rejection_reason(exc))
+            metrics.record_rejection(rejection_reason(exc))
             raise
         timing = RequestTiming(time.monotonic(), len(prepared.prompt_token_ids))  # ends as "abort" unless told
         try:
@@ -353,7 +353,7 @@ class OpenAIServing:
         extra = {}
         if tools.template_renders_tools(self.tokenizer):
             extra = {"tools": [t.as_openai() for t in shown]} if shown else {}
-            messages = [_with_loaded_arguments(m) for m in messages]
+            messages = [tools.with_loaded_arguments(m) for m in messages]
         else:  # a template without tools: tools, calls and results as Hermes-style text
             messages = tools.render_for_template(messages, shown)
         try:
@@ -362,15 +362,6 @@ class OpenAIServing:
             raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
         # The template already wrote the special tokens it wants; do not add a second BOS.
         return self.tokenizer.encode(text, add_special_tokens=False)
-
-
-def _with_loaded_arguments(message: dict) -> dict:
-    """Templates that render tool calls (transformers' convention) read arguments as a mapping, not JSON text."""
-    if not message.get("tool_calls"):
-        return message
-    calls = [{**c, "function": {**c["function"], "arguments": tools.loaded_arguments(c["function"].get("arguments"))}}
-             for c in message["tool_calls"]]
-    return {**message, "tool_calls": calls}
 
 
 def _completion_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, index: int = 0) -> dict:
@@ -405,10 +396,3 @@ def _best(plans: list[_Prepared], results: list, n: int) -> list:
 
 def _num_prompts(plans: list[_Prepared]) -> int:
     return len({p.prompt_index for p in plans})
-
-
-def _rejection_reason(error: Exception) -> str:
-    """The ``reason`` label of a request refused at the engine's door."""
-    if isinstance(error, ReplicaDrainingError):
-        return "draining"
-    return "stopped" if isinstance(error, EngineDeadError) else "overloaded"

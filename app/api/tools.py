@@ -196,3 +196,12 @@ def loaded_arguments(arguments: str) -> Any:
         return json.loads(arguments)
     except (json.JSONDecodeError, TypeError):
         return arguments
+
+
+def with_loaded_arguments(message: dict) -> dict:
+    """Templates that render tool calls (transformers' convention) read arguments as a mapping, not JSON text."""
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**c, "function": {**c["function"], "arguments": loaded_arguments(c["function"].get("arguments"))}}
+             for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}

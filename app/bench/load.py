@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from app.bench.percentiles import goodput, percentiles, quantile
 from app.bench.prompts import DAYS, PASSAGES, QUESTIONS, REWRITE_INSTRUCTIONS, SYSTEM_FACTS, SYSTEM_RULES, WORDS
 
 WORKLOADS = ("random", "shared-prefix-chat", "rewrite", "mixed")
@@ -78,7 +79,7 @@ class RequestTiming:
         """What the JSON keeps of one request: enough to recompute goodput under another SLO."""
         gaps_ms = sorted(x * 1000 for x in self.itl_s)
         return {"ttft_s": round(self.ttft_s, 4), "e2e_s": round(self.e2e_s, 4), "output_tokens": self.output_tokens,
-                "itl_p99_ms": round(_at(gaps_ms, 0.99), 2) if gaps_ms else 0.0,
+                "itl_p99_ms": round(quantile(gaps_ms, 0.99), 2) if gaps_ms else 0.0,
                 "itl_max_ms": round(gaps_ms[-1], 2) if gaps_ms else 0.0}
 
 
@@ -309,33 +310,6 @@ def summarize(spec: LoadSpec, timings: list[RequestTiming], wall_s: float) -> di
         "goodput": goodput(records, wall_s, spec.slo_ttft_s, spec.slo_itl_ms),
         "requests": records,
     }
-
-
-def goodput(records: list[dict], wall_s: float, slo_ttft_s: float, slo_itl_ms: float, num_errors: int = 0) -> dict:
-    """Requests that met the SLO (TTFT <= ``slo_ttft_s`` and their p99 inter-token gap <= ``slo_itl_ms``):
-    per second of the run and as a fraction of all requests (failed ones count as missing it)."""
-    good = sum(1 for r in records if r["ttft_s"] <= slo_ttft_s and r["itl_p99_ms"] <= slo_itl_ms)
-    total = len(records) + num_errors
-    return {"slo_ttft_s": slo_ttft_s, "slo_itl_ms": slo_itl_ms, "good_requests": good,
-            "req_per_s": round(good / wall_s, 3) if wall_s > 0 else 0.0,
-            "fraction": round(good / total, 3) if total else 0.0}
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-    return {"p50": round(_at(ordered, 0.5), 4), "p90": round(_at(ordered, 0.9), 4), "p99": round(_at(ordered, 0.99), 4),
-            "mean": round(statistics.mean(ordered), 4)}
-
-
-def _at(ordered: list[float], q: float) -> float:
-    """The ``q`` quantile of sorted values, interpolated linearly between the closest ranks (numpy's default, as
-    vLLM's benchmark computes them): the p50 of an even count is the mean of the two middle values."""
-    position = q * (len(ordered) - 1)
-    below = int(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 # --- standard workloads, sweeps -----------------------------------------------------------------------------

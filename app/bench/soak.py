@@ -34,7 +34,7 @@ import httpx
 import psutil
 import yaml
 
-from app.bench.load import percentiles
+from app.bench.percentiles import percentiles
 from app.bench.prompts import WORDS
 from app.bench.server import ROOT, _stop, _wait_ready
 

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from app.bench import load, plots, report
+from app.bench.percentiles import goodput, percentiles
 from app.bench.__main__ import main as bench_main
 
 
@@ -195,10 +196,10 @@ def test_alternated_runs_are_summarized_by_their_medians(files, tmp_path, monkey
 def test_goodput_counts_requests_meeting_both_objectives():
     records = [{"ttft_s": 1.0, "itl_p99_ms": 150.0}, {"ttft_s": 2.5, "itl_p99_ms": 100.0},
                {"ttft_s": 0.5, "itl_p99_ms": 250.0}, {"ttft_s": 2.0, "itl_p99_ms": 200.0}]
-    good = load.goodput(records, wall_s=4.0, slo_ttft_s=2.0, slo_itl_ms=200.0)
+    good = goodput(records, wall_s=4.0, slo_ttft_s=2.0, slo_itl_ms=200.0)
     assert good == {"slo_ttft_s": 2.0, "slo_itl_ms": 200.0, "good_requests": 2, "req_per_s": 0.5, "fraction": 0.5}
-    assert load.goodput(records, 4.0, 2.0, 200.0, num_errors=4)["fraction"] == 0.25  # failures miss the SLO
-    assert load.goodput([], 0.0, 2.0, 200.0) == {"slo_ttft_s": 2.0, "slo_itl_ms": 200.0, "good_requests": 0, "req_per_s": 0.0, "fraction": 0.0}
+    assert goodput(records, 4.0, 2.0, 200.0, num_errors=4)["fraction"] == 0.25  # failures miss the SLO
+    assert goodput([], 0.0, 2.0, 200.0) == {"slo_ttft_s": 2.0, "slo_itl_ms": 200.0, "good_requests": 0, "req_per_s": 0.0, "fraction": 0.0}
 
 
 def test_summary_records_goodput_per_request():
@@ -315,11 +316,11 @@ def test_a_stream_cut_short_or_malformed_fails_its_request_alone(ending, error, 
 
 
 def test_percentiles_interpolate_between_the_closest_ranks():
-    assert load.percentiles([4.0, 1.0, 3.0, 2.0])["p50"] == 2.5  # an even count: the middle two's mean
-    assert load.percentiles([1.0, 2.0, 3.0])["p50"] == 2.0
-    assert load.percentiles([float(v) for v in range(1, 12)])["p90"] == 10.0
-    assert load.percentiles([0.0, 100.0])["p99"] == 99.0
-    assert load.percentiles([7.0]) == {"p50": 7.0, "p90": 7.0, "p99": 7.0, "mean": 7.0}
+    assert percentiles([4.0, 1.0, 3.0, 2.0])["p50"] == 2.5  # an even count: the middle two's mean
+    assert percentiles([1.0, 2.0, 3.0])["p50"] == 2.0
+    assert percentiles([float(v) for v in range(1, 12)])["p90"] == 10.0
+    assert percentiles([0.0, 100.0])["p99"] == 99.0
+    assert percentiles([7.0]) == {"p50": 7.0, "p90": 7.0, "p99": 7.0, "mean": 7.0}
 
 
 def test_peer_and_sweep_commands_save_what_the_report_reads(mock_server, tmp_path, monkeypatch):
