@@ -29,7 +29,7 @@ from ray.serve.handle import DeploymentHandle
 from app.api.errors import APIError, to_api_error
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse_body
 from app.config import ServedModelConfig
-from app.engine.async_engine import EngineOverloadedError
+from app.engine.errors import EngineOverloadedError
 from app.metrics import render
 from app.server import ModelServer
 from app.spec.remote import DraftCall, DraftResult

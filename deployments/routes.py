@@ -15,7 +15,7 @@ from typing import AsyncIterator
 from ray.serve.handle import DeploymentHandle
 
 from app.api.errors import caused_by
-from app.engine.async_engine import EngineShutdownError, ReplicaDrainingError
+from app.engine.errors import EngineShutdownError, ReplicaDrainingError
 from deployments.admission import HostedModel
 
 # A model replica that Serve is stopping refuses new requests once its drain begins (deployments/lifecycle.py); a

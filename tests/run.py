@@ -7,8 +7,10 @@ run's torch, and every engine it starts, runs on half of the cores (``LLM_SERVE_
 tests/conftest.py): OpenMP pools each as wide as the machine would stall each other at every parallel region.
 
 The first computing run reports as it goes; the others' reports follow when they end. The exit status is the first
-failure of any. A run still going after ``RUN_DEADLINE_S`` is killed (its whole process group) and fails, its
-output so far printed: a hang fails the suite with its log, not the CI job's time limit without one. Options (``-x``, ``-k EXPR``, ``--durations=N``) go to every run; to run chosen test files,
+failure of any. A run still going after ``RUN_DEADLINE_S`` is interrupted (its fixtures stop what they started: Ray
+clusters), then killed with everything it started, and fails, its output so far printed: a hang fails the suite with
+its log, not the CI job's time limit without one. Ctrl-C reaches the first run from the terminal and the others from
+here, the same way. Options (``-x``, ``-k EXPR``, ``--durations=N``) go to every run; to run chosen test files,
 call pytest itself. On a single core, one pytest run of everything.
 """
 
@@ -45,6 +47,7 @@ NO_TESTS = 5  # pytest's exit status when no test was selected
 COMPUTE_NICENESS = 5
 RUN_DEADLINE_S = 30 * 60  # ~6x what the slowest run takes on a 2-core AVX2 EPYC
 KILLED = 124  # a run's status when its deadline killed it (as timeout(1) says it)
+TEARDOWN_S = 20  # an interrupted run's time to stop what it started before it is killed
 
 
 def main(options: list[str]) -> int:
@@ -59,50 +62,57 @@ def main(options: list[str]) -> int:
     print(f"{', '.join(_name(paths) for paths in COMPUTE_TIERS + (RAY_TIER, CLUSTER_TESTS))} side by side, "
           f"{cores // 2} thread(s) each", flush=True)
 
-    def run(paths: tuple[str, ...], niceness: int, **output) -> subprocess.Popen:
+    def run(paths: tuple[str, ...], niceness: int, own_group: bool, **output) -> subprocess.Popen:
         cache = f"cache_dir=.pytest_cache/{paths[0].split('/')[-1]}"  # each run's own last-failed record
 
         def start() -> None:
-            os.setpgid(0, 0)  # a group of its own: a deadline kills the run with everything it started
+            if own_group:  # a background run: stopped with everything it started (the reported run keeps the terminal)
+                os.setpgid(0, 0)
             os.nice(niceness)
 
         return subprocess.Popen([*pytest, "-o", cache, *paths], env=env, preexec_fn=start, **output)
 
     deadline = time.monotonic() + RUN_DEADLINE_S
-    started: list[subprocess.Popen] = []
+    background = []
     with contextlib.ExitStack() as logs:
         try:
-            background = []
             for paths, niceness in [(p, COMPUTE_NICENESS) for p in computing] + [(RAY_TIER, 0), (CLUSTER_TESTS, 0)]:
                 log = logs.enter_context(tempfile.TemporaryFile(mode="w+"))
-                background.append((run(paths, niceness, stdout=log, stderr=subprocess.STDOUT), log, paths))
-                started.append(background[-1][0])
-            started.append(run(reported, COMPUTE_NICENESS))  # reports as it goes
-            statuses = [_wait(started[-1], deadline, _name(reported))]
+                background.append((run(paths, niceness, True, stdout=log, stderr=subprocess.STDOUT), log, paths))
+            first = run(reported, COMPUTE_NICENESS, False)  # reports as it goes
+            statuses = [_wait(first, deadline, _name(reported), group=False)]
             for process, log, paths in background:
                 statuses.append(_wait(process, deadline, _name(paths)))
                 log.seek(0)
                 print(f"\n---- {_name(paths)} ----", flush=True)
                 sys.stdout.write(log.read())
-        finally:  # interrupted (Ctrl-C reaches only this process: the runs have groups of their own) or done
-            for process in started:
-                _kill_group(process)
+        finally:  # done (what a run left behind goes), or interrupted: Ctrl-C passed on to the background runs
+            for process, _, _ in background:
+                _stop(process)
     return _combined(*statuses)
 
 
-def _wait(process: subprocess.Popen, deadline: float, name: str) -> int:
+def _wait(process: subprocess.Popen, deadline: float, name: str, group: bool = True) -> int:
     try:
         return process.wait(timeout=max(deadline - time.monotonic(), 0))
     except subprocess.TimeoutExpired:
-        print(f"\n---- {name}: still running after {RUN_DEADLINE_S // 60} min, killed ----", flush=True)
-        _kill_group(process)
-        process.wait()
+        print(f"\n---- {name}: still running after {RUN_DEADLINE_S // 60} min, stopped ----", flush=True)
+        _stop(process, group)
         return KILLED
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+def _stop(process: subprocess.Popen, group: bool = True) -> None:
+    """Interrupt a run (pytest tears its fixtures down), give it ``TEARDOWN_S``, then kill it (and its group)."""
+    def signal_run(signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signum) if group else process.send_signal(signum)
+
+    if process.poll() is None:
+        signal_run(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=TEARDOWN_S)
+    signal_run(signal.SIGKILL)
+    process.wait()
 
 
 def _name(paths: tuple[str, ...]) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from app.engine.async_engine import (EngineDeadError, EngineOverloadedError, EngineQueueTimeoutError, EngineShutdownError,
-                                     GrammarFailedError, ReplicaDrainingError, RequestFailedError)
+from app.engine.errors import (EngineDeadError, EngineOverloadedError, EngineQueueTimeoutError, EngineShutdownError,
+                               GrammarFailedError, ReplicaDrainingError, RequestFailedError)
 
 _TYPES = {
     400: "invalid_request_error",

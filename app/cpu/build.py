@@ -123,7 +123,9 @@ def _build_key() -> str:
     # fewer extensions, sharing the cache (a shared volume, a baked image), would load a library that dies on an
     # illegal instruction
     if any(arg.startswith("-m") for arg in (*c, *cxx)):
-        digest.update(" ".join(sorted(host_cpus.cpu_flags() or ())).encode() + str(host_cpus.cpuinfo_fields()).encode())
+        fields = host_cpus.cpuinfo_fields()  # its identity only: "cpu MHz" and the like change from start to start
+        identity = [fields.get(name, "") for name in ("vendor_id", "cpu family", "model", "model name", "stepping", "CPU part")]
+        digest.update(" ".join([*identity, *sorted(host_cpus.cpu_flags() or ())]).encode())
     return digest.hexdigest()[:16]
 
 

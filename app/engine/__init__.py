@@ -5,7 +5,8 @@ model-running core: torch, transformers, the CPU kernels) load on first use, so 
 or serves from an engine process starts without them.
 """
 
-from app.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError, EngineShutdownError, RequestFailedError
+from app.engine.async_engine import AsyncEngine
+from app.engine.errors import EngineDeadError, EngineOverloadedError, EngineShutdownError, RequestFailedError
 from app.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 
 

@@ -2,9 +2,9 @@
 
 The engine core runs elsewhere (its own process, or a thread: app/engine/core_process.py) and talks
 over one connection. The serving event loop reads that connection itself (``add_reader``): each
-report of a step is fanned out to the per-request asyncio queues in the same callback, and commands
-(adds, aborts, draft results) are written straight to the connection. No thread of the front sits
-between the loop and the core, and the loop never blocks on torch.
+report of a step is fanned out to the per-request asyncio queues in the same callback. Commands
+(adds, aborts, draft results) go out in order on a sender thread, so the loop never blocks on a full
+connection or on torch.
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from typing import AsyncIterator, Awaitable, Callable
 
 from app.engine.core_process import CoreInfo, ProcessCore, ThreadCore
 from app.engine.draft_calls import DraftCallSender, DraftClient
+from app.engine.errors import (EngineDeadError, EngineOverloadedError, EngineQueueTimeoutError, EngineShutdownError,
+                               ReplicaDrainingError, RequestFailedError, engine_failure)
 from app.engine.request import Request, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -26,50 +29,7 @@ logger = logging.getLogger(__name__)
 CoreHost = ProcessCore | ThreadCore
 _MAX_REPORTS_PER_READ = 16
 _STOP_SENDING = object()  # ends the sender thread
-
-
-class EngineOverloadedError(RuntimeError):
-    """The engine's queue is full; the caller should retry later (HTTP 503)."""
-
-
-class ReplicaDrainingError(EngineOverloadedError):
-    """This replica is shutting down and admits nothing new: another replica of the model can take the request."""
-
-
-class EngineQueueTimeoutError(EngineOverloadedError):
-    """A request had no first token within ``max_queue_time_s``; the caller should retry later (HTTP 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core stopped after an unrecoverable error; the replica must be replaced."""
-
-
-class RequestFailedError(RuntimeError):
-    """This request failed inside the engine (the others went on)."""
-
-
-class GrammarFailedError(RequestFailedError):
-    """This request's grammar cannot be followed with the model's vocabulary (found by the engine's matcher: a token
-    the grammar needs that the vocabulary cannot give, a schema that never ends): the request's to change."""
-
-    @property
-    def reason(self) -> str:
-        """llguidance's words, without the engine's prefixes (the exception's class, the request id)."""
-        text = str(self).removeprefix("GrammarError: ")
-        return text.split(": ", 1)[1] if text.startswith("request ") and ": " in text else text
-
-
-def _failure(error: str | None, phase_times: dict[str, float] | None = None) -> RequestFailedError:
-    """The engine's text for a failed request, as the exception its caller maps to a status; it carries the
-    request's queue/prefill/decode times for the metrics."""
-    text = error or "request failed in the engine"
-    failure = (GrammarFailedError if text.startswith("GrammarError: ") else RequestFailedError)(text)
-    failure.phase_times = phase_times or {}
-    return failure
-
-
-class EngineShutdownError(RuntimeError):
-    """The replica shut down before this request finished (its drain window ran out); the caller may retry."""
+_SENDER_JOIN_S = 5.0  # at shutdown, for the commands queued before it
 
 
 Admit = Callable[[Request], Awaitable[None]]
@@ -115,8 +75,10 @@ class AsyncEngine:
         # the core itself waits to hand over a large report, e.g. prompt logprobs); on the serving loop it would stop
         # the loop reading reports, and the two would wait on each other for good.
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sender = threading.Thread(target=self._send_commands, name="engine-commands", daemon=True)
+        self._sender = threading.Thread(target=_send_commands, name="engine-commands", daemon=True,
+                                        args=(self._outbox, self._conn, weakref.WeakMethod(self._send_failed)))
         self._sender.start()
+        weakref.finalize(self, self._outbox.put, _STOP_SENDING)  # an engine dropped without shutdown: the thread ends
         self._drafts = DraftCallSender(draft_client, lambda results: self._send(("drafts", results)))
         self._step_timeout_s = step_timeout_s
         self._max_queued = max_queued_requests
@@ -168,7 +130,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 if item.finish_reason == "error":
-                    raise _failure(item.error, item.phase_times)
+                    raise engine_failure(item.error, item.phase_times)
                 finished = item.finished
                 yield item
                 pause = self._chunk_pause_s()
@@ -225,14 +187,23 @@ class AsyncEngine:
             return  # nobody reads it: every request was already ended with an error
         self._outbox.put(command)  # in order, by the sender thread
 
-    def _send_commands(self) -> None:
-        while (command := self._outbox.get()) is not _STOP_SENDING:
-            try:
-                self._conn.send(command)
-            except OSError as exc:
-                if not self._stopping:
-                    self._declare_dead(f"the engine core stopped ({self._host.describe_exit()}): {exc}")
-                return
+    def _send_failed(self, command: tuple, error: Exception) -> None:
+        """On the sender thread: a lost connection is a dead core; a command that could not be written (its
+        request does not pickle) fails its requests alone."""
+        if isinstance(error, OSError):
+            if not self._stopping:
+                self._declare_dead(f"the engine core stopped ({self._host.describe_exit()}): {error}")
+            return
+        logger.error("could not send %s to the engine core: %s: %s", command[0], type(error).__name__, error)
+        if command[0] == "add":
+            failed = RequestFailedError(f"{type(error).__name__}: {error}")
+            self._on_loop(lambda: self._fail_unsent([request.request_id for request in command[1]], failed))
+
+    def _fail_unsent(self, request_ids: list[str], error: BaseException) -> None:
+        for request_id in request_ids:
+            self._in_core.discard(request_id)
+            if (stream := self._streams.get(request_id)) is not None:
+                stream.put_nowait(error)
 
     # ---- the core's reports, read on the serving loop ------------------------------------------
     def _attach(self) -> None:
@@ -357,7 +328,10 @@ class AsyncEngine:
         self._stopping = True
         self._on_loop(self._detach)
         self._outbox.put(_STOP_SENDING)  # the commands already queued go first (the core reads them before "stop")
-        self._sender.join(timeout=5.0)
+        self._sender.join(timeout=_SENDER_JOIN_S)
+        if self._sender.is_alive():  # stuck writing to a core that reads nothing: cut the connection, kill the core
+            self._host.cut()
+            healthy = False
         self._host.close(timeout_s=10.0 if healthy else 1.0)  # a wedged engine process is killed
 
     def _end_remaining(self) -> int:
@@ -400,6 +374,19 @@ class AsyncEngine:
                 f"the replica already holds {self._max_queued} requests, all its batch and queue take "
                 "(engine.max_num_seqs + engine.max_queued_requests); retry later"
             )
+
+
+def _send_commands(outbox: queue.SimpleQueue, conn, failed: weakref.WeakMethod) -> None:
+    """The sender thread: every command in order until told to stop. It holds no reference to its engine (only a
+    weak one, to report a failure), so an engine nobody shut down is still collected."""
+    while (command := outbox.get()) is not _STOP_SENDING:
+        try:
+            conn.send(command)
+        except Exception as exc:  # noqa: BLE001 - the engine decides what it means
+            if (report := failed()) is not None:
+                report(command, exc)
+            if isinstance(exc, OSError):
+                return
 
 
 class _CoreDied(Exception):

@@ -22,6 +22,7 @@ core's process dies the front reads end-of-file and reports the engine dead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -102,6 +103,12 @@ class _CoreHost:
 
     def _join(self, timeout_s: float) -> None:
         raise NotImplementedError
+
+    def cut(self) -> None:
+        """Shut the connection down both ways: a send blocked on it (a core that reads nothing) returns an error."""
+        with contextlib.suppress(OSError):
+            with socket.socket(fileno=os.dup(self.connection.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask the core to stop, wait up to ``timeout_s``, then close the connection."""

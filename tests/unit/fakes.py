@@ -149,3 +149,19 @@ class QueueingCore(SlowCountingCore):
         outputs = CountingCore.step(self)
         self.requests.update(waiting)
         return outputs
+
+
+class WedgingCore(CountingCore):
+    """Its steps hang for good once a request named "wedge" has had a token: a core that reads no command again."""
+
+    def step(self):
+        import time
+
+        if getattr(self, "wedged", False):
+            time.sleep(3600)
+        self.wedged = "wedge" in self.requests
+        return super().step()
+
+
+def build_wedging_core():
+    return WedgingCore(), "wedging-core-info"

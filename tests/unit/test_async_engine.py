@@ -10,7 +10,7 @@ import time
 import pytest
 
 from app.engine import AsyncEngine, EngineOverloadedError, Request, RequestFailedError, SamplingParams
-from app.engine.async_engine import EngineDeadError
+from app.engine.errors import EngineDeadError
 from app.engine.core_process import EngineStartupError, ThreadCore
 from tests.unit.fakes import CountingCore, SlowCountingCore, in_thread, until
 
@@ -163,3 +163,31 @@ async def test_a_long_prompt_sent_while_the_core_hands_over_a_large_report_does_
     finally:
         watchdog.cancel()
         engine.shutdown(1)
+
+
+async def test_a_request_that_cannot_be_sent_to_the_core_fails_alone():
+    """A command that does not pickle (a request holding a local function) fails its request; the sender goes on."""
+    engine = AsyncEngine(in_thread())
+    bad = _request("bad")
+    bad.callback = lambda output: None  # nothing the API builds: a Python caller's own attribute
+    async def run(request):
+        return [o async for o in engine.generate(request)]
+
+    try:
+        with pytest.raises(RequestFailedError, match="pickle"):
+            await asyncio.wait_for(run(bad), timeout=10)
+        assert (await asyncio.wait_for(run(_request("good")), timeout=10))[-1].finished
+    finally:
+        engine.shutdown(1)
+
+
+def test_an_engine_dropped_without_shutdown_leaves_no_thread_behind():
+    import gc
+
+    engine = AsyncEngine(in_thread())
+    del engine
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while any(t.name == "engine-commands" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "engine-commands" for t in threading.enumerate())

@@ -90,3 +90,27 @@ def test_the_engine_process_ends_with_the_serving_process_even_while_loading():
         time.sleep(0.1)
     os.kill(child, signal.SIGKILL)
     raise AssertionError("the engine process outlived the serving process by 20 s")
+
+
+async def test_shutdown_ends_even_while_a_long_prompt_is_stuck_on_its_way_to_a_wedged_core(monkeypatch):
+    """The sender thread blocked writing a 15 MB prompt to a core that reads nothing more: shutdown cuts the
+    connection and kills the core instead of waiting on the send for good."""
+    import threading
+    import time
+
+    from app.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "_SENDER_JOIN_S", 0.5)
+    engine = AsyncEngine(ProcessCore(fakes.build_wedging_core), step_timeout_s=60)
+    await engine.generate(Request("wedge", [1], SamplingParams(max_tokens=50))).__anext__()
+    stuck = asyncio.ensure_future(engine.generate(Request("long", [100_000] * 3_000_000, SamplingParams(max_tokens=2))).__anext__())
+    await asyncio.sleep(1.0)
+    stopping = threading.Thread(target=engine.shutdown, args=(0,), daemon=True)
+    started = time.monotonic()
+    stopping.start()
+    while stopping.is_alive() and time.monotonic() - started < 20:
+        await asyncio.sleep(0.1)  # the loop runs on: the streams' errors are delivered meanwhile
+    assert not stopping.is_alive(), "shutdown waited on a send to a wedged core"
+    assert not engine._host.is_alive()
+    with pytest.raises(Exception):
+        await stuck

@@ -66,7 +66,7 @@ def test_without_a_request_id_the_message_is_the_plain_words_alone():
 
 
 def test_a_grammar_the_vocabulary_cannot_follow_is_the_clients_400_in_llguidances_words():
-    from app.engine.async_engine import _failure
+    from app.engine.errors import engine_failure as _failure
 
     failure = _failure("GrammarError: request cmpl-1: token 2 does not continue the grammar: forced bytes: got '<'")
     for exc in (failure, _from_replica(failure)):

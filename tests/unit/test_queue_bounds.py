@@ -9,7 +9,7 @@ import pytest
 from app.api.errors import to_api_error
 from app.config import EngineConfig, ReplicaConfig, ServedModelConfig
 from app.engine import AsyncEngine, EngineOverloadedError, Request, SamplingParams
-from app.engine.async_engine import EngineQueueTimeoutError
+from app.engine.errors import EngineQueueTimeoutError
 from tests.unit.fakes import QueueingCore, in_thread, until
 
 

@@ -3,7 +3,7 @@ call goes to another replica; any other failure, or one after output, reaches th
 
 import pytest
 
-from app.engine.async_engine import EngineOverloadedError, ReplicaDrainingError
+from app.engine.errors import EngineOverloadedError, ReplicaDrainingError
 
 
 class _WrappedByRay(RuntimeError):

@@ -317,6 +317,8 @@ def test_machine_options_in_cc_key_the_build_to_this_cpu(monkeypatch):
             keys[bool(cc), name] = build._build_key()
     assert keys[False, "strong"] == keys[False, "weak"]
     assert keys[True, "strong"] != keys[True, "weak"]
+    monkeypatch.setattr(host_cpus, "cpuinfo_fields", lambda: {**weak, "cpu MHz": "3012.5"})  # the clock, not the CPU
+    assert build._build_key() == keys[True, "weak"]
 
 
 @pytest.mark.parametrize("content", ["[]", "null", '{"m": []}', '{"m": {"f": {"s": "x"}}}', '{"m": {"f": {"s": {"us": []}}}}',
