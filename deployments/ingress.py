@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 api = FastAPI(title="llm-serve", description="OpenAI-compatible LLM serving on Ray Serve")
 
 _PROBE_TIMEOUT_S = 10
+_METRICS_TIMEOUT_S = 5  # within Prometheus' default scrape timeout (10 s): the others' figures still arrive
 _READY_TIMEOUT_S = 5  # a readiness probe answers within this (Kubernetes: timeoutSeconds above it)
 RETRY_AFTER_S = 1  # the Retry-After of 429 and 503 answers
 
@@ -318,7 +319,7 @@ class OpenAIIngress:
     async def _metrics(self) -> PlainTextResponse:
         names = {id(route): name for name, route in reversed(list(self._routes.items()))}  # a twin shares its model's
         routes = list({id(route): route for route in self._routes.values()}.values())
-        gathered = await asyncio.gather(*(asyncio.wait_for(route.metrics(), timeout=_PROBE_TIMEOUT_S) for route in routes),
+        gathered = await asyncio.gather(*(asyncio.wait_for(route.metrics(), timeout=_METRICS_TIMEOUT_S) for route in routes),
                                         return_exceptions=True)
         by_model = {}
         for route, result in zip(routes, gathered):
