@@ -77,8 +77,8 @@ class HostedModel:
 
     # The @serve.batch window on the entry path: concurrent arrivals become one group, which the engine
     # prefills together (continuous) or runs to completion together (dynamic). Admission returns at once,
-    # so one concurrent batch is enough and max_ongoing_requests (which counts streaming requests, the
-    # autoscaling signal) never caps a window.
+    # so one concurrent batch is enough and max_ongoing_requests (which counts streaming requests) never caps
+    # a window.
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
     async def _admit_window(self, requests: list[Request]) -> list[None]:
         self.server.engine.add_group(requests)

@@ -31,18 +31,21 @@ def engine_queue_depth(stats: dict[str, Any]) -> dict[str, float]:
 def queue_depth_policy(ctx, target_queue_depth: float, metric: str = QUEUE_DEPTH_METRIC) -> tuple[float, dict[str, Any]]:
     """Replicas needed for every replica to hold ``target_queue_depth`` sequences (waiting + running).
 
-    The load is the sum of the running replicas' reported depths (a replica that has not reported yet has
-    just started and holds next to nothing), plus requests queued at callers for want of a free replica,
-    which no engine sees yet. Where no running replica reports the metric (a deployment without the hook,
-    or the hook failing), Serve's ongoing-request count against ``target_ongoing_requests`` decides, as
-    Serve's default policy would.
+    The load is the sum of the running replicas' reported depths, a replica that has not reported yet (up to a
+    metrics period after it started, while Serve already routes to it) counted as their mean (as nothing, the
+    new replica would read as spare capacity and undo the scale-up that made it), plus requests queued at
+    callers for want of a free replica, which no engine sees yet. Where no running replica reports the metric
+    (a deployment without the hook, or the hook failing), Serve's ongoing-request count against
+    ``target_ongoing_requests`` decides, as Serve's default policy would (the builder sets it to the same target).
     """
     if ctx.current_num_replicas == 0:
         return ctx.target_num_replicas, {}  # Serve's cold start path decides from zero replicas
     reported = (ctx.aggregated_metrics or {}).get(metric) or {}
     depths = [reported[replica] for replica in ctx.running_replicas if replica in reported]
     if depths:
-        load, target, signal = sum(depths) + (ctx.total_queued_requests or 0.0), target_queue_depth, metric
+        unreported = len(ctx.running_replicas) - len(depths)
+        load = sum(depths) * (1 + unreported / len(depths)) + (ctx.total_queued_requests or 0.0)
+        target, signal = target_queue_depth, metric
     else:
         load, target, signal = ctx.total_num_requests or 0.0, ctx.config.get_target_ongoing_requests(), "ongoing_requests"
     # Within the bounds already: a wish beyond max_replicas is no pending decision for Serve's delays to count.

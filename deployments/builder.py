@@ -16,6 +16,7 @@ import re
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.config import AutoscalingConfig
 
 from app.config import AppConfig, ServedModelConfig
 from deployments.autoscaling import POLICY_PATH
@@ -90,7 +91,7 @@ def replica_options(served: ServedModelConfig) -> dict[str, Any]:
         "max_ongoing_requests": replica.max_ongoing_requests,
         **_backpressure(replica.max_queued_requests),
     }
-    if replica.num_replicas == "auto" or replica.autoscaling_config:
+    if replica.autoscaled:
         options["autoscaling_config"] = autoscaling_config(served)
     else:
         options["num_replicas"] = replica.num_replicas
@@ -104,7 +105,25 @@ def autoscaling_config(served: ServedModelConfig) -> dict[str, Any]:
     own) the policy that scales on the engines' queue depth (deployments/autoscaling.py)."""
     replica = served.replica
     policy = {"policy_function": POLICY_PATH, "policy_kwargs": {"target_queue_depth": replica.target_queue_depth}}
-    return {**DEFAULT_AUTOSCALING, "policy": policy, **(replica.autoscaling_config or {})}
+    # target_ongoing_requests: the same target where Serve's request count decides (no replica reported yet)
+    merged = {**DEFAULT_AUTOSCALING, "target_ongoing_requests": replica.target_queue_depth, "policy": policy,
+              **(replica.autoscaling_config or {})}
+    _check_autoscaling(served.model.name, merged, replica.autoscaling_config or {})
+    return merged
+
+
+def _check_autoscaling(model: str, merged: dict[str, Any], given: dict[str, Any]) -> None:
+    """At start, naming the model and the key: Serve passes unknown keys over, and names bounds it merged in."""
+    unknown = sorted(set(given) - set(AutoscalingConfig.model_fields))
+    if unknown:
+        raise ValueError(f"model {model!r}: replica.autoscaling_config has unknown key(s) {', '.join(unknown)} "
+                         f"(Serve's: {', '.join(AutoscalingConfig.model_fields)})")
+    try:
+        AutoscalingConfig(**merged)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        reasons = "; ".join(error["msg"] for error in exc.errors()) if hasattr(exc, "errors") else str(exc)
+        defaults = {key: value for key, value in DEFAULT_AUTOSCALING.items() if key not in given}
+        raise ValueError(f"model {model!r}: replica.autoscaling_config {given}, with the defaults {defaults}: {reasons}") from None
 
 
 def _backpressure(max_queued_requests: int) -> dict[str, Any]:

@@ -37,6 +37,10 @@ class ReplicaConfig:
     # node, so the replicas spread over the cluster). None: no limit.
     max_replicas_per_node: int | None = None
 
+    @property
+    def autoscaled(self) -> bool:
+        return self.num_replicas == "auto" or bool(self.autoscaling_config)
+
     def __post_init__(self) -> None:
         if self.num_replicas != "auto" and (not isinstance(self.num_replicas, int) or self.num_replicas < 1):
             raise ValueError(f"replica.num_replicas must be an integer >= 1 or 'auto', got {self.num_replicas!r}")
@@ -48,6 +52,10 @@ class ReplicaConfig:
             require_int("replica.max_queued_requests (or -1: unbounded)", self.max_queued_requests, minimum=1)
         if self.autoscaling_config is not None and not isinstance(self.autoscaling_config, dict):
             raise ValueError("replica.autoscaling_config must be a mapping of Serve's autoscaling options (or null)")
+        if self.autoscaling_config and self.num_replicas not in (1, "auto"):
+            raise ValueError(f"replica.num_replicas {self.num_replicas} with replica.autoscaling_config: an autoscaled "
+                             "deployment has no fixed count (set num_replicas: auto, and initial_replicas or "
+                             "min_replicas in autoscaling_config for where it starts)")
         if (not isinstance(self.target_queue_depth, (int, float)) or isinstance(self.target_queue_depth, bool)
                 or self.target_queue_depth <= 0):
             raise ValueError(f"replica.target_queue_depth must be a number > 0, got {self.target_queue_depth!r}")
@@ -95,6 +103,12 @@ class ServedModelConfig:
             self.replica.max_ongoing_requests = engine.max_num_seqs + engine.max_queued_requests + engine.max_batch_size
         # Each request is one ongoing request at the replica while it streams; a smaller cap than the
         # batch window would make Serve hold back requests the batcher is waiting for.
+        holds = self.engine.max_num_seqs + self.engine.max_queued_requests  # one more: the engine's 503
+        if self.replica.autoscaled and self.replica.target_queue_depth >= holds:
+            raise ValueError(
+                f"replica.target_queue_depth ({self.replica.target_queue_depth:g}) must be below what a replica holds "
+                f"(engine.max_num_seqs + engine.max_queued_requests = {holds}): a full replica would read as on "
+                "target, and the deployment would answer 503s instead of scaling up")
         if self.engine.batching != "none" and self.replica.max_ongoing_requests < self.engine.max_batch_size:
             raise ValueError(
                 f"replica.max_ongoing_requests ({self.replica.max_ongoing_requests}) must be at least "

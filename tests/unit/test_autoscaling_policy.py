@@ -56,9 +56,10 @@ def test_without_the_metric_serve_s_ongoing_requests_decide():
     policy = QueueDepthPolicy(target_queue_depth=4)
     desired, state = policy(context(None, replicas=2, ongoing=6.0))  # target_ongoing_requests 2
     assert desired == 3.0 and state == {"signal": "ongoing_requests", "load": 6.0}
-    # a replica that has not reported yet (just started) adds nothing; the others' depths still decide
+    # a replica that has not reported yet (just started, already routed to) counts as the others' mean: as nothing,
+    # it would read as spare capacity and undo the scale-up that made it
     desired, _ = policy(context([8.0], replicas=2, ongoing=100.0))
-    assert desired == 2.0
+    assert desired == 4.0
 
 
 def test_scaling_up_waits_upscale_delay_s_and_down_downscale_delay_s(monkeypatch):
@@ -133,3 +134,19 @@ def test_the_ingress_hosting_the_first_model_scales_as_that_model():
 def test_the_default_cpu_config_fits_two_replicas_of_each_model_on_two_cores():
     config = AppConfig.from_args({"config": "configs/smollm2-cpu.yaml"})
     assert sum(2 * served.replica.num_cpus for served in config.models) <= 2
+
+
+@pytest.mark.parametrize("replica, message", [
+    ({"autoscaling_config": {"max_replica": 6}}, "unknown key(s) max_replica"),
+    ({"autoscaling_config": {"min_replicas": 6}}, "max_replicas (4) must be greater than or equal to min_replicas (6)"),
+])
+def test_an_autoscaling_config_serve_would_refuse_or_pass_over_is_refused_naming_the_model(replica, message):
+    config = AppConfig.from_args({"models": [{"model": {"source": "m"}, "replica": replica}]})
+    with pytest.raises(ValueError, match=r"model 'm': replica.autoscaling_config") as failure:
+        replica_options(config.models[0])
+    assert message in str(failure.value)
+
+
+def test_where_no_replica_reports_serves_request_count_aims_at_the_same_target():
+    config = AppConfig.from_args({"models": [{"model": {"source": "m"}, "replica": {"num_replicas": "auto", "target_queue_depth": 40}}]})
+    assert replica_options(config.models[0])["autoscaling_config"]["target_ongoing_requests"] == 40

@@ -28,6 +28,8 @@ def test_dtype_aliases_are_normalised():
         ({"models": [{"default_sampling": {"temprature": 0.1}}]}, "default_sampling"),
         ({"models": [{"engine": {"max_num_batched_tokens": 0}}]}, "engine.max_num_batched_tokens"),
         ({"models": [{"engine": {"max_num_batched_tokens": 32}}]}, r"engine.max_num_batched_tokens \(32\) must be at least engine.max_num_seqs \(64\)"),
+        ({"models": [{"replica": {"num_replicas": 3, "autoscaling_config": {"max_replicas": 6}}}]}, "an autoscaled deployment has no fixed count"),
+        ({"models": [{"replica": {"num_replicas": "auto", "target_queue_depth": 128}}]}, r"target_queue_depth \(128\) must be below what a replica holds"),
         ({"models": [{"engine": {"block_size": "16"}}]}, "engine.block_size"),
         ({"models": [{"engine": {"batch_wait_timeout_s": -1}}]}, "engine.batch_wait_timeout_s"),
         ({"models": [{"engine": {"kv_cache_memory_mb": -5}}]}, "engine.kv_cache_memory_mb"),
