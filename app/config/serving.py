@@ -103,6 +103,12 @@ class ServedModelConfig:
             self.replica.max_ongoing_requests = engine.max_num_seqs + engine.max_queued_requests + engine.max_batch_size
         # Each request is one ongoing request at the replica while it streams; a smaller cap than the
         # batch window would make Serve hold back requests the batcher is waiting for.
+        shares_a_gpu = self.replica.num_gpus is not None and 0 < self.replica.num_gpus < 1
+        if shares_a_gpu and not (self.engine.kv_cache_memory_mb or self.engine.num_kv_blocks):
+            raise ValueError(
+                f"replica.num_gpus {self.replica.num_gpus} shares a GPU: set engine.kv_cache_memory_mb (or num_kv_blocks) "
+                "for each model on it; the automatic size takes 80% of the GPU memory free when a replica starts, "
+                "which would leave the next replica on that GPU little or nothing")
         holds = self.engine.max_num_seqs + self.engine.max_queued_requests  # one more: the engine's 503
         if self.replica.autoscaled and self.replica.target_queue_depth >= holds:
             raise ValueError(

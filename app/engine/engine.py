@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from app.config import EngineConfig
 from app.engine.grammar import consume
@@ -29,6 +30,9 @@ from app.models import LoadedModel
 from app.spec.controller import SpeculationController
 
 logger = logging.getLogger(__name__)
+# A device-side assert or an illegal memory access (torch.AcceleratorError) leaves the CUDA context unusable;
+# out of memory (torch.OutOfMemoryError) does not, and fails only its step.
+_DEVICE_LOST = getattr(torch, "AcceleratorError", ())
 
 
 @dataclass
@@ -186,6 +190,8 @@ class LLMEngine:
         executed = time.perf_counter()
         try:
             result = self.runner.execute(scheduled, self.blocks)
+        except _DEVICE_LOST:
+            raise  # the GPU's context is broken for every later step too: the core dies, Serve replaces the replica
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
             logger.exception("forward pass failed")
             return refused + self._fail(scheduled, f"{type(exc).__name__}: {exc}")

@@ -139,7 +139,8 @@ def _llg_tokenizer(hf_tokenizer, vocab_size: int, eos: list[int] | None):
 def _write_masks(logits: torch.Tensor, bits: torch.Tensor) -> None:
     """logits [R, V] (contiguous, float32), in place: -inf wherever ``bits`` [R, ceil(V / 32)] has a 0 bit."""
     allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, count=logits.shape[-1], bitorder="little")
-    keep = torch.from_numpy(allowed).to(torch.int32).neg_()  # [R, V]: all bits set where allowed, 0 where not
+    # [R, V]: all bits set where allowed, 0 where not; on the logits' device (llguidance writes host memory)
+    keep = torch.from_numpy(allowed).to(device=logits.device, dtype=torch.int32).neg_()
     logits.view(torch.int32).bitwise_and_(keep).bitwise_or_(keep.bitwise_not_().bitwise_and_(_NEG_INF_BITS))
 
 

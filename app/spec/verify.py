@@ -51,6 +51,7 @@ def verify_drafts(
 def _verify_greedy(rows, requests, drafts, starts, chosen, emitted, accepted) -> None:
     index = [row for b in chosen for row in range(starts[b], starts[b + 1])]
     logits = rows if len(index) == rows.shape[0] else rows[index]  # [G, V]
+    logits = logits.float()  # the sampler's precision: penalties and biases on bf16 logits round otherwise
     position_requests = [position_request(requests[b], list(drafts[b][:j])) for b in chosen for j in range(len(drafts[b]) + 1)]
     logits = mask_stop_tokens_before_min(apply_penalties(logits, position_requests), position_requests)
     targets = argmax_rows(logits.contiguous()).tolist()  # [G]: the sampler's greedy choice at every position

@@ -89,3 +89,19 @@ def test_a_request_with_no_room_in_the_context_fails_at_admission_alone(loaded_r
     assert not engine.has_unfinished_requests()
     assert finals["full"].finish_reason == "error" and "max_model_len=64" in finals["full"].error
     assert all(finals[r.request_id].finish_reason == "length" for r in requests)
+
+
+def test_a_broken_gpu_context_stops_the_engine_instead_of_failing_every_step(loaded_rounded, monkeypatch):
+    """A device-side assert leaves CUDA unusable for every later step: the core must die (Serve replaces the
+    replica) rather than answer errors for good; an ordinary failure fails its step's requests alone."""
+    import torch
+
+    engine = make_engine(loaded_rounded)
+    engine.add_requests(_requests(loaded_rounded, bad=False))
+
+    def lost(*args, **kwargs):
+        raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+
+    monkeypatch.setattr(engine.runner, "execute", lost)
+    with pytest.raises(torch.AcceleratorError):
+        engine.step()

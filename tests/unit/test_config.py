@@ -30,6 +30,7 @@ def test_dtype_aliases_are_normalised():
         ({"models": [{"engine": {"max_num_batched_tokens": 32}}]}, r"engine.max_num_batched_tokens \(32\) must be at least engine.max_num_seqs \(64\)"),
         ({"models": [{"replica": {"num_replicas": 3, "autoscaling_config": {"max_replicas": 6}}}]}, "an autoscaled deployment has no fixed count"),
         ({"models": [{"replica": {"num_replicas": "auto", "target_queue_depth": 128}}]}, r"target_queue_depth \(128\) must be below what a replica holds"),
+        ({"models": [{"replica": {"num_gpus": 0.5}}]}, r"replica.num_gpus 0.5 shares a GPU: set engine.kv_cache_memory_mb"),
         ({"models": [{"engine": {"block_size": "16"}}]}, "engine.block_size"),
         ({"models": [{"engine": {"batch_wait_timeout_s": -1}}]}, "engine.batch_wait_timeout_s"),
         ({"models": [{"engine": {"kv_cache_memory_mb": -5}}]}, "engine.kv_cache_memory_mb"),

@@ -49,3 +49,17 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(form, param, says):
     with pytest.raises(APIError) as caught:
         _grammar({**CHAT, **form})
     assert caught.value.status == 400 and caught.value.param == param and says in caught.value.message, caught.value.message
+
+
+def test_grammar_masks_land_on_the_logits_device():
+    """llguidance writes its bitmask in host memory; the logits may be on a GPU (here the meta device stands for one:
+    mixing devices raises there as on CUDA)."""
+    import torch
+
+    from app.engine.grammar import _write_masks
+
+    _write_masks(torch.zeros(2, 40, device="meta"), torch.zeros(2, 2, dtype=torch.int32))
+    logits, bits = torch.zeros(1, 40), torch.zeros(1, 2, dtype=torch.int32)
+    bits[0, 0] = 0b101
+    _write_masks(logits, bits)
+    assert logits[0, :4].tolist() == [0.0, float("-inf"), 0.0, float("-inf")]

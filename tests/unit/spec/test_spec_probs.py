@@ -79,3 +79,16 @@ def test_vocab_size_removes_padding_ids():
     logits = torch.zeros(2, 8)
     probs = processed_probs(logits, [request, dataclasses.replace(request, request_id="w")], vocab_size=5)
     assert probs[:, 5:].abs().sum() == 0 and torch.allclose(probs[:, :5], torch.full((2, 5), 0.2))
+
+
+def test_greedy_verification_of_bf16_logits_picks_the_samplers_token():
+    """A bf16 model (a GPU's default) hands bf16 logits to both paths: the sampler upcasts before penalties, so the
+    verifier must too, or a penalty rounds differently (20.25 vs 20.0, frequency penalty 0.3 on the first)."""
+    from app.spec.verify import verify_drafts
+
+    logits = torch.full((1, 10), -5.0)
+    logits[0, 3], logits[0, 4] = 20.25, 20.0
+    logits = logits.to(torch.bfloat16)
+    plain = Sampler().sample(logits.clone(), [_req("p", output=[3], temperature=0, frequency_penalty=0.3)])
+    emitted, _ = verify_drafts(logits.clone(), [_req("s", output=[3], temperature=0, frequency_penalty=0.3)], [[]], [None])
+    assert emitted == [plain] and plain == [4]
