@@ -120,20 +120,33 @@ class Scheduler:
                 self.blocks.release_before(request.request_id, request.num_computed_tokens - self.config.sliding_window + 1)
 
     def _schedule_running(self, budget: int, output: SchedulerOutput) -> int:
-        index = 0
+        index, drafted = 0, []
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             if request.awaiting_draft:  # its drafts are on their way (app/spec/remote.py): the others go on
                 index += 1
                 continue
             remaining = request.num_tokens - request.num_computed_tokens
-            drafts = len(request.spec_token_ids) if remaining == 1 else 0  # drafts follow the last token only
-            num_new = min(remaining + drafts, budget)
+            num_new = min(remaining, budget)
             if not self._reserve(request, num_new, output):
                 break  # the request preempted itself: it was the last one running
-            output.scheduled.append(ScheduledRequest(request, num_new, max(0, num_new - remaining)))
+            output.scheduled.append(ScheduledRequest(request, num_new))
+            if remaining == 1 and request.spec_token_ids:  # drafts follow the last token only
+                drafted.append(output.scheduled[-1])
             budget -= num_new
             index += 1
+        return self._add_drafts(drafted, budget)
+
+    def _add_drafts(self, drafted: list[ScheduledRequest], budget: int) -> int:
+        """Drafts take what is left once every running request has its token, in order, where their KV blocks are
+        free: they are worth neither another request's token nor a preemption."""
+        for item in drafted:
+            request = item.request
+            num_spec = min(len(request.spec_token_ids), budget)
+            if num_spec > 0 and self.blocks.allocate(request.request_id, request.num_computed_tokens + 1 + num_spec):
+                item.num_new_tokens += num_spec
+                item.num_spec_tokens = num_spec
+                budget -= num_spec
         return budget
 
     def _reserve(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:

@@ -50,7 +50,7 @@ class NgramDrafter:
         self.policy.record(request.request_id, num_drafted, num_accepted)
         self.stats.observe_draft(num_drafted, num_accepted)
         if self.stats.num_drafts >= PRIOR_AFTER_DRAFTS:
-            self.policy.set_prior(self.stats.acceptance_rate)
+            self.policy.set_prior(self.stats.per_token_acceptance)
 
     def forget(self, request_id: str) -> None:
         self.policy.forget(request_id)

@@ -184,7 +184,7 @@ class ModelDrafter:
             seq.answered += 1
             seq.exhausted = seq.exhausted or not result.token_ids
         if self.stats.num_drafts >= PRIOR_AFTER_DRAFTS:  # new sequences start from what this drafter achieves
-            self.policy.set_prior(self.stats.acceptance_rate)
+            self.policy.set_prior(self.stats.per_token_acceptance)
         if seq is None or result.call_id != seq.asked_id:
             return False  # a sequence that ended, or an answer overtaken by a newer call
         usable = _inside_vocabulary(result.token_ids, self.vocab_size)

@@ -24,6 +24,7 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_trials: int = 0  # draft tokens the target tested: the accepted ones and each draft's first rejection
 
     @classmethod
     def new(cls, num_spec_tokens: int) -> SpecDecodingStats:
@@ -39,6 +40,7 @@ class SpecDecodingStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
+        self.num_trials += num_accepted_tokens + (num_accepted_tokens < num_draft_tokens)
         self._grow(num_draft_tokens)
         for pos in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[pos] += 1
@@ -55,6 +57,12 @@ class SpecDecodingStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def per_token_acceptance(self) -> float:
+        """The chance a tested draft token passes (what the draft-length policy's ``a`` is): accepted over tested,
+        not over drafted, since the tokens after a rejection are never tested."""
+        return self.num_accepted_tokens / self.num_trials if self.num_trials else 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -78,6 +86,7 @@ class SpecDecodingStats:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_trials += other.num_trials
         self._grow(len(other.num_accepted_tokens_per_pos))
         for pos, n in enumerate(other.num_accepted_tokens_per_pos):
             self.num_accepted_tokens_per_pos[pos] += n
@@ -90,6 +99,7 @@ class SpecDecodingStats:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "num_trials": self.num_trials,
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
         }
@@ -101,6 +111,7 @@ class SpecDecodingStats:
             num_draft_tokens=int(data.get("num_draft_tokens", 0)),
             num_accepted_tokens=int(data.get("num_accepted_tokens", 0)),
             num_accepted_tokens_per_pos=[int(n) for n in data.get("num_accepted_tokens_per_pos", [])],
+            num_trials=int(data.get("num_trials", 0)),
         )
 
     def _grow(self, length: int) -> None:

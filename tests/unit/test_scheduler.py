@@ -213,3 +213,27 @@ def test_until_the_steps_differ_enough_the_model_keeps_fewer_terms():
     for _ in range(3):
         cost.observe(100, 0.1, keys=100 * 50)  # always alike: neither a fixed nor a per-key cost can be told apart
     assert cost.coefficients() == (0.0, pytest.approx(1e-3), 0.0)
+
+
+def test_drafts_take_only_what_is_left_after_every_running_request_has_its_token():
+    scheduler = _scheduler(max_num_batched_tokens=4)
+    for i in range(3):
+        scheduler.add_request(_request(f"r{i}", 1, max_tokens=20, first_token=100 + 10 * i))
+    _step(scheduler)  # all three prefilled (one token each), now decoding
+    scheduler.running[0].set_drafts([7, 7, 7, 7])
+    output = scheduler.schedule()
+    assert {s.request.request_id: (s.num_new_tokens, s.num_spec_tokens) for s in output.scheduled} == {
+        "r0": (2, 1), "r1": (1, 0), "r2": (1, 0)}  # before: r0 took 1 + 3 drafts, r1 and r2 nothing
+
+
+def test_drafts_never_preempt_a_request():
+    scheduler = _scheduler(num_blocks=2, block_size=4)  # 8 token slots
+    old, new = _request("old", 3, max_tokens=20), _request("new", 3, max_tokens=20, first_token=500)
+    scheduler.add_request(old)
+    scheduler.add_request(new)
+    _step(scheduler)  # both prefilled: one block each, each with room for one more token
+    old.set_drafts([7, 7, 7])  # would need a second block, which only preempting "new" could free
+    output = scheduler.schedule()
+    assert not output.preempted and new.status is RequestStatus.RUNNING
+    assert {s.request.request_id: (s.num_new_tokens, s.num_spec_tokens) for s in output.scheduled} == {
+        "old": (1, 0), "new": (1, 0)}

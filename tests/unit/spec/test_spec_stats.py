@@ -70,3 +70,13 @@ def test_observe_a_rejection_sampler_step():
     assert out.num_accepted.tolist() == [2, 0, 2]
     assert stats.num_accepted_tokens == 4 and stats.num_draft_tokens == 8
     assert stats.num_accepted_tokens_per_pos == [2, 2, 0]
+
+
+def test_the_per_token_acceptance_counts_only_tested_tokens():
+    """After a rejection the rest of a draft is never tested: the policy's per-token chance is accepted over
+    tested (k=4 at a true 0.7: accepted over drafted reads ~0.44)."""
+    stats = SpecDecodingStats.new(4)
+    stats.observe_batch([4, 4, 4], [4, 1, 0])  # tested: 4, 2 (one pass, one fail), 1
+    assert stats.num_trials == 7 and stats.per_token_acceptance == 5 / 7 and stats.acceptance_rate == 5 / 12
+    assert SpecDecodingStats.from_dict(stats.to_dict()).per_token_acceptance == 5 / 7
+    assert (stats + stats).num_trials == 14
