@@ -44,7 +44,10 @@ class NgramDrafter:
 
     def propose(self, request: Request, limit: int, batch_size: int, target_step_s: float, now: float) -> None:
         k = min(limit, self.policy.draft_length(request.request_id, batch_size)) if limit > 0 else 0
-        request.set_drafts(self.proposer.propose(request.all_token_ids, k) if k > 0 else [])
+        drafts = self.proposer.propose(request.all_token_ids, k) if k > 0 else []
+        if k > 0 and not drafts:
+            self.policy.nothing_drafted(request.request_id)
+        request.set_drafts(drafts)
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         self.policy.record(request.request_id, num_drafted, num_accepted)

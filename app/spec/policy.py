@@ -143,6 +143,7 @@ class _Sequence:
     observed: bool = False
     steps_off: int = 0  # consecutive steps at 0
     probe_interval: int = 16
+    probing: bool = False  # the last length handed out was a probe's
 
 
 class DraftLengthPolicy:
@@ -188,15 +189,25 @@ class DraftLengthPolicy:
         if not s.observed and not cfg.start_from_prior:
             return cfg.num_speculative_tokens
         k = self.best_length(s.successes / s.trials, batch_size)
+        s.probing = False
         if k > 0:
             s.steps_off, s.probe_interval = 0, cfg.probe_interval
             return k
         s.steps_off += 1
         if s.steps_off < s.probe_interval:
             return 0
-        s.steps_off = 0
+        s.steps_off, s.probing = 0, True
         s.probe_interval = min(2 * s.probe_interval, cfg.max_probe_interval)  # reset if speculation returns
         return cfg.num_speculative_tokens if cfg.probe_draft_tokens is None else cfg.probe_draft_tokens
+
+    def nothing_drafted(self, seq_id: Hashable) -> None:
+        """The length just handed out found nothing to draft (no n-gram match): a probe stays due, for the next
+        step to look again, instead of counting as one that failed (doubling the wait for the next)."""
+        s = self._seqs.get(seq_id)
+        if s is not None and s.probing:
+            s.probing = False
+            s.probe_interval = max(s.probe_interval // 2, self.config.probe_interval)
+            s.steps_off = s.probe_interval - 1
 
     def draft_lengths(self, seq_ids: Sequence[Hashable], batch_size: int | None = None) -> list[int]:
         """``draft_length`` for every sequence of a step; the batch size defaults to ``len(seq_ids)``."""

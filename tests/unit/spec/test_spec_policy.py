@@ -191,3 +191,19 @@ def test_policy_steers_away_from_an_expensive_length_once_the_engine_has_timed_i
     assert seen[0] == 4 and seen[-1] == 3
     best = max(range(1, 5), key=lambda k: expected_tokens_per_step(0.76, k) * step[1] / step[k + 1])
     assert best == 3
+
+
+def test_a_probe_that_found_nothing_to_draft_stays_due():
+    """No n-gram match at the probe's step: nothing was tried, so the next step looks again, and a later failed
+    probe waits as long as the first would have (not twice as long per empty look)."""
+    cfg = DraftPolicyConfig(num_speculative_tokens=4, cost_ratio=0.3, probe_interval=8, max_probe_interval=32)
+    policy = DraftLengthPolicy(cfg)
+    policy.draft_length("r", 1)
+    policy.record("r", 4, 0)
+    lengths = [policy.draft_length("r", 1) for _ in range(8)]
+    assert lengths[-1] == 4 and not any(lengths[:-1])  # the probe is due
+    policy.nothing_drafted("r")  # ... but there was nothing to draft
+    assert policy.draft_length("r", 1) == 4  # due again at once
+    policy.record("r", 4, 0)  # this one was tried and failed: the next waits twice the first interval
+    steps = next(step for step in range(1, 100) if policy.draft_length("r", 1))
+    assert steps == 16
