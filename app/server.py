@@ -194,7 +194,10 @@ def _generate(core, loaded: LoadedModel, request: Request) -> None:
     while core.has_unfinished_requests():
         outputs.extend(core.step())
     if not outputs or outputs[-1].finish_reason != "length":
-        error = outputs[-1].error if outputs else "no output"
+        error = (outputs[-1].error if outputs else None) or "no output"
+        if "OutOfMemoryError" in error:  # the KV pool was sized before any step ran: what a step needs was a guess
+            error += (" (a step at the full token budget did not fit beside the KV cache: lower engine.kv_cache_memory_mb"
+                      " (0: 80% of the GPU memory free after loading) or engine.max_num_batched_tokens)")
         raise RuntimeError(f"warm-up generation of {loaded.name} failed: {error}")
 
 

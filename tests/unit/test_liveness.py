@@ -236,3 +236,28 @@ async def test_a_replica_stopped_from_del_drains_at_once(monkeypatch):
     await shutdown.run()  # __del__: Serve routes nothing here any more
     assert time.monotonic() - started < lifecycle.STALE_ROUTES_S / 2
     assert budgets == [60 - 2 - lifecycle._MARGIN_S]
+
+
+def test_a_warm_up_out_of_memory_says_which_settings_to_lower():
+    from types import SimpleNamespace
+
+    from app.engine.request import RequestOutput
+    from app.server import _generate
+
+    class OutOfMemory:
+        def __init__(self):
+            self.left = True
+
+        def add_requests(self, requests):
+            self.request = requests[0]
+
+        def has_unfinished_requests(self):
+            return self.left
+
+        def step(self):
+            self.left = False
+            return [RequestOutput(self.request.request_id, [], "", 1, 0, finished=True, finish_reason="error",
+                                  error="OutOfMemoryError: CUDA out of memory. Tried to allocate 2.50 GiB")]
+
+    with pytest.raises(RuntimeError, match="lower engine.kv_cache_memory_mb"):
+        _generate(OutOfMemory(), SimpleNamespace(name="m"), Request("warmup", [1], SamplingParams(max_tokens=1)))
