@@ -67,3 +67,18 @@ async def merged(streams: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, o
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def best_candidates(plans: list, results: list, n: int) -> list:
+    """best_of: each prompt's ``n`` candidates (plan, (text, last output, logprobs)) with the highest log-probability
+    (sum over their tokens), best first, prompt after prompt."""
+    kept = []
+    for prompt_index in sorted({p.prompt_index for p in plans}):
+        candidates = [(p, r) for p, r in zip(plans, results) if p.prompt_index == prompt_index]
+        candidates.sort(key=lambda pr: -sum(lp.logprob for lp in pr[1][2] or []))
+        kept.extend(candidates[:n])
+    return kept
+
+
+def num_prompts(plans: list) -> int:
+    return len({p.prompt_index for p in plans})

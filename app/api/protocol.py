@@ -55,6 +55,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool = True  # OpenAI's padding of streamed chunks against length side channels: none here
 
 
 class _SamplingFields(_Strict):
@@ -176,6 +177,7 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (app/api/tools.py renders them)
     tool_call_id: str | None = None  # a tool message: the call it answers
+    refusal: str | None = None  # an OpenAI-shaped assistant message replayed as history: not shown to the model
 
     def as_template_message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.text()}

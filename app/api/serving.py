@@ -9,6 +9,7 @@ requests (``fanout.py``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -18,7 +19,7 @@ from typing import AsyncIterator
 from app.api import tools
 from app.api.errors import APIError, rejection_reason
 from app.api.fim import fim_prompt
-from app.api.fanout import MAX_CHOICES, choice_seed, gather_or_cancel, merged
+from app.api.fanout import MAX_CHOICES, best_candidates, choice_seed, gather_or_cancel, merged, num_prompts
 from app.api.logprobs import LogprobFormatter, next_text_offset
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
@@ -81,14 +82,16 @@ class OpenAIServing:
     # ---- completions --------------------------------------------------------------------
     async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[dict]:
         plans = self._completion_plans(request)
-        async for chunk in self._streamed(plans, request, _completion_choice, "text_completion"):
-            yield chunk
+        # closed with this stream (a client gone), not when collected: its engine requests are aborted at once
+        async with contextlib.aclosing(self._streamed(plans, request, _completion_choice, "text_completion")) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def completion(self, request: CompletionRequest) -> dict:
         plans = self._completion_plans(request)
         results = await gather_or_cancel([self._collect(p) for p in plans])
-        ranked = len(plans) > request.n * _num_prompts(plans)
-        kept = _best(plans, results, request.n) if ranked else list(zip(plans, results))
+        ranked = len(plans) > request.n * num_prompts(plans)
+        kept = best_candidates(plans, results, request.n) if ranked else list(zip(plans, results))
         shown = request.logprobs is not None  # best_of computed them for ranking only
         choices = [_completion_choice((p.echo or "") + text, last.finish_reason,
                                       self._completion_logprobs(lps, p) if shown else None, index)
@@ -98,11 +101,12 @@ class OpenAIServing:
     # ---- chat ---------------------------------------------------------------------------
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
         if request.tool_choice_resolved() is not None:  # calls are known once their text is whole
-            async for chunk in self._tool_chunks(request):
+            streamed = self._tool_chunks(request)
+        else:
+            streamed = self._streamed(self._chat_plans(request), request, _chat_choice, "chat.completion.chunk")
+        async with contextlib.aclosing(streamed) as chunks:  # closed with this stream, as completion_stream's
+            async for chunk in chunks:
                 yield chunk
-            return
-        async for chunk in self._streamed(self._chat_plans(request), request, _chat_choice, "chat.completion.chunk"):
-            yield chunk
 
     async def chat(self, request: ChatCompletionRequest) -> dict:
         plans = self._chat_plans(request)
@@ -111,8 +115,8 @@ class OpenAIServing:
         one_call = request.parallel_tool_calls is False
         choices = [{"index": p.index, "message": self._chat_message(text, choice, one_call), "logprobs": self.logprob_format.chat(lps),
                     "finish_reason": last.finish_reason} for p, (text, last, lps) in zip(plans, results)]
-        for entry in choices:
-            if entry["message"].get("tool_calls") and entry["finish_reason"] == "stop":
+        for entry in choices:  # a forced function's answer stops as any answer does (OpenAI, vLLM); the model's own calls
+            if choice in ("auto", "required") and entry["message"].get("tool_calls") and entry["finish_reason"] == "stop":
                 entry["finish_reason"] = "tool_calls"
         return self._response(plans, "chat.completion", choices)
 
@@ -197,10 +201,8 @@ class OpenAIServing:
         has the request: a full queue, a draining replica or a queue timeout is still an HTTP status (503), as for
         completions, not an error event inside a 200 stream. A chat stream's role chunks go out with the first
         content chunk."""
-        if len(plans) == 1:
-            chunks = self._chunks(plans[0], make_choice, kind)
-        else:
-            chunks = (chunk async for _, chunk in merged([self._chunks(p, make_choice, kind) for p in plans]))
+        streams = merged([self._chunks(p, make_choice, kind) for p in plans]) if len(plans) > 1 else None
+        chunks = self._chunks(plans[0], make_choice, kind) if streams is None else (chunk async for _, chunk in streams)
         try:
             first = await anext(chunks, None)
             if kind.startswith("chat"):
@@ -210,8 +212,10 @@ class OpenAIServing:
                 yield first
                 async for chunk in chunks:
                     yield chunk
-        finally:
-            await chunks.aclose()  # a client gone: its engine requests are aborted now, not when collected
+        finally:  # a client gone: its engine requests are aborted now, not when collected
+            await chunks.aclose()
+            if streams is not None:
+                await streams.aclose()  # closing the expression around it does not close it
         if request.include_usage:
             yield {**self._chunk(plans[0], kind, None), "usage": _usage(plans)}
 
@@ -381,18 +385,3 @@ def _usage(plans: list[_Prepared]) -> dict:
     prompt = sum({p.prompt_index: len(p.prompt_token_ids) for p in plans}.values())
     completion = sum(p.last.num_output_tokens for p in plans if p.last is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _best(plans: list[_Prepared], results: list, n: int) -> list:
-    """best_of: each prompt's ``n`` candidates with the highest log-probability (sum over their tokens), best first,
-    prompt after prompt."""
-    kept = []
-    for prompt_index in sorted({p.prompt_index for p in plans}):
-        candidates = [(p, r) for p, r in zip(plans, results) if p.prompt_index == prompt_index]
-        candidates.sort(key=lambda pr: -sum(lp.logprob for lp in pr[1][2] or []))
-        kept.extend(candidates[:n])
-    return kept
-
-
-def _num_prompts(plans: list[_Prepared]) -> int:
-    return len({p.prompt_index for p in plans})

@@ -127,3 +127,22 @@ async def test_served_figures_leave_out_refusals_and_names_this_model_does_not_s
     assert data["e2e_request_latency_seconds"]["count"] == served and sum(data["request_success"].values()) == served
     assert data["request_success"]["error"] == 1
     assert set(server.serving.metrics) == {"fake-a"}
+
+
+async def test_closing_a_stream_of_several_choices_ends_every_choice_at_once():
+    """n = 3 streamed, the client leaves after 4 chunks: all three engine requests end with the close, not when
+    the garbage collector finds the merged stream."""
+    from app.api.protocol import CompletionRequest, parse_body
+    from app.config import AppConfig
+    from tests.serve.fake_model import fake_model_server
+
+    server = fake_model_server(AppConfig.from_args({"models": [{"model": {"source": "fake-a"}, "engine": {"separate_process": False}}]}).models[0])
+    try:
+        stream = server.serving.completion_stream(parse_body({"model": "fake-a", "prompt": "hello", "n": 3, "max_tokens": 500,
+                                                              "stream": True}, CompletionRequest))
+        for _ in range(4):
+            await anext(stream)
+        await stream.aclose()
+        assert server.engine.num_unfinished == 0
+    finally:
+        server.shutdown(1)

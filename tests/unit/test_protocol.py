@@ -154,6 +154,11 @@ def test_fields_that_change_nothing_in_generation_are_accepted():
     chat = parse_body(json.dumps({**CHAT, **ignored, "parallel_tool_calls": True}), ChatCompletionRequest)
     assert chat.sampling_params(4) == parse_body(json.dumps(CHAT), ChatCompletionRequest).sampling_params(4)
     parse_body(json.dumps({"prompt": "x", **ignored}), CompletionRequest)
+    # an OpenAI-shaped assistant message replayed as history, and a stream option at its no-op value
+    replayed = [*CHAT["messages"], {"role": "assistant", "content": "Paris.", "refusal": None}, {"role": "user", "content": "Why?"}]
+    chat = parse_body(json.dumps({**CHAT, "messages": replayed, "stream": True,
+                                  "stream_options": {"include_usage": True, "include_obfuscation": False}}), ChatCompletionRequest)
+    assert chat.include_usage and chat.messages[1].as_template_message() == {"role": "assistant", "content": "Paris."}
     with pytest.raises(APIError, match="each tool must be"):  # a tool without a function is a 400 naming the tool
         parse_body(json.dumps({**CHAT, "tools": [{"type": "function"}], "parallel_tool_calls": True}), ChatCompletionRequest)
 
