@@ -223,6 +223,10 @@ class OpenAIServing:
     def _prepare(self, prefix: str, prompt_ids: list[int], request: _SamplingFields, max_tokens: int | None) -> _Prepared:
         if not prompt_ids:
             raise APIError(400, "the prompt must contain at least one token", param="prompt")
+        if max(prompt_ids) >= self.vocab_size:  # a tokenizer with tokens the model has no embedding for
+            raise APIError(400, f"the prompt holds token {max(prompt_ids)}, past the model's vocabulary of {self.vocab_size} "
+                           "(its tokenizer has tokens the model was not resized for): leave them out",
+                           param="messages" if prefix == "chatcmpl" else "prompt")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise APIError(

@@ -58,7 +58,8 @@ class ModelConfig:
 
 
 def _default_name(source: str) -> str:
-    """A hub id names itself; a local directory or .gguf file is named by its last path part."""
-    if source.startswith((".", "/", "~")) or source.endswith(".gguf"):
+    """A hub id names itself; a local directory or .gguf file is named by its last path part (a relative path that
+    exists is one, as the loader reads it: ``ck/llama/`` is ``llama``)."""
+    if source.startswith((".", "/", "~")) or source.endswith(".gguf") or Path(source).expanduser().exists():
         return Path(source).name.removesuffix(".gguf") or "model"
     return source

@@ -154,6 +154,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except (OSError, ValueError, KeyError, ImportError) as exc:
         raise ModelLoadError(f"model {config.source!r} could not be loaded from {path!r}: {exc}") from exc
     _require_every_weight(config.source, loading)
+    _warn_about(config, model, tokenizer, device, dtype)
     model.eval()
     loaded = LoadedModel(
         name=config.name,
@@ -173,6 +174,17 @@ def load_model(config: ModelConfig) -> LoadedModel:
         config.quantization, loaded.max_model_len,
     )
     return loaded
+
+
+def _warn_about(config: ModelConfig, model, tokenizer, device: torch.device, dtype: torch.dtype) -> None:
+    """What loads and runs, but not as a user would expect it to."""
+    vocab = getattr(model.config, "vocab_size", None) or model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab:  # prompts holding the extra tokens are refused, each alone (a 400)
+        logger.warning("model %s: its tokenizer has %d tokens, its embeddings %d (added tokens, weights not resized): "
+                       "prompts holding the others are refused", config.source, len(tokenizer), vocab)
+    if device.type == "cpu" and dtype == torch.float16:
+        logger.warning("model %s: float16 on a CPU runs emulated, several times slower than float32 "
+                       "(dtype: auto or float32 there)", config.source)
 
 
 def auto_takes_bf16_products(device: torch.device) -> bool:

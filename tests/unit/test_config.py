@@ -149,3 +149,12 @@ def test_model_names_that_would_share_a_deployment_are_refused_at_build():
     models = [{"model": "first"}, {"model": {"source": "org/m"}}, {"model": {"source": "x", "name": "org:m"}}]
     with pytest.raises(ValueError, match="models org/m, org:m would all be deployment LLMServer:org-m"):
         build_app({"models": models})
+
+
+def test_a_relative_path_that_exists_is_named_by_its_last_part(tmp_path, monkeypatch):
+    from app.config import ModelConfig
+
+    (tmp_path / "ck" / "llama").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert ModelConfig(source="ck/llama/").name == ModelConfig(source="ck/llama").name == "llama"
+    assert ModelConfig(source="org/model").name == "org/model"  # a hub id (nothing of that name here) names itself

@@ -35,3 +35,14 @@ async def test_every_token_a_stop_token_under_min_tokens_is_a_400(server):
     assert (info.value.status, info.value.param) == (400, "stop_token_ids")
     answer = await server.serving.completion(parse_body({**body, "min_tokens": 0}, CompletionRequest))  # may stop at once
     assert len(answer["choices"]) == 1
+
+
+async def test_a_prompt_holding_a_token_past_the_models_vocabulary_is_a_400_alone(server, monkeypatch):
+    """A fine-tune's tokenizer with added tokens the embeddings were not resized for: its prompt would fail the
+    whole step (an index past the embedding), so it is refused before the engine, the others answered."""
+    monkeypatch.setattr(server.serving, "vocab_size", ord("h"))  # "h" and later bytes are past it
+    with pytest.raises(APIError) as info:
+        await server.serving.completion(parse_body({"prompt": "hello", "max_tokens": 2}, CompletionRequest))
+    assert (info.value.status, info.value.param) == (400, "prompt") and "past the model's vocabulary of 104" in info.value.message
+    answer = await server.serving.completion(parse_body({"prompt": "ABC", "max_tokens": 2}, CompletionRequest))
+    assert answer["choices"][0]["finish_reason"] == "length"
