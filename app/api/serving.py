@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from app.api import tools
+from app.api import tool_streams, tools
 from app.api.errors import APIError, rejection_reason
 from app.api.fim import fim_prompt
 from app.api.fanout import MAX_CHOICES, best_candidates, choice_seed, gather_or_cancel, merged, num_prompts
@@ -100,10 +100,15 @@ class OpenAIServing:
 
     # ---- chat ---------------------------------------------------------------------------
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
-        if request.tool_choice_resolved() is not None:  # calls are known once their text is whole
+        choice, kind = request.tool_choice_resolved(), "chat.completion.chunk"
+        if choice == "auto":  # content as it comes, calls once their text is whole
+            one_call = request.parallel_tool_calls is False
+            streamed = self._streamed(self._chat_plans(request), request, _chat_choice, kind, chunker=lambda plan:
+                                      tool_streams.auto_chunks(self._chunks(plan, _chat_choice, kind), self.tool_parser, one_call))
+        elif choice is not None:  # a forced call: its JSON, whole
             streamed = self._tool_chunks(request)
         else:
-            streamed = self._streamed(self._chat_plans(request), request, _chat_choice, "chat.completion.chunk")
+            streamed = self._streamed(self._chat_plans(request), request, _chat_choice, kind)
         async with contextlib.aclosing(streamed) as chunks:  # closed with this stream, as completion_stream's
             async for chunk in chunks:
                 yield chunk
@@ -138,23 +143,10 @@ class OpenAIServing:
         return message
 
     async def _tool_chunks(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
-        """A streamed chat with tools: the whole answer first (admission and errors still come before any byte),
-        then as OpenAI streams it: the role, the content, each call as one ``delta.tool_calls`` entry, the finish."""
-        response = await self.chat(request)
-        head = {key: response[key] for key in ("id", "created", "model")}
-        head["object"] = "chat.completion.chunk"
-        for entry in response["choices"]:
-            message, index = entry["message"], entry["index"]
-            yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
-            if message.get("content"):
-                yield {**head, "choices": [{"index": index, "delta": {"content": message["content"]}, "logprobs": entry["logprobs"],
-                                            "finish_reason": None}]}
-            calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
-            if calls:
-                yield {**head, "choices": [{"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}]}
-            yield {**head, "choices": [{"index": index, "delta": {}, "logprobs": None, "finish_reason": entry["finish_reason"]}]}
-        if request.include_usage:
-            yield {**head, "choices": [], "usage": response["usage"]}
+        """A streamed chat with a forced call (required, or a named function): the whole answer first (admission and
+        errors still come before any byte), then as OpenAI streams it (app/api/tool_streams.py)."""
+        async for chunk in tool_streams.whole_answer_chunks(await self.chat(request), request.include_usage):
+            yield chunk
 
     # ---- one OpenAI request, several engine requests (app/api/fanout.py) -------------------
     def _chat_plans(self, request: ChatCompletionRequest) -> list[_Prepared]:
@@ -196,13 +188,15 @@ class OpenAIServing:
                                                  prompt_index=prompt_index))
         return plans
 
-    async def _streamed(self, plans: list[_Prepared], request: _SamplingFields, make_choice, kind: str) -> AsyncIterator[dict]:
+    async def _streamed(self, plans: list[_Prepared], request: _SamplingFields, make_choice, kind: str,
+                        chunker=None) -> AsyncIterator[dict]:
         """Every choice's chunks as they come, then the usage chunk (if asked). Nothing is sent before the engine
         has the request: a full queue, a draining replica or a queue timeout is still an HTTP status (503), as for
         completions, not an error event inside a 200 stream. A chat stream's role chunks go out with the first
         content chunk."""
-        streams = merged([self._chunks(p, make_choice, kind) for p in plans]) if len(plans) > 1 else None
-        chunks = self._chunks(plans[0], make_choice, kind) if streams is None else (chunk async for _, chunk in streams)
+        chunker = chunker or (lambda plan: self._chunks(plan, make_choice, kind))
+        streams = merged([chunker(p) for p in plans]) if len(plans) > 1 else None
+        chunks = chunker(plans[0]) if streams is None else (chunk async for _, chunk in streams)
         try:
             first = await anext(chunks, None)
             if kind.startswith("chat"):

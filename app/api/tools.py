@@ -205,3 +205,45 @@ def with_loaded_arguments(message: dict) -> dict:
     calls = [{**c, "function": {**c["function"], "arguments": loaded_arguments(c["function"].get("arguments"))}}
              for c in message["tool_calls"]]
     return {**message, "tool_calls": calls}
+
+
+_CALL_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
+_PYTHON_TAG = "<|python_tag|>"
+
+
+class StreamedCalls:
+    """A free answer (``tool_choice: auto``) as it streams: content goes out as it comes, up to where a call may
+    begin (the parser's marker, or the start of one at the end of the text so far; for ``llama3_json``, an answer
+    that opens as JSON); from there the text is held and read as calls (and any content) once it is whole."""
+
+    def __init__(self, parser: str) -> None:
+        if parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool parser {parser!r} (known: {', '.join(TOOL_PARSERS)})")
+        self.parser = parser
+        self.text = ""
+        self.released = 0  # the text before this has gone out as content
+
+    def feed(self, delta: str) -> str:
+        """Add the answer's next text; returns the content that can go out now."""
+        self.text += delta
+        upto = max(self._releasable(), self.released)
+        out, self.released = self.text[self.released:upto], upto
+        return out
+
+    def finish(self) -> tuple[str | None, list[ToolCall]]:
+        """The content still held (None if none) and the calls, read from the text not sent."""
+        rest = self.text[self.released:]
+        return parse_calls(rest, self.parser) if rest.strip() else (rest or None, [])
+
+    def _releasable(self) -> int:
+        text = self.text
+        if self.parser == "llama3_json":  # calls only when the whole answer is one: it opens with JSON or the tag
+            body = text.lstrip()
+            opens_as_call = body.startswith("{") or body.startswith(_PYTHON_TAG) or _PYTHON_TAG.startswith(body)
+            return 0 if not body or opens_as_call else len(text)
+        marker = _CALL_MARKERS[self.parser]
+        found = text.find(marker, self.released)
+        if found >= 0:
+            return found
+        held = next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
+        return len(text) - held

@@ -1,0 +1,52 @@
+"""Streamed chat answers with tools, as OpenAI streams them: the content as deltas, each call as one
+``delta.tool_calls`` entry (its ``index``, ``id``, name and whole arguments), then the finish."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+from app.api.tools import StreamedCalls
+
+
+async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool) -> AsyncIterator[dict]:
+    """One choice of a chat with ``tool_choice: auto``, from its plain chunks: content as it comes, held only where
+    a call may begin (``StreamedCalls``); at the end any content held, then the calls, then the finish
+    (``tool_calls`` where calls ended it). ``one_call``: ``parallel_tool_calls: false`` keeps the first."""
+    calls_in, held_logprobs = StreamedCalls(parser), []
+    async with contextlib.aclosing(chunks):  # closed with this stream (a client gone): its request aborted at once
+        async for chunk in chunks:
+            choice = chunk["choices"][0]
+            held_logprobs += (choice["logprobs"] or {}).get("content") or []  # they go out with the text they are for
+            text = calls_in.feed(choice["delta"].get("content") or "")
+            calls = []
+            if choice["finish_reason"] is not None:
+                content, calls = calls_in.finish()
+                text, calls = text + (content or ""), calls[:1] if one_call else calls
+            if text:
+                logprobs, held_logprobs = ({"content": held_logprobs} if held_logprobs else None), []
+                yield {**chunk, "choices": [{**choice, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}]}
+            if calls:
+                entries = [{"index": i, **call.as_openai()} for i, call in enumerate(calls)]
+                yield {**chunk, "choices": [{**choice, "delta": {"tool_calls": entries}, "logprobs": None, "finish_reason": None}]}
+            if choice["finish_reason"] is not None:
+                finish = "tool_calls" if calls and choice["finish_reason"] == "stop" else choice["finish_reason"]
+                yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": None, "finish_reason": finish}]}
+
+
+async def whole_answer_chunks(response: dict, include_usage: bool) -> AsyncIterator[dict]:
+    """A whole chat response as the chunks of a stream: the role, any content, the calls, the finish, the usage."""
+    head = {key: response[key] for key in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+    for entry in response["choices"]:
+        message, index = entry["message"], entry["index"]
+        yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+        if message.get("content"):
+            yield {**head, "choices": [{"index": index, "delta": {"content": message["content"]}, "logprobs": entry["logprobs"],
+                                        "finish_reason": None}]}
+        calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
+        if calls:
+            yield {**head, "choices": [{"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}]}
+        yield {**head, "choices": [{"index": index, "delta": {}, "logprobs": None, "finish_reason": entry["finish_reason"]}]}
+    if include_usage:
+        yield {**head, "choices": [], "usage": response["usage"]}

@@ -1,0 +1,55 @@
+"""A streamed chat with tools (tool_choice auto) on the real serving layer over the fake model (no Ray): content
+goes out as it comes, the calls once their text is whole, and it all assembles to the non-streamed answer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.api.protocol import ChatCompletionRequest, parse_body
+from app.api.tools import StreamedCalls
+from app.config import AppConfig
+from tests.serve.fake_model import REPLAY, fake_model_server
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+ANSWER = 'Let me check the weather. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+
+@pytest.fixture
+def server():
+    served = {"model": {"source": "fake-tools"}, "engine": {"separate_process": False}}
+    server = fake_model_server(AppConfig.from_dict({"models": [served]}).models[0])
+    yield server
+    server.shutdown(timeout_s=1)
+
+
+def _body(**extra) -> dict:
+    content = f"Weather in Oslo? {REPLAY[0].decode()}{ANSWER}{REPLAY[1].decode()}"  # the fake model answers ANSWER
+    return {"messages": [{"role": "user", "content": content}], "tools": [WEATHER], "max_tokens": 400, **extra}
+
+
+async def test_content_streams_before_the_call_and_all_of_it_assembles_to_the_whole_answer(server):
+    whole = (await server.serving.chat(parse_body(_body(), ChatCompletionRequest)))["choices"][0]
+    chunks = [c async for c in server.serving.chat_stream(parse_body(_body(stream=True), ChatCompletionRequest))]
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    content_chunks = [d["delta"]["content"] for d in deltas if d["delta"].get("content")]
+    assert len(content_chunks) > 10  # token by token, not one piece at the end
+    calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    assert "".join(content_chunks).strip() == whole["message"]["content"] == "Let me check the weather."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather"]
+    assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("parser, pieces, released, calls", [
+    ("hermes", ["Hi ", "<to", "ol_call>", '{"name": "f", "arguments": {}}</tool_call>'], ["Hi ", "", "", ""], ["f"]),
+    ("hermes", ["a <to", "p> b"], ["a ", "<top> b"], []),  # the start of a marker that was not one goes out late
+    ("llama3_json", [" ", '{"name": "f", "parameters": {}}'], ["", ""], ["f"]),  # an answer opening as JSON: held
+    ("llama3_json", ["Hi", " there"], ["Hi", " there"], []),
+    ("mistral", ["ok ", "[TOOL_", 'CALLS][{"name": "f", "arguments": {}}]'], ["ok ", "", ""], ["f"]),
+])
+def test_text_is_held_only_where_a_call_may_begin(parser, pieces, released, calls):
+    stream = StreamedCalls(parser)
+    assert [stream.feed(piece) for piece in pieces] == released
+    assert [call.name for call in stream.finish()[1]] == calls
