@@ -224,9 +224,10 @@ class StreamedCalls:
         self.released = 0  # the text before this has gone out as content
 
     def feed(self, delta: str) -> str:
-        """Add the answer's next text; returns the content that can go out now."""
+        """Add the answer's next text; returns the content that can go out now. Trailing whitespace waits for what
+        follows it: before a call it is no content (the whole answer's content is stripped there)."""
         self.text += delta
-        upto = max(self._releasable(), self.released)
+        upto = max(len(self.text[:self._releasable()].rstrip()), self.released)
         out, self.released = self.text[self.released:upto], upto
         return out
 
