@@ -106,29 +106,21 @@ class BlockManager:
         entry = self._requests.setdefault(request_id, _RequestBlocks())
         if entry.table or not self.enable_prefix_caching:
             return 0
-        max_blocks = (len(token_ids) - 1) // self.block_size
-        parent = b""
-        for index in range(max_blocks):
-            block_hash = _hash_block(parent, token_ids[index * self.block_size : (index + 1) * self.block_size])
+        for block_hash in self._prefix_hashes(token_ids, 0, (len(token_ids) - 1) // self.block_size):
             block_id = self._cached.get(block_hash)
             if block_id is None:
                 break
             self._take(block_id)
             entry.table.append(block_id)
             entry.hashes.append(block_hash)
-            parent = block_hash
         return len(entry.table) * self.block_size
 
     def first_uncached_block(self, token_ids: list[int]) -> bytes | None:
         """The prefix hash of the first block of ``token_ids`` that ``find_cached_prefix`` would not find, or None."""
         if not self.enable_prefix_caching:
             return None
-        parent = b""
-        for index in range((len(token_ids) - 1) // self.block_size):
-            parent = _hash_block(parent, token_ids[index * self.block_size : (index + 1) * self.block_size])
-            if parent not in self._cached:
-                return parent
-        return None
+        hashes = self._prefix_hashes(token_ids, 0, (len(token_ids) - 1) // self.block_size)
+        return next((block_hash for block_hash in hashes if block_hash not in self._cached), None)
 
     def blocks_filled(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> list[bytes]:
         """The prefix hashes of the request's blocks that become full once ``num_computed_tokens`` are computed:
@@ -136,12 +128,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         entry = self._requests.get(request_id) or _RequestBlocks()
-        parent = entry.hashes[-1] if entry.hashes else b""
-        filled = []
-        for index in range(len(entry.hashes), num_computed_tokens // self.block_size):
+        return list(self._prefix_hashes(token_ids, len(entry.hashes), num_computed_tokens // self.block_size, entry.hashes))
+
+    def _prefix_hashes(self, token_ids: list[int], start: int, end: int, known: list[bytes] = ()):
+        """The prefix hashes of blocks ``start`` to ``end`` (exclusive) of ``token_ids``, chained from ``known``,
+        the hashes of the blocks before ``start``."""
+        parent = known[start - 1] if start else b""
+        for index in range(start, end):
             parent = _hash_block(parent, token_ids[index * self.block_size : (index + 1) * self.block_size])
-            filled.append(parent)
-        return filled
+            yield parent
 
     def record_prefix_query(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (a lookup retried after a failed admission counts once)."""
@@ -154,10 +149,8 @@ class BlockManager:
             return
         entry = self._requests[request_id]
         num_full = min(num_computed_tokens // self.block_size, len(entry.table))
-        while len(entry.hashes) < num_full:
-            index = len(entry.hashes)
-            parent = entry.hashes[-1] if entry.hashes else b""
-            block_hash = _hash_block(parent, token_ids[index * self.block_size : (index + 1) * self.block_size])
+        for index, block_hash in enumerate(self._prefix_hashes(token_ids, len(entry.hashes), num_full, entry.hashes),
+                                           start=len(entry.hashes)):
             entry.hashes.append(block_hash)
             if entry.table[index] == DROPPED:
                 continue
