@@ -58,6 +58,9 @@ def install_fast_path(model: nn.Module, config: EngineConfig, dtype: torch.dtype
     path = FastPath("on" if reason is None else f"off ({reason})")
     if _device(model).type != "cpu":
         path.parts["all"] = f"torch (model on {_device(model)})"
+        if config.batch_invariant:  # cuBLAS and its peers choose a product's reduction order by the batch's shape
+            logger.warning("engine.batch_invariant: the model is on %s, where the fixed-order kernels do not run: a row's "
+                           "products may sum differently beside other rows (the guarantee holds on CPUs)", _device(model))
         return _logged(path)
     pack_cpu_linears(model, config.cpu_linear_kernel, weight_dtype or torch.float32, bf16_products, config.batch_invariant)
     path.parts["linear"] = describe_packed(model)

@@ -79,3 +79,16 @@ def test_a_bf16_model_keeps_torchs_attention_and_an_fp32_model_reads_a_bf16_pool
     path = install_fast_path(_tiny_llama(), EngineConfig(), torch.float32, torch.bfloat16)
     assert (path.attention is not None) == (unavailable_reason() is None)
     assert path.parts["KV cache"] == "bfloat16"
+
+
+def test_batch_invariant_mode_off_the_cpu_warns_that_it_is_not_kept(caplog):
+    """On a GPU the vendor's products choose their reduction by the batch's shape: the mode's promise does not hold
+    there, and the start log says so (a model on the meta device stands in for one on a GPU)."""
+    model = _tiny_llama().to("meta")
+    for invariant in (False, True):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="app.cpu"):
+            path = install_fast_path(model, EngineConfig(batch_invariant=invariant), torch.float32)
+        assert path.parts == {"all": "torch (model on meta)"}
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert bool(warned) == invariant and all("batch_invariant" in line and "meta" in line for line in warned)
