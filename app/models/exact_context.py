@@ -54,6 +54,26 @@ def _temperature_tuning(config: Any) -> tuple[int, str] | None:
     return None
 
 
+def rope_scaled_context(config: Any, native: int | None) -> tuple[int, str] | None:
+    """(the context a YaRN rope scaling extends the model to, how), where that is past ``max_position_embeddings``.
+
+    transformers computes YaRN's frequencies once from the config (static), so every position up to
+    ``original_max_position_embeddings x factor`` is computed the same in any pass: the context vLLM derives too
+    (Qwen2.5/Qwen3's long-context setting adds it to config.json). Dynamic NTK recomputes its frequencies from a pass's
+    largest position, which a packed step does not reproduce per request: no extension. Linear scaling is not
+    extended either: some checkpoints' ``max_position_embeddings`` already counts its factor (Gemma 3)."""
+    ropes = _rope_parameters(config)
+    kinds = [rope.get("rope_type") or rope.get("type") for rope in ropes]
+    if native is None or "dynamic" in kinds or "longrope" in kinds:
+        return None
+    best = None
+    for kind, rope in zip(kinds, ropes):
+        original = int(rope.get("original_max_position_embeddings") or native)
+        if kind == "yarn" and rope.get("factor") and int(original * rope["factor"]) > (best or (native, ""))[0]:
+            best = int(original * rope["factor"]), f"YaRN rope scaling, factor {rope['factor']:g} over {original} positions"
+    return best
+
+
 def packed_step_limit(config: Any) -> tuple[int, str] | None:
     """The most tokens one engine step may pack for this architecture (its layers read positions within the pass)."""
     return _temperature_tuning(config)

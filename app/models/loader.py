@@ -11,7 +11,7 @@ import torch
 
 from app.config import ModelConfig
 from app.engine import host_cpus
-from app.models.exact_context import exact_context_limit
+from app.models.exact_context import exact_context_limit, rope_scaled_context
 from app.models.quantization import QuantizationError, from_pretrained_kwargs
 from app.quiet import quiet_gptqmodel
 from app.models.registry import BUILTIN_MODELS, prepare_builtin
@@ -252,7 +252,8 @@ def _require_every_weight(source: str, loading: dict) -> None:
 
 def _context_length(config: ModelConfig, model: torch.nn.Module, source: str) -> int:
     native = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    exact, why = exact_context_limit(model.config) or (None, "")  # app/models/exact_context.py
+    native, how = rope_scaled_context(model.config, native) or (native, "")  # app/models/exact_context.py
+    exact, why = exact_context_limit(model.config) or (None, "")
     if config.max_model_len is None:
         if native is None:
             raise ModelLoadError(f"model {source!r} does not state its context length; set model.max_model_len")
@@ -263,6 +264,7 @@ def _context_length(config: ModelConfig, model: torch.nn.Module, source: str) ->
     if native is not None and config.max_model_len > native:
         raise ModelLoadError(
             f"model {source!r}: max_model_len {config.max_model_len} exceeds the model's context of {native} tokens"
+            + (f" ({how})" if how else "")
         )
     if exact is not None and config.max_model_len > exact:
         raise ModelLoadError(f"model {source!r}: max_model_len {config.max_model_len} is past the {exact} tokens this model "

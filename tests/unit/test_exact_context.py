@@ -2,10 +2,10 @@
 cannot hold (app/engine/runner.py), from transformers' own configs."""
 
 import pytest
-from transformers import Gemma3TextConfig, LlamaConfig, Llama4TextConfig, Phi3Config
+from transformers import Gemma3TextConfig, LlamaConfig, Llama4TextConfig, Phi3Config, Qwen2Config
 
 from app.engine.runner import _require_steps_within_the_packed_limit
-from app.models.exact_context import exact_context_limit
+from app.models.exact_context import exact_context_limit, rope_scaled_context
 
 
 def test_most_architectures_have_no_limit():
@@ -32,6 +32,23 @@ def test_llama4_holds_to_its_attention_chunk_and_below_its_temperature_tuning():
     with pytest.raises(ValueError, match="engine.max_num_batched_tokens 8192 is past the 8191 tokens one step"):
         _require_steps_within_the_packed_limit(Llama4TextConfig(floor_scale=8192), 8192)
 
+
+
+def test_yarn_extends_the_context_to_its_original_length_times_its_factor():
+    """Qwen2.5's long-context setting (config.json gains YaRN, max_position_embeddings stays 32768): 131072, as vLLM
+    derives; DeepSeek-V3's form (the extended length already stated) stays; dynamic NTK, linear and none: no change."""
+    qwen = Qwen2Config(max_position_embeddings=32768, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    tokens, how = rope_scaled_context(qwen, 32768)
+    assert tokens == 131072 and how == "YaRN rope scaling, factor 4 over 32768 positions"
+    implied = LlamaConfig(max_position_embeddings=4096, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
+    assert rope_scaled_context(implied, 4096)[0] == 8192  # the original is the stated context
+    stated = LlamaConfig(max_position_embeddings=163840, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
+                                                                          "original_max_position_embeddings": 4096})
+    assert rope_scaled_context(stated, 163840) is None
+    for rope in ({"rope_type": "dynamic", "factor": 2.0}, {"rope_type": "linear", "factor": 8.0}, None):
+        config = LlamaConfig(max_position_embeddings=4096, rope_parameters=rope and {**rope, "rope_theta": 1e4})
+        assert rope_scaled_context(config, 4096) is None
+    assert rope_scaled_context(qwen, None) is None
 
 @pytest.mark.parametrize("config, message", [
     ("DeepseekV3Config", "DeepseekV3Config cannot be served: it uses multi-head latent attention"),

@@ -58,6 +58,10 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "qwen2-moe-mixed": ("Qwen2MoeConfig", {**SMALL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                                            "shared_expert_intermediate_size": 64, "use_sliding_window": True,
                                            "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}),
+    # YaRN over 16 positions, factor 16: served to 256 (app/models/exact_context.py), every test prompt past the 16
+    "qwen2-yarn": ("Qwen2Config", {**SMALL, "max_position_embeddings": 16,
+                                   "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
+                                                       "original_max_position_embeddings": 16}}),
     # long factors from position 32 on: served to 32 tokens (app/models/exact_context.py)
     "phi3-longrope": ("Phi3Config", {**SMALL, "pad_token_id": 0, "original_max_position_embeddings": 32,
                                      "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,

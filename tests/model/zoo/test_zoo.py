@@ -1,4 +1,4 @@
-"""The model zoo: twenty-three tiny seeded checkpoints of transformers architectures, each served exactly as transformers
+"""The model zoo: twenty-four tiny seeded checkpoints of transformers architectures, each served exactly as transformers
 computes it (fp32: every greedy token transformers' top choice up to a 1e-4 near-tie, every logprob within 1e-4)
 or refused at load. Prompts of 7-50 tokens in a batch of 4 (longer than the sliding windows), prefilled in
 chunks of at most 32 tokens, then one alone (the prefix cache holds its first blocks) and one that shares a
@@ -211,6 +211,18 @@ def test_longrope_is_served_to_its_original_context_and_no_further(zoo_dir, toke
     check_parity(engine, loaded)
     prompts = [prompt[:24] for prompt in _prompts(tokenizer, loaded.model.config.vocab_size)]  # room for 6 new tokens
     _assert_matches_transformers(_reference_model(path), _run(engine, prompts, "batch"))
+
+
+def test_yarn_serves_its_scaled_context_and_no_further(zoo_dir, tokenizer):
+    """YaRN's frequencies are static in transformers: the context is the original times the factor, as vLLM derives
+    (test_served_exactly runs this checkpoint's prompts far past its 16 stated positions)."""
+    from app.models import ModelLoadError
+
+    path = build_checkpoint("qwen2-yarn", zoo_dir, tokenizer)
+    assert load_model(ModelConfig(source=str(path), dtype="float32")).max_model_len == 256
+    with pytest.raises(ModelLoadError, match=r"max_model_len 257 exceeds the model's context of 256 tokens \(YaRN rope "
+                                             r"scaling, factor 16 over 16 positions\)"):
+        load_model(ModelConfig(source=str(path), dtype="float32", max_model_len=257))
 
 
 def test_a_checkpoint_missing_weights_is_refused_naming_them(zoo_dir, tokenizer, tmp_path):
