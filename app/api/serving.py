@@ -353,7 +353,7 @@ class OpenAIServing:
         messages = [m.as_template_message() for m in request.messages]
         shown = request.parsed_tools() if request.tool_choice_resolved() is not None else []
         extra = {}
-        if tools.template_renders_tools(self.tokenizer):
+        if tools.template_renders_tools(self.tokenizer, bool(shown)):
             extra = {"tools": [t.as_openai() for t in shown]} if shown else {}
             messages = [tools.with_loaded_arguments(m) for m in messages]
         else:  # a template without tools: tools, calls and results as Hermes-style text

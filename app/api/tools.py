@@ -164,8 +164,12 @@ def _is_text(value: str) -> bool:
     return True
 
 
-def template_renders_tools(tokenizer) -> bool:
+def template_renders_tools(tokenizer, with_tools: bool) -> bool:
+    """Whether the template transformers applies renders tools: of a checkpoint's named templates (Hermes 2 Pro's,
+    Command R's) it takes ``tool_use`` when tools are passed, else ``default``, as ``get_chat_template`` does."""
     template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("tool_use") if with_tools and "tool_use" in template else template.get("default")
     return isinstance(template, str) and "tools" in template
 
 

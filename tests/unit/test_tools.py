@@ -102,3 +102,23 @@ def test_a_call_whose_decoded_name_or_arguments_are_no_text_stays_content():
     assert parse_calls(text, "hermes") == (text, [])
     text = '<tool_call>\n{"name": "get_time", "arguments": "\\udfff"}\n</tool_call>'
     assert parse_calls(text, "hermes") == (text, [])
+
+
+def test_named_templates_render_tools_through_their_tool_use_template():
+    """A checkpoint with named templates (Hermes 2 Pro, Command R): transformers applies ``tool_use`` when tools are
+    passed; the tools go to it in the model's own format, not as the Hermes text meant for templates without tools."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from app.api.serving import OpenAIServing
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+                                        unk_token="[UNK]")
+    turns = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer.chat_template = {"default": turns, "tool_use": "TOOLS {{ tools | map(attribute='function.name') | join(',') }}\n" + turns}
+    texts = []
+    tokenizer.encode = lambda text, add_special_tokens=True: texts.append(text) or [0]
+    serving = OpenAIServing(None, tokenizer, "m", 64, [0], 1)
+    serving._chat_prompt(parse_body({**CHAT, "tools": [WEATHER, TIME]}, ChatCompletionRequest))
+    serving._chat_prompt(parse_body(CHAT, ChatCompletionRequest))
+    assert texts == ["TOOLS get_weather,get_time\nuser: Weather in Oslo?\n", "user: Weather in Oslo?\n"]
