@@ -77,6 +77,8 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     # OpenAI fields that change nothing in generation: accepted and ignored (docs/api.md)
     user: str | None = None
+    safety_identifier: str | None = None  # OpenAI's successor to `user`
+    prompt_cache_key: str | None = None  # a cache-routing hint: the prefix cache needs none
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -150,7 +152,7 @@ def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)  # 0: with echo only (the prompt scored, nothing generated)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # legacy completions: the number of alternatives
     echo: bool = False
     suffix: str | None = None  # fill-in-the-middle, on models with FIM tokens (app/api/fim.py)
@@ -162,6 +164,9 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
         if self.stream and (self.best_of or self.n) > self.n:
             raise APIError(400, "best_of cannot be streamed: the best candidates are known only at the end", param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 generates nothing: it is taken with echo (the prompt and, with logprobs, "
+                           "its tokens' logprobs)", param="max_tokens")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -177,7 +182,11 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (app/api/tools.py renders them)
     tool_call_id: str | None = None  # a tool message: the call it answers
-    refusal: str | None = None  # an OpenAI-shaped assistant message replayed as history: not shown to the model
+    # An assistant message of OpenAI's shape replayed as history: output metadata, not shown to the model
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None  # a reference to an earlier audio answer: none is ever given here
+    function_call: None = None  # the deprecated form of tool_calls
 
     def as_template_message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
@@ -190,6 +199,8 @@ class ChatMessage(_Strict):
             message["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:  # the participant's name, for templates that render it
+            message["name"] = self.name
         return message
 
     def text(self) -> str:
@@ -212,6 +223,13 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # ignored without tools
+    # OpenAI fields of features this server has not: accepted unset (null; modalities ["text"]), else a 400 naming them
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
 
     def _reject_unsupported(self) -> None:
         super()._reject_unsupported()
@@ -221,6 +239,10 @@ class ChatCompletionRequest(_SamplingFields):
                            "or structured_outputs", param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        for name, why in _FEATURES_NOT_SERVED.items():
+            value = getattr(self, name)
+            if value is not None and not (name == "modalities" and value == ["text"]):
+                raise APIError(400, f"{name} is not supported: {why}; leave it unset", param=name)
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -243,6 +265,15 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+_FEATURES_NOT_SERVED = {
+    "audio": "this server answers in text only", "modalities": "this server answers in text only",
+    "prediction": "predicted outputs are not taken (speculative decoding drafts on its own)",
+    "reasoning_effort": "the model's chat template decides whether it reasons",
+    "verbosity": "the model's chat template decides how long it answers",
+    "web_search_options": "this server does not search the web",
+}
 
 
 class GenerateRequest(_Strict):

@@ -44,6 +44,7 @@ class _Prepared:
     echo: str | None = None  # completions with echo: the prompt's text, sent before the answer
     last: RequestOutput | None = None  # its last output, once it has one
     prompt_logprobs: list[TokenLogprob | None] | None = None  # sampling.prompt_logprobs: from its first output
+    prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt scored; the one token computed is no answer
 
     def __post_init__(self) -> None:
         self.response_id = self.response_id or self.request_id
@@ -239,7 +240,8 @@ class OpenAIServing:
                 param=field,
                 code="context_length_exceeded",
             )
-        sampling = request.sampling_params(max_tokens or room, self.default_sampling)
+        prompt_only = max_tokens == 0
+        sampling = request.sampling_params(1 if prompt_only else max_tokens or room, self.default_sampling)
         for param, ids in (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", [t for t, _ in sampling.logit_bias])):
             outside = [t for t in ids if not 0 <= t < self.vocab_size]
             if outside:
@@ -249,7 +251,7 @@ class OpenAIServing:
                            param="stop_token_ids")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         model = request.model or self.model_name
-        return _Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model))
+        return _Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model), prompt_only=prompt_only)
 
     def _drafter_for(self, model: str) -> int | None:
         """The drafter serving the name a request was sent to: its own, else an unnamed one, else none."""
@@ -270,6 +272,9 @@ class OpenAIServing:
         timing = RequestTiming(time.monotonic(), len(prepared.prompt_token_ids))  # ends as "abort" unless told
         try:
             async for output in self.engine.generate(request, self.admit):
+                if prepared.prompt_only:
+                    output = dataclasses.replace(output, new_token_ids=[], new_text="", num_output_tokens=0,
+                                                 logprobs=None if output.logprobs is None else [])
                 prepared.last = output
                 prepared.prompt_logprobs = prepared.prompt_logprobs or output.prompt_logprobs
                 timing.tokens(time.monotonic(), len(output.new_token_ids))
@@ -295,7 +300,7 @@ class OpenAIServing:
         async for output in self._generate(prepared):
             parts.append(output.new_text)
             last = output
-            if output.logprobs:
+            if output.logprobs is not None:
                 logprobs = (logprobs or []) + output.logprobs
         return "".join(parts), last, logprobs
 

@@ -127,6 +127,22 @@ async def test_echo_with_logprobs_gives_every_prompt_tokens_logprob_as_transform
     assert first["text"].startswith(prompt) and first["logprobs"]["token_logprobs"][0] is None
 
 
+async def test_max_tokens_0_with_echo_scores_the_prompt_alone(server_fp32, loaded_fp32):
+    """Prompt scoring as vLLM answers it (OpenAI's legacy completions took it too): max_tokens 0 with echo gives the
+    prompt, its tokens' logprobs (the same as with max_tokens 1) and no answer, streamed or not."""
+    prompt = "The capital of France is Paris, and the capital of Spain is"
+    ids = loaded_fp32.tokenizer.encode(prompt)
+    one = (await _complete(server_fp32, prompt=prompt, echo=True, logprobs=2, max_tokens=1, temperature=0))["choices"][0]
+    response = await _complete(server_fp32, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    choice = response["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert response["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert choice["logprobs"] == {key: values[:len(ids)] for key, values in one["logprobs"].items()}
+    streamed = await _stream(server_fp32, CompletionRequest, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    assert "".join(c["choices"][0]["text"] for c in streamed if c["choices"]) == prompt
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in streamed if c["choices"]) == len(ids)
+
+
 @pytest.mark.parametrize("echo", [False, True])
 async def test_streamed_logprobs_continue_the_offsets_and_every_token_is_among_its_alternatives(server_fp32, echo):
     """OpenAI's completions logprobs: a token's alternatives hold the token itself (up to logprobs + 1 entries), and

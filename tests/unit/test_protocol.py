@@ -21,6 +21,7 @@ from app.engine import EngineOverloadedError
         ({"model": "m", "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
         ({"model": "m", "prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
         ({"model": "m", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ({"model": "m", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo: nothing to answer
         ({"model": "m", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
         ({"model": "m", "prompt": 5}, 400, "prompt"),  # the field, not the union member pydantic tried ("prompt.str")
         ({"model": "m", "prompt": "x", "ignore_eos": True, "structured_outputs": {"json": "{not json"}}, 400,
@@ -150,7 +151,8 @@ def test_values_of_the_right_type_still_parse():
 
 
 def test_fields_that_change_nothing_in_generation_are_accepted():
-    ignored = {"user": "u-1", "store": False, "metadata": {"team": "search"}, "service_tier": "auto"}
+    ignored = {"user": "u-1", "store": False, "metadata": {"team": "search"}, "service_tier": "auto",
+               "safety_identifier": "u-1", "prompt_cache_key": "session-7"}
     chat = parse_body(json.dumps({**CHAT, **ignored, "parallel_tool_calls": True}), ChatCompletionRequest)
     assert chat.sampling_params(4) == parse_body(json.dumps(CHAT), ChatCompletionRequest).sampling_params(4)
     parse_body(json.dumps({"prompt": "x", **ignored}), CompletionRequest)
@@ -197,3 +199,27 @@ def test_bodies_no_tokenizer_or_serializer_could_take_are_400s(raw, param, code)
     assert info.value.status == 400 and info.value.code == code
     assert param is None or info.value.param == param
     assert parse_body('{"prompt": "an emoji \\ud83d\\ude00 is a surrogate pair"}', CompletionRequest).prompt.endswith("pair")
+
+
+def test_an_openai_answer_replayed_as_history_is_accepted_and_names_reach_the_template():
+    """The `openai` client's ``message.model_dump()`` carries annotations, audio and function_call (null): accepted,
+    not shown to the model; a message's ``name`` goes to the template, as vLLM passes it."""
+    answer = {"role": "assistant", "content": "Paris.", "refusal": None, "annotations": [], "audio": None, "function_call": None}
+    chat = parse_body({"messages": [{"role": "user", "content": "Capital?", "name": "ada"}, answer]}, ChatCompletionRequest)
+    assert [m.as_template_message() for m in chat.messages] == [{"role": "user", "content": "Capital?", "name": "ada"},
+                                                                {"role": "assistant", "content": "Paris."}]
+    with pytest.raises(APIError) as info:  # a call in the deprecated form would be dropped: a 400 naming it
+        parse_body({"messages": [{**answer, "function_call": {"name": "f", "arguments": "{}"}}]}, ChatCompletionRequest)
+    assert info.value.param == "messages.0.function_call"
+
+
+@pytest.mark.parametrize("field, unset, asked", [
+    ("audio", None, {"voice": "alloy", "format": "wav"}), ("modalities", ["text"], ["text", "audio"]),
+    ("prediction", None, {"type": "content", "content": "x"}), ("reasoning_effort", None, "low"),
+    ("verbosity", None, "low"), ("web_search_options", None, {}),
+])
+def test_openai_features_not_served_are_taken_unset_and_refused_when_asked(field, unset, asked):
+    parse_body({**CHAT, field: unset}, ChatCompletionRequest)
+    with pytest.raises(APIError) as info:
+        parse_body({**CHAT, field: asked}, ChatCompletionRequest)
+    assert (info.value.status, info.value.param) == (400, field) and "not supported" in str(info.value)
