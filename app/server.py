@@ -57,7 +57,7 @@ class ModelServer:
             self.info.max_model_len,
             self.info.eos_token_ids,
             vocab_size=self.info.vocab_size,
-            default_sampling=config.default_sampling,
+            default_sampling=_sampling_defaults(self.info, config),
             admit=admit,
             speculative_names=[spec.served_name for spec in config.engine.drafters],
             tool_parser=config.model.tool_parser,
@@ -167,8 +167,19 @@ def build_model_core(config: ServedModelConfig) -> tuple[LLMEngine, CoreInfo]:
         check_parity(core, loaded)
     # Readiness means the model has produced a token, not merely that weights were read.
     warmup_s = _warm_up(core, loaded, config.engine.max_num_batched_tokens)
-    info = CoreInfo(loaded.name, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, _vocab_size(loaded), warmup_s)
+    info = CoreInfo(loaded.name, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, _vocab_size(loaded), warmup_s,
+                    loaded.sampling_defaults)
     return core, info
+
+
+def _sampling_defaults(info: CoreInfo, config: ServedModelConfig) -> dict:
+    """For fields a request leaves unset: the config's ``default_sampling``, then the checkpoint's, then OpenAI's."""
+    from_checkpoint = {key: value for key, value in info.sampling_defaults.items() if key not in config.default_sampling}
+    if from_checkpoint:
+        logger.info("model %s: requests that leave them unset take its generation_config's %s (model.generation_config: "
+                    "none or default_sampling to change)", info.name,
+                    ", ".join(f"{key}={value}" for key, value in from_checkpoint.items()))
+    return {**info.sampling_defaults, **config.default_sampling}
 
 
 def _warm_up(core, loaded: LoadedModel, step_tokens: int) -> float:

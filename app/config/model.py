@@ -34,6 +34,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     quantization: str = "none"
     tool_parser: str = "hermes"  # how "auto" tool calls are read from its text: hermes, llama3_json, mistral
+    # auto: requests' unset sampling fields take the checkpoint's generation_config.json values, as vLLM does
+    # (app/models/generation_defaults.py); none: OpenAI's defaults (vLLM's --generation-config vllm)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.source or not isinstance(self.source, str):
@@ -51,6 +54,8 @@ class ModelConfig:
             )
         if self.tool_parser not in TOOL_PARSERS:
             raise ValueError(f"model.tool_parser {self.tool_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"model.generation_config {self.generation_config!r} is not auto or none")
         if self.device not in DEVICES:
             raise ValueError(f"model.device {self.device!r} is not one of {', '.join(DEVICES)}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

@@ -78,9 +78,9 @@ SAMPLING_DEFAULT_KEYS = (
 class ServedModelConfig:
     """One model served by the app: what to load, how to run it, how to deploy it.
 
-    ``default_sampling`` fills the sampling fields a request leaves unset (like vLLM's
-    generation-config defaults): small models answer better at a low temperature than at
-    OpenAI's default of 1.0.
+    ``default_sampling`` fills the sampling fields a request leaves unset, before the checkpoint's
+    generation_config.json values (``model.generation_config``): small models answer better at a low
+    temperature than at OpenAI's default of 1.0.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -28,7 +28,7 @@ import multiprocessing
 import os
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Protocol
 
@@ -69,6 +69,7 @@ class CoreInfo:
     eos_token_ids: frozenset[int]
     vocab_size: int
     warmup_s: float
+    sampling_defaults: dict = field(default_factory=dict)  # the checkpoint's, for fields a request leaves unset
 
 
 CoreBuild = Callable[[], "tuple[EngineCore, Any]"]  # builds the core; returns it and what it says about itself

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from app.config import ModelConfig
 from app.engine import host_cpus
 from app.models.exact_context import exact_context_limit, rope_scaled_context
+from app.models.generation_defaults import checkpoint_sampling_defaults
 from app.models.quantization import QuantizationError, from_pretrained_kwargs
 from app.quiet import quiet_gptqmodel
 from app.models.registry import BUILTIN_MODELS, prepare_builtin
@@ -41,6 +43,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     weight_dtype: torch.dtype | None = None  # set when Linear weights are stored narrower than dtype (see below)
     bf16_products: bool = False  # Linear layers multiply in bf16 (activations rounded too) on our avx512_bf16 kernel
+    sampling_defaults: dict[str, float] = field(default_factory=dict)  # generation_config.json's (generation_defaults.py)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -151,7 +154,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         # device_map, not .to(): quantized weights are placed as they load and must not move afterwards.
         model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device}, output_loading_info=True,
                                                               **quantization, **common)
-    except (OSError, ValueError, KeyError, ImportError) as exc:
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError, SafetensorError) as exc:
         raise ModelLoadError(f"model {config.source!r} could not be loaded from {path!r}: {exc}") from exc
     _require_every_weight(config.source, loading)
     _warn_about(config, model, tokenizer, device, dtype)
@@ -166,6 +169,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         eos_token_ids=_eos_token_ids(model, tokenizer),
         weight_dtype=weight_dtype,
         bf16_products=bf16_products,
+        sampling_defaults=checkpoint_sampling_defaults(model, config.source) if config.generation_config == "auto" else {},
     )
     logger.info(
         "Loaded %s from %s on %s as %s%s, quantization %s (context %d)",

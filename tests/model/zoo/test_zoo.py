@@ -244,3 +244,36 @@ def test_a_checkpoint_missing_weights_is_refused_naming_them(zoo_dir, tokenizer,
     with pytest.raises(ModelLoadError, match=r"no values for lm_head.weight, which transformers would fill with random "
                                              r"numbers; the checkpoint holds quantized tensors \(qweight\)"):
         load_model(ModelConfig(source=str(path), dtype="float32"))
+
+
+def test_the_checkpoints_generation_config_gives_the_sampling_defaults(zoo_dir, tokenizer, tmp_path, caplog):
+    """As vLLM applies generation_config.json: its sampling fields fill what a request leaves unset; a value no
+    request may take is left out, and what transformers' generate applies beyond sampling is named at load."""
+    import logging
+    import shutil
+
+    from transformers import GenerationConfig
+
+    path = tmp_path / "llama-with-defaults"
+    shutil.copytree(build_checkpoint("llama", zoo_dir, tokenizer), path)
+    GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05, min_p=7.0,
+                     suppress_tokens=[5], no_repeat_ngram_size=3).save_pretrained(path)
+    with caplog.at_level(logging.WARNING, logger="app.models"):
+        loaded = load_model(ModelConfig(source=str(path), dtype="float32"))
+    assert loaded.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "min_p=7.0" in warned and "sets suppress_tokens, no_repeat_ngram_size" in warned
+    assert load_model(ModelConfig(source=str(path), dtype="float32", generation_config="none")).sampling_defaults == {}
+
+
+def test_a_damaged_weights_file_is_refused_naming_the_model(zoo_dir, tokenizer, tmp_path):
+    import shutil
+
+    from app.models import ModelLoadError
+
+    path = tmp_path / "llama-truncated"
+    shutil.copytree(build_checkpoint("llama", zoo_dir, tokenizer), path)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match="could not be loaded from"):
+        load_model(ModelConfig(source=str(path), dtype="float32"))
