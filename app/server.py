@@ -213,7 +213,9 @@ def _generate(core, loaded: LoadedModel, request: Request) -> None:
 
 
 def _vocab_size(loaded: LoadedModel) -> int:
-    return int(getattr(loaded.model.config, "vocab_size", None) or len(loaded.tokenizer))
+    from app.engine.text_config import text_config
+
+    return int(getattr(text_config(loaded.model.config), "vocab_size", None) or len(loaded.tokenizer))
 
 
 def _set_torch_threads(requested: int) -> None:

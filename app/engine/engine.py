@@ -28,6 +28,7 @@ from app.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from app.metrics import STEP_TOKEN_BUCKETS, Histogram
 from app.models import LoadedModel
 from app.spec.controller import SpeculationController
+from app.engine.text_config import text_config
 
 logger = logging.getLogger(__name__)
 # A device-side assert or an illegal memory access (torch.AcceleratorError) leaves the CUDA context unusable;
@@ -127,7 +128,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.max_model_len)
-        vocab_size = self.runner.model.config.vocab_size
+        vocab_size = text_config(self.runner.model.config).vocab_size
         self.speculation = SpeculationController(config.drafters, loaded.max_model_len, vocab_size) if config.drafters else None
         self.counters = StepCounters()
         self.step_cost = StepCost()

@@ -23,6 +23,7 @@ import torch
 from app.engine.paged_attention import ATTENTION_NAME
 from app.engine.request import MAX_LOGPROBS, Request, SamplingParams, TokenLogprob
 from app.engine.runner import configured_windows, no_longer_than
+from app.engine.text_config import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def _run_engine(engine, requests: list[Request], arch: str, max_model_len: int) 
     """Step ``requests`` through the engine with a small step budget (chunked prefill); check every step's layers."""
     logprobs: dict[str, list[TokenLogprob]] = {r.request_id: [] for r in requests}
     expected = set(range(engine.runner.kv_pool.shape[0]))
-    windows = configured_windows(engine.runner.model.config, len(expected), max_model_len)
+    windows = configured_windows(text_config(engine.runner.model.config), len(expected), max_model_len)
     with _step_budget(engine.scheduler, _CHUNK_TOKENS), _short_prompts_through_every_path(engine.runner):
         engine.add_requests(requests)
         while engine.has_unfinished_requests():
@@ -180,7 +181,7 @@ def _prompt(tokenizer, text: str, length: int, vocab: int) -> list[int]:
 
 
 def _vocab(loaded) -> int:
-    return int(getattr(loaded.model.config, "vocab_size", None) or len(loaded.tokenizer))
+    return int(getattr(text_config(loaded.model.config), "vocab_size", None) or len(loaded.tokenizer))
 
 
 def _architecture(model) -> str:

@@ -28,6 +28,7 @@ from app.engine.sampling import Sampler, has_penalty, token_logprobs
 from app.engine.scheduler import ScheduledRequest, SchedulerOutput
 from app.models import LoadedModel
 from app.spec.verify import verify_drafts
+from app.engine.text_config import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +138,12 @@ def _require_steps_within_the_packed_limit(model_config, max_num_batched_tokens:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.model = loaded.model
-        _require_steps_within_the_packed_limit(loaded.model.config, config.max_num_batched_tokens)
-        self.sliding_window = uniform_sliding_window(loaded.model.config)
+        model_config = text_config(loaded.model.config)  # a multimodal checkpoint's decoder
+        _require_steps_within_the_packed_limit(model_config, config.max_num_batched_tokens)
+        self.sliding_window = uniform_sliding_window(model_config)
         self.device = loaded.device
         self.block_size = config.block_size
-        shape = KVCacheShape.of(self.model.config)
+        shape = KVCacheShape.of(model_config)
         kv_dtype = kv_cache_dtype(config, loaded)
         self.num_blocks = config.num_kv_blocks or _blocks_for_budget(shape, kv_dtype, config, self.device)
         # [layers, key/value, slots, kv_heads, head_dim]: allocated once, never grown, so a step cannot OOM.
@@ -150,12 +152,12 @@ class ModelRunner:
             dtype=kv_dtype, device=self.device,
         )
         self.kv_bytes = self.kv_pool.numel() * self.kv_pool.element_size()
-        self.sampler = Sampler(Grammars(loaded.tokenizer, self.model.config.vocab_size, loaded.eos_token_ids))
+        self.sampler = Sampler(Grammars(loaded.tokenizer, model_config.vocab_size, loaded.eos_token_ids))
         self.step = register_paged_attention(self.model)
         self.last_attended: dict[int, int | None] = {}  # the last step's attention layers (index -> window)
         # plain fp32 CPU Linear layers only (quantized ones run as loaded); bf16 weights where the loader chose them
         self.fast_path = install_fast_path(self.model, config, loaded.dtype, kv_dtype, loaded.weight_dtype, loaded.bf16_products)
-        self.attention = attention_route(self.fast_path.attention, config, self.model.config.num_attention_heads,
+        self.attention = attention_route(self.fast_path.attention, config, model_config.num_attention_heads,
                                          shape.num_kv_heads, shape.head_dim, kv_dtype)
         logger.info("KV cache: %d blocks of %d tokens (%.0f MB)", self.num_blocks, self.block_size, self.kv_bytes / 2**20)
 

@@ -14,6 +14,7 @@ from app.config import ModelConfig
 from app.engine import host_cpus
 from app.models.exact_context import exact_context_limit, rope_scaled_context
 from app.models.generation_defaults import checkpoint_sampling_defaults
+from app.engine.text_config import text_config
 from app.models.quantization import QuantizationError, from_pretrained_kwargs
 from app.quiet import quiet_gptqmodel
 from app.models.registry import BUILTIN_MODELS, prepare_builtin
@@ -182,7 +183,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
 
 def _warn_about(config: ModelConfig, model, tokenizer, device: torch.device, dtype: torch.dtype) -> None:
     """What loads and runs, but not as a user would expect it to."""
-    vocab = getattr(model.config, "vocab_size", None) or model.get_input_embeddings().num_embeddings
+    vocab = getattr(text_config(model.config), "vocab_size", None) or model.get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:  # prompts holding the extra tokens are refused, each alone (a 400)
         logger.warning("model %s: its tokenizer has %d tokens, its embeddings %d (added tokens, weights not resized): "
                        "prompts holding the others are refused", config.source, len(tokenizer), vocab)
@@ -255,9 +256,10 @@ def _require_every_weight(source: str, loading: dict) -> None:
 
 
 def _context_length(config: ModelConfig, model: torch.nn.Module, source: str) -> int:
-    native = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    native, how = rope_scaled_context(model.config, native) or (native, "")  # app/models/exact_context.py
-    exact, why = exact_context_limit(model.config) or (None, "")
+    model_config = text_config(model.config)  # a multimodal checkpoint's decoder
+    native = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+    native, how = rope_scaled_context(model_config, native) or (native, "")  # app/models/exact_context.py
+    exact, why = exact_context_limit(model_config) or (None, "")
     if config.max_model_len is None:
         if native is None:
             raise ModelLoadError(f"model {source!r} does not state its context length; set model.max_model_len")

@@ -17,7 +17,7 @@ from app.engine.engine import LLMEngine
 from app.engine.kv_cache import DROPPED
 from app.engine.parity import ParityError, check_parity
 from app.models import load_model
-from tests.model.zoo.checkpoints import ARCHITECTURES, WINDOW, build_checkpoint
+from tests.model.zoo.checkpoints import ARCHITECTURES, WINDOW, _spread_norms, build_checkpoint
 
 pytestmark = pytest.mark.model
 
@@ -277,3 +277,31 @@ def test_a_damaged_weights_file_is_refused_naming_the_model(zoo_dir, tokenizer, 
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ModelLoadError, match="could not be loaded from"):
         load_model(ModelConfig(source=str(path), dtype="float32"))
+
+
+def test_a_multimodal_checkpoint_serves_its_text_decoder_exactly(zoo_dir, tokenizer):
+    """Gemma 3 from 4B (Mistral Small 3.1, Qwen2.5-VL alike) loads as a *ForConditionalGeneration whose decoder's fields
+    sit under text_config: its context, KV shape, windows and vocabulary come from there; text prompts are served
+    exactly as transformers computes them (an image part is a 400: docs/api.md)."""
+    from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    path = zoo_dir / "gemma3-multimodal"
+    if not (path / "config.json").exists():
+        text = Gemma3TextConfig(vocab_size=len(tokenizer) + 8, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=384,
+                                sliding_window=WINDOW, query_pre_attn_scalar=16)
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14)
+        config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=len(tokenizer) + 1,
+                              boi_token_index=len(tokenizer) + 2, eoi_token_index=len(tokenizer) + 3)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _spread_norms(model)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    loaded = load_model(ModelConfig(source=str(path), dtype="float32"))
+    assert type(loaded.model).__name__ == "Gemma3ForConditionalGeneration" and loaded.max_model_len == 384
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32, max_num_seqs=16))
+    assert engine.runner.kv_pool.shape[0] == 2 and engine.runner.kv_pool.shape[-1] == 16
+    check_parity(engine, loaded)
+    _assert_matches_transformers(_reference_model(path), _run(engine, _prompts(tokenizer, len(tokenizer)), "batch"))
