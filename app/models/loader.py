@@ -55,13 +55,41 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
     if dtype != "auto":
         return _TORCH_DTYPES[dtype]
     if device.type == "cuda":
+        if checkpoint_dtype == torch.float16:  # as it was trained and stored: bf16 would drop 3 bits of it (vLLM keeps it too)
+            return torch.float16
         # native bf16 only (Ampere on): torch's default also counts GPUs that emulate it (T4, V100), several times slower
         return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     return auto_cpu_dtype()
+
+
+# Architectures whose activations overflow float16 (vLLM refuses them in float16 for the same reason)
+FLOAT16_UNSTABLE = ("gemma2", "gemma3", "gemma3_text", "glm4", "plamo2")
+
+
+def _refuse_unstable_float16(checkpoint_config, dtype: torch.dtype, source: str) -> None:
+    model_type = getattr(checkpoint_config, "model_type", None)
+    if dtype == torch.float16 and model_type in FLOAT16_UNSTABLE:
+        raise ModelLoadError(f"model {source!r}: {model_type} is numerically unstable in float16 (its activations overflow "
+                             "it); set model.dtype: float32, or bfloat16 where the device has it")
+
+
+def _checkpoint_config(path: str, common: dict):
+    """The checkpoint's config, read before its weights (None where it cannot be read alone: the load says why)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, **common)
+    except Exception:  # noqa: BLE001 - from_pretrained below reports it, naming the model
+        return None
+
+
+def _stored_dtype(checkpoint_config) -> torch.dtype | None:
+    value = getattr(text_config(checkpoint_config), "dtype", None) if checkpoint_config is not None else None
+    return value if isinstance(value, torch.dtype) else _TORCH_DTYPES.get(str(value).removeprefix("torch."))
 
 
 def auto_cpu_dtype() -> torch.dtype:
@@ -136,16 +164,18 @@ def load_model(config: ModelConfig) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    path, gguf_file = resolve_source(config.source)
+    common = {"revision": config.revision, "trust_remote_code": config.trust_remote_code}
+    if gguf_file:
+        common["gguf_file"] = gguf_file
+    checkpoint_config = _checkpoint_config(path, common)
+    dtype = resolve_dtype(config.dtype, device, _stored_dtype(checkpoint_config))
     # auto asks for bf16 products too: the fastest path where the CPU multiplies bf16 natively and our kernel runs
     bf16_products = _bf16_products(config, device, torch.bfloat16 if config.dtype == "auto" else dtype)
     weight_dtype = None
     if bf16_products or _bf16_weights_on_fp32(config, device, dtype):
         dtype, weight_dtype = torch.float32, torch.bfloat16
-    path, gguf_file = resolve_source(config.source)
-    common = {"revision": config.revision, "trust_remote_code": config.trust_remote_code}
-    if gguf_file:
-        common["gguf_file"] = gguf_file
+    _refuse_unstable_float16(checkpoint_config, dtype, config.source)
     _hide_the_weight_loading_bar()
     if config.quantization == "gptq":
         quiet_gptqmodel()

@@ -158,3 +158,34 @@ def test_a_relative_path_that_exists_is_named_by_its_last_part(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     assert ModelConfig(source="ck/llama/").name == ModelConfig(source="ck/llama").name == "llama"
     assert ModelConfig(source="org/model").name == "org/model"  # a hub id (nothing of that name here) names itself
+
+
+@pytest.mark.parametrize("stored, native_bf16, expected", [
+    ("float16", True, "float16"), ("bfloat16", True, "bfloat16"), ("float32", True, "bfloat16"), (None, True, "bfloat16"),
+    ("bfloat16", False, "float16"), ("float16", False, "float16"),
+])
+def test_auto_on_a_gpu_keeps_a_float16_checkpoint_in_float16(stored, native_bf16, expected, monkeypatch):
+    """As vLLM's auto: a checkpoint trained and stored in float16 stays float16 (bf16 keeps 3 fewer mantissa bits);
+    anything else takes bf16 where the GPU has it natively (no GPU needed: the device is only named)."""
+    import torch
+    from transformers import LlamaConfig
+
+    from app.models import loader
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native_bf16)
+    checkpoint = LlamaConfig(dtype=stored) if stored else LlamaConfig()
+    assert loader.resolve_dtype("auto", torch.device("cuda"), loader._stored_dtype(checkpoint)) == getattr(torch, expected)
+    assert loader.resolve_dtype("float32", torch.device("cuda"), loader._stored_dtype(checkpoint)) == torch.float32
+
+
+def test_architectures_that_overflow_float16_are_refused_in_it():
+    import torch
+    from transformers import Gemma2Config, LlamaConfig
+
+    from app.models import ModelLoadError, loader
+
+    with pytest.raises(ModelLoadError, match="gemma2 is numerically unstable in float16.*set model.dtype: float32"):
+        loader._refuse_unstable_float16(Gemma2Config(), torch.float16, "google/gemma-2-2b-it")
+    loader._refuse_unstable_float16(Gemma2Config(), torch.bfloat16, "google/gemma-2-2b-it")
+    loader._refuse_unstable_float16(LlamaConfig(), torch.float16, "llama")
+    loader._refuse_unstable_float16(None, torch.float16, "unreadable")  # the load itself reports such a checkpoint
