@@ -22,6 +22,7 @@ import time
 from typing import Any, AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -76,6 +77,13 @@ async def _guarded(response: Awaitable[Any], request_id: str) -> Any:
         # A full queue or a replica being replaced clears within seconds: tell clients when to come back.
         headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
         return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
+
+
+@api.exception_handler(HTTPException)
+async def _no_such_route(raw: Request, exc: HTTPException) -> JSONResponse:
+    """A path or method the server has not: an OpenAI-style error (FastAPI's own is ``{"detail": ...}``)."""
+    message = f"{raw.method} {raw.url.path}: {exc.detail}" + (" (the OpenAI API is under /v1)" if exc.status_code == 404 else "")
+    return JSONResponse(APIError(exc.status_code, message).to_dict(), status_code=exc.status_code, headers=exc.headers)
 
 
 def _raises_api_errors(method):
@@ -234,6 +242,10 @@ class OpenAIIngress:
     async def http_models(self):
         return await _guarded(self._models(), _request_id())
 
+    @api.get("/v1/models/{model:path}")
+    async def http_model(self, model: str):
+        return await _guarded(self._model_card(model), _request_id())
+
     @api.get("/metrics")
     async def http_metrics(self):
         """Prometheus text: every model's latency histograms, request and token counters, engine gauges."""
@@ -333,10 +345,15 @@ class OpenAIIngress:
         cards = await asyncio.gather(*(route.model_card(name) for name, route in self._routes.items()))
         return {"object": "list", "data": list(cards)}
 
+    async def _model_card(self, name: str) -> dict:
+        return await self._served(name).model_card(name)
+
     def _route_for(self, model: str | None):
         if self._draining:  # Serve is stopping this replica: the client retries and reaches another one
             raise EngineOverloadedError("this server is shutting down; retry")
-        name = model or self._default_model
+        return self._served(model or self._default_model)
+
+    def _served(self, name: str):
         route = self._routes.get(name)
         if route is None:
             served = ", ".join(self._routes)

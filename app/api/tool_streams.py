@@ -26,12 +26,14 @@ async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool) 
             if text:
                 logprobs, held_logprobs = ({"content": held_logprobs} if held_logprobs else None), []
                 yield {**chunk, "choices": [{**choice, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}]}
-            if calls:
+            if calls:  # the calls' tokens' logprobs go with them: the stream's add up to the whole answer's
                 entries = [{"index": i, **call.as_openai()} for i, call in enumerate(calls)]
-                yield {**chunk, "choices": [{**choice, "delta": {"tool_calls": entries}, "logprobs": None, "finish_reason": None}]}
+                logprobs, held_logprobs = ({"content": held_logprobs} if held_logprobs else None), []
+                yield {**chunk, "choices": [{**choice, "delta": {"tool_calls": entries}, "logprobs": logprobs, "finish_reason": None}]}
             if choice["finish_reason"] is not None:
                 finish = "tool_calls" if calls and choice["finish_reason"] == "stop" else choice["finish_reason"]
-                yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": None, "finish_reason": finish}]}
+                logprobs = {"content": held_logprobs} if held_logprobs else None  # tokens of no text (a call's end)
+                yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 async def whole_answer_chunks(response: dict, include_usage: bool) -> AsyncIterator[dict]:
@@ -41,12 +43,15 @@ async def whole_answer_chunks(response: dict, include_usage: bool) -> AsyncItera
     for entry in response["choices"]:
         message, index = entry["message"], entry["index"]
         yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+        logprobs = entry["logprobs"]  # with the content, else with the calls (their tokens'), else with the finish
         if message.get("content"):
-            yield {**head, "choices": [{"index": index, "delta": {"content": message["content"]}, "logprobs": entry["logprobs"],
+            yield {**head, "choices": [{"index": index, "delta": {"content": message["content"]}, "logprobs": logprobs,
                                         "finish_reason": None}]}
+            logprobs = None
         calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
         if calls:
-            yield {**head, "choices": [{"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}]}
-        yield {**head, "choices": [{"index": index, "delta": {}, "logprobs": None, "finish_reason": entry["finish_reason"]}]}
+            yield {**head, "choices": [{"index": index, "delta": {"tool_calls": calls}, "logprobs": logprobs, "finish_reason": None}]}
+            logprobs = None
+        yield {**head, "choices": [{"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": entry["finish_reason"]}]}
     if include_usage:
         yield {**head, "choices": [], "usage": response["usage"]}

@@ -31,7 +31,7 @@ import time
 
 from app.config import ServedModelConfig
 from app.engine.core_process import CoreInfo
-from app.engine.request import RequestOutput
+from app.engine.request import RequestOutput, TokenLogprob
 from app.server import ModelServer
 from app.spec.remote import DraftCall
 from tests.unit.fakes import CountingCore
@@ -125,9 +125,11 @@ class EchoCore(CountingCore):
             del self.requests[request.request_id]
             self.num_finished += 1
         text = bytes([token]).decode("utf-8", errors="replace")
+        # a made-up logprob per token (its position's), so answers can be checked to carry each one
+        logprobs = None if request.sampling.logprobs is None else [TokenLogprob(token, -request.num_output_tokens / 100)]
         return RequestOutput(
             request.request_id, [token], text, request.num_prompt_tokens, request.num_output_tokens,
-            finished=done, finish_reason=("stop" if ended else "length") if done else None,
+            finished=done, finish_reason=("stop" if ended else "length") if done else None, logprobs=logprobs,
         )
 
     def _trouble(self, request) -> RequestOutput | None:

@@ -118,6 +118,10 @@ def test_bad_request_gets_its_status_and_the_next_request_is_served(fake_client,
 def test_models_and_health(fake_client):
     models = fake_client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [FAKE_MODELS[0], FAKE_TWIN, FAKE_MODELS[1], FRAGILE_MODEL]
+    assert fake_client.get(f"/v1/models/{FAKE_TWIN}").json() == models["data"][1]  # the openai client's models.retrieve
+    for path, status in ((f"/v1/models/{FAKE_MODELS[0]}-nope", 404), ("/v2/completions", 404), ("/v1/models", 405)):
+        response = fake_client.post(path, json={}) if status == 405 else fake_client.get(path)
+        assert response.status_code == status and response.json()["error"]["message"], (path, response.text)
     health = fake_client.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert set(health.json()["models"]) == set(FAKE_MODELS + [FAKE_TWIN, FRAGILE_MODEL])

@@ -24,8 +24,8 @@ def server():
     server.shutdown(timeout_s=1)
 
 
-def _body(**extra) -> dict:
-    content = f"Weather in Oslo? {REPLAY[0].decode()}{ANSWER}{REPLAY[1].decode()}"  # the fake model answers ANSWER
+def _body(answer: str = ANSWER, **extra) -> dict:
+    content = f"Weather in Oslo? {REPLAY[0].decode()}{answer}{REPLAY[1].decode()}"  # the fake model answers this
     return {"messages": [{"role": "user", "content": content}], "tools": [WEATHER], "max_tokens": 400, **extra}
 
 
@@ -54,3 +54,16 @@ def test_text_is_held_only_where_a_call_may_begin(parser, pieces, released, call
     stream = StreamedCalls(parser)
     assert [stream.feed(piece) for piece in pieces] == released
     assert [call.name for call in stream.finish()[1]] == calls
+
+
+@pytest.mark.parametrize("tool_choice, answer", [
+    ("auto", ANSWER), ("required", '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')])
+async def test_a_streamed_tool_answer_carries_every_tokens_logprob_as_the_whole_answer(server, tool_choice, answer):
+    """The call's tokens keep their logprobs in the stream (on the calls' chunk), as the non-streamed answer gives
+    them: a client summing a stream's logprobs gets the answer's."""
+    body = _body(answer, logprobs=True, top_logprobs=1, tool_choice=tool_choice)
+    whole = (await server.serving.chat(parse_body(body, ChatCompletionRequest)))["choices"][0]
+    chunks = [c async for c in server.serving.chat_stream(parse_body({**body, "stream": True}, ChatCompletionRequest))]
+    streamed = [entry for c in chunks if c["choices"] for entry in (c["choices"][0]["logprobs"] or {}).get("content") or []]
+    assert len(whole["logprobs"]["content"]) > 20 and streamed == whole["logprobs"]["content"]
+    assert whole["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
