@@ -217,6 +217,10 @@ def _warn_about(config: ModelConfig, model, tokenizer, device: torch.device, dty
     if len(tokenizer) > vocab:  # prompts holding the extra tokens are refused, each alone (a 400)
         logger.warning("model %s: its tokenizer has %d tokens, its embeddings %d (added tokens, weights not resized): "
                        "prompts holding the others are refused", config.source, len(tokenizer), vocab)
+    outside = sorted(eos for eos in _eos_token_ids(model, tokenizer) if eos >= vocab)
+    if outside:  # never sampled: an answer ends only at max_tokens or a stop
+        logger.warning("model %s: its end-of-sequence token(s) %s lie past its %d embeddings, so no answer ends by "
+                       "itself (only at max_tokens or a stop)", config.source, outside, vocab)
     if device.type == "cpu" and dtype == torch.float16:
         logger.warning("model %s: float16 on a CPU runs emulated, several times slower than float32 "
                        "(dtype: auto or float32 there)", config.source)
@@ -285,9 +289,16 @@ def _require_every_weight(source: str, loading: dict) -> None:
                          f"with random numbers{hint}")
 
 
+# Where configs state their context (GPT-2: n_positions, ChatGLM: seq_length, MPT: max_seq_len): the least one
+# stated, as vLLM reads them
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_target_positions",
+                 "max_sequence_length", "max_seq_length", "seq_len")
+
+
 def _context_length(config: ModelConfig, model: torch.nn.Module, source: str) -> int:
     model_config = text_config(model.config)  # a multimodal checkpoint's decoder
-    native = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+    stated = [int(value) for key in _CONTEXT_KEYS if isinstance(value := getattr(model_config, key, None), int) and value > 0]
+    native = min(stated) if stated else None
     native, how = rope_scaled_context(model_config, native) or (native, "")  # app/models/exact_context.py
     exact, why = exact_context_limit(model_config) or (None, "")
     if config.max_model_len is None:
