@@ -8,6 +8,7 @@ import logging
 import shutil
 
 import pytest
+
 from app.config import ModelConfig
 from app.models import ModelLoadError, load_model
 from tests.model.zoo.checkpoints import build_checkpoint
