@@ -106,7 +106,10 @@ class OpenAIServing:
             one_call = request.parallel_tool_calls is False
             streamed = self._streamed(self._chat_plans(request), request, _chat_choice, kind, chunker=lambda plan:
                                       tool_streams.auto_chunks(self._chunks(plan, _chat_choice, kind), self.tool_parser, one_call))
-        elif choice is not None:  # a forced call: its JSON, whole
+        elif isinstance(choice, tools.Tool):  # a named function: its arguments as they come
+            streamed = self._streamed(self._chat_plans(request), request, _chat_choice, kind, chunker=lambda plan:
+                                      tool_streams.named_call_chunks(self._chunks(plan, _chat_choice, kind), choice.name))
+        elif choice is not None:  # required: the calls once whole (their names are known only inside the JSON)
             streamed = self._tool_chunks(request)
         else:
             streamed = self._streamed(self._chat_plans(request), request, _chat_choice, kind)
@@ -144,8 +147,8 @@ class OpenAIServing:
         return message
 
     async def _tool_chunks(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
-        """A streamed chat with a forced call (required, or a named function): the whole answer first (admission and
-        errors still come before any byte), then as OpenAI streams it (app/api/tool_streams.py)."""
+        """A streamed chat with ``tool_choice: required``: the whole answer first (admission and errors still come
+        before any byte), then as OpenAI streams it (app/api/tool_streams.py)."""
         async for chunk in tool_streams.whole_answer_chunks(await self.chat(request), request.include_usage):
             yield chunk
 

@@ -1,12 +1,13 @@
-"""Streamed chat answers with tools, as OpenAI streams them: the content as deltas, each call as one
-``delta.tool_calls`` entry (its ``index``, ``id``, name and whole arguments), then the finish."""
+"""Streamed chat answers with tools, as OpenAI streams them: the content as deltas, each call as ``delta.tool_calls``
+entries (its ``index``, ``id`` and name, then its arguments: whole, or a named function's in fragments as they
+come), then the finish."""
 
 from __future__ import annotations
 
 import contextlib
 from typing import AsyncIterator
 
-from app.api.tools import StreamedCalls
+from app.api.tools import StreamedCalls, ToolCall
 
 
 async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool) -> AsyncIterator[dict]:
@@ -34,6 +35,28 @@ async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool) 
                 finish = "tool_calls" if calls and choice["finish_reason"] == "stop" else choice["finish_reason"]
                 logprobs = {"content": held_logprobs} if held_logprobs else None  # tokens of no text (a call's end)
                 yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+async def named_call_chunks(chunks: AsyncIterator[dict], name: str) -> AsyncIterator[dict]:
+    """One choice of a chat whose ``tool_choice`` names a function: the answer is the call's arguments (constrained
+    to its schema), streamed as they come, as vLLM streams them: the call's id, name and first fragment, then each
+    fragment, then the finish. Whitespace around the JSON is left out, as the non-streamed call's arguments are."""
+    call, held, opened = ToolCall(name, ""), "", False
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            choice = chunk["choices"][0]
+            text = held + (choice["delta"].get("content") or "")
+            text = text if opened else text.lstrip()
+            fragment = text.rstrip()
+            held = text[len(fragment):]  # trailing whitespace waits for what follows it
+            if fragment or choice["logprobs"]:
+                entry = {"index": 0, "function": {"arguments": fragment}}
+                if not opened:  # the first fragment carries the call's id and name
+                    entry = {"index": 0, **call.as_openai(), "function": {"name": name, "arguments": fragment}}
+                opened = True
+                yield {**chunk, "choices": [{**choice, "delta": {"tool_calls": [entry]}, "finish_reason": None}]}
+            if choice["finish_reason"] is not None:
+                yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}]}
 
 
 async def whole_answer_chunks(response: dict, include_usage: bool) -> AsyncIterator[dict]:

@@ -108,8 +108,8 @@ def forced_calls(text: str, choice: str | Tool) -> list[ToolCall]:
         value = json.loads(text)
     except json.JSONDecodeError:
         return []  # cut at max_tokens: the text stays the content, finish_reason "length"
-    if isinstance(choice, Tool):
-        return [ToolCall(choice.name, json.dumps(value))]
+    if isinstance(choice, Tool):  # the arguments as the model wrote them, as a stream sends them
+        return [ToolCall(choice.name, text.strip())]
     return [ToolCall(call["name"], json.dumps(call["arguments"])) for call in value]
 
 

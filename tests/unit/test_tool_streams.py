@@ -56,8 +56,28 @@ def test_text_is_held_only_where_a_call_may_begin(parser, pieces, released, call
     assert [call.name for call in stream.finish()[1]] == calls
 
 
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+ARGUMENTS = ' {"city": "Oslo",  "unit": "celsius"} \n'  # the model's own spacing, inside and around
+
+
+async def test_a_named_functions_arguments_stream_as_they_come_and_assemble_to_the_whole_call(server):
+    """As vLLM streams a named tool_choice: the call's id and name with its first fragment, then fragment by fragment;
+    the fragments join to the non-streamed call's arguments (the model's text, whitespace around it left out)."""
+    body = _body(ARGUMENTS, tool_choice=NAMED)
+    whole = (await server.serving.chat(parse_body(body, ChatCompletionRequest)))["choices"][0]
+    chunks = [c async for c in server.serving.chat_stream(parse_body({**body, "stream": True}, ChatCompletionRequest))]
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    entries = [entry for d in deltas for entry in d["delta"].get("tool_calls", [])]
+    assert len(entries) > 10 and not any(d["delta"].get("content") for d in deltas)
+    assert entries[0]["id"].startswith("call_") and entries[0]["function"]["name"] == "get_weather"
+    assert all(set(e) == {"index", "function"} and set(e["function"]) == {"arguments"} for e in entries[1:])
+    call = whole["message"]["tool_calls"][0]
+    assert "".join(e["function"]["arguments"] for e in entries) == call["function"]["arguments"] == ARGUMENTS.strip()
+    assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "stop"
+
+
 @pytest.mark.parametrize("tool_choice, answer", [
-    ("auto", ANSWER), ("required", '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')])
+    ("auto", ANSWER), ("required", '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'), (NAMED, ARGUMENTS)])
 async def test_a_streamed_tool_answer_carries_every_tokens_logprob_as_the_whole_answer(server, tool_choice, answer):
     """The call's tokens keep their logprobs in the stream (on the calls' chunk), as the non-streamed answer gives
     them: a client summing a stream's logprobs gets the answer's."""
@@ -67,3 +87,4 @@ async def test_a_streamed_tool_answer_carries_every_tokens_logprob_as_the_whole_
     streamed = [entry for c in chunks if c["choices"] for entry in (c["choices"][0]["logprobs"] or {}).get("content") or []]
     assert len(whole["logprobs"]["content"]) > 20 and streamed == whole["logprobs"]["content"]
     assert whole["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks if c["choices"]) == 1
