@@ -82,7 +82,8 @@ async def _guarded(response: Awaitable[Any], request_id: str) -> Any:
 @api.exception_handler(HTTPException)
 async def _no_such_route(raw: Request, exc: HTTPException) -> JSONResponse:
     """A path or method the server has not: an OpenAI-style error (FastAPI's own is ``{"detail": ...}``)."""
-    message = f"{raw.method} {raw.url.path}: {exc.detail}" + (" (the OpenAI API is under /v1)" if exc.status_code == 404 else "")
+    hint = exc.status_code == 404 and not raw.url.path.startswith("/v1/")
+    message = f"{raw.method} {raw.url.path}: {exc.detail}" + (" (the OpenAI API is under /v1)" if hint else "")
     return JSONResponse(APIError(exc.status_code, message).to_dict(), status_code=exc.status_code, headers=exc.headers)
 
 

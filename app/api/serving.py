@@ -277,7 +277,8 @@ class OpenAIServing:
             async for output in self.engine.generate(request, self.admit):
                 if prepared.prompt_only:
                     output = dataclasses.replace(output, new_token_ids=[], new_text="", num_output_tokens=0,
-                                                 logprobs=None if output.logprobs is None else [])
+                                                 logprobs=None if output.logprobs is None else [],
+                                                 finish_reason="length" if output.finish_reason == "stop" else output.finish_reason)
                 prepared.last = output
                 prepared.prompt_logprobs = prepared.prompt_logprobs or output.prompt_logprobs
                 timing.tokens(time.monotonic(), len(output.new_token_ids))

@@ -41,14 +41,15 @@ async def named_call_chunks(chunks: AsyncIterator[dict], name: str) -> AsyncIter
     """One choice of a chat whose ``tool_choice`` names a function: the answer is the call's arguments (constrained
     to its schema), streamed as they come, as vLLM streams them: the call's id, name and first fragment, then each
     fragment, then the finish. Whitespace around the JSON is left out, as the non-streamed call's arguments are."""
-    call, held, opened = ToolCall(name, ""), "", False
+    call, held, opened, begun = ToolCall(name, ""), "", False, False
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             choice = chunk["choices"][0]
             text = held + (choice["delta"].get("content") or "")
-            text = text if opened else text.lstrip()
+            text = text if begun else text.lstrip()  # whitespace before the JSON is left out
             fragment = text.rstrip()
             held = text[len(fragment):]  # trailing whitespace waits for what follows it
+            begun = begun or bool(fragment)
             if fragment or choice["logprobs"]:
                 entry = {"index": 0, "function": {"arguments": fragment}}
                 if not opened:  # the first fragment carries the call's id and name

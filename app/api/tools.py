@@ -104,12 +104,12 @@ def forced_schema(choice: str | Tool, tools: list[Tool], parallel: bool) -> dict
 
 def forced_calls(text: str, choice: str | Tool) -> list[ToolCall]:
     """The calls in a constrained output (it follows forced_schema, unless cut short by max_tokens)."""
+    if isinstance(choice, Tool):  # the arguments as the model wrote them (cut short too), as vLLM and a stream send them
+        return [ToolCall(choice.name, text.strip())]
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return []  # cut at max_tokens: the text stays the content, finish_reason "length"
-    if isinstance(choice, Tool):  # the arguments as the model wrote them, as a stream sends them
-        return [ToolCall(choice.name, text.strip())]
     return [ToolCall(call["name"], json.dumps(call["arguments"])) for call in value]
 
 

@@ -55,14 +55,18 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: torch.dtype | None = None,
+                  model_type: str | None = None) -> torch.dtype:
     if dtype != "auto":
         return _TORCH_DTYPES[dtype]
     if device.type == "cuda":
+        # native bf16 only (Ampere on): torch's default also counts GPUs that emulate it (T4, V100), several times slower
+        native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        if model_type in FLOAT16_UNSTABLE:  # never float16 (vLLM's auto leaves it out for them too)
+            return torch.bfloat16 if native_bf16 else torch.float32
         if checkpoint_dtype == torch.float16:  # as it was trained and stored: bf16 would drop 3 bits of it (vLLM keeps it too)
             return torch.float16
-        # native bf16 only (Ampere on): torch's default also counts GPUs that emulate it (T4, V100), several times slower
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+        return torch.bfloat16 if native_bf16 else torch.float16
     return auto_cpu_dtype()
 
 
@@ -88,7 +92,9 @@ def _checkpoint_config(path: str, common: dict):
 
 
 def _stored_dtype(checkpoint_config) -> torch.dtype | None:
-    value = getattr(text_config(checkpoint_config), "dtype", None) if checkpoint_config is not None else None
+    if checkpoint_config is None:
+        return None
+    value = getattr(text_config(checkpoint_config), "dtype", None) or getattr(checkpoint_config, "dtype", None)
     return value if isinstance(value, torch.dtype) else _TORCH_DTYPES.get(str(value).removeprefix("torch."))
 
 
@@ -169,7 +175,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if gguf_file:
         common["gguf_file"] = gguf_file
     checkpoint_config = _checkpoint_config(path, common)
-    dtype = resolve_dtype(config.dtype, device, _stored_dtype(checkpoint_config))
+    dtype = resolve_dtype(config.dtype, device, _stored_dtype(checkpoint_config), getattr(checkpoint_config, "model_type", None))
     # auto asks for bf16 products too: the fastest path where the CPU multiplies bf16 natively and our kernel runs
     bf16_products = _bf16_products(config, device, torch.bfloat16 if config.dtype == "auto" else dtype)
     weight_dtype = None

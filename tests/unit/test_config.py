@@ -178,11 +178,20 @@ def test_auto_on_a_gpu_keeps_a_float16_checkpoint_in_float16(stored, native_bf16
     assert loader.resolve_dtype("float32", torch.device("cuda"), loader._stored_dtype(checkpoint)) == torch.float32
 
 
-def test_architectures_that_overflow_float16_are_refused_in_it():
+def test_architectures_that_overflow_float16_are_refused_in_it_and_never_given_it_by_auto(monkeypatch):
+    """A float16 GPTQ Gemma 2 under auto: bf16 (float32 without native bf16), as vLLM's auto leaves float16 out for it;
+    asked for explicitly, float16 is refused naming what to use."""
     import torch
-    from transformers import Gemma2Config, LlamaConfig
+    from transformers import Gemma2Config, Gemma3Config, LlamaConfig
 
     from app.models import ModelLoadError, loader
+
+    cuda = torch.device("cuda")
+    for native_bf16, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native_bf16)
+        assert loader.resolve_dtype("auto", cuda, torch.float16, "gemma2") == expected
+    multimodal = Gemma3Config(dtype="float16")  # stated at the top only
+    assert loader._stored_dtype(multimodal) == torch.float16
 
     with pytest.raises(ModelLoadError, match="gemma2 is numerically unstable in float16.*set model.dtype: float32"):
         loader._refuse_unstable_float16(Gemma2Config(), torch.float16, "google/gemma-2-2b-it")

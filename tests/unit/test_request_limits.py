@@ -46,3 +46,15 @@ async def test_a_prompt_holding_a_token_past_the_models_vocabulary_is_a_400_alon
     assert (info.value.status, info.value.param) == (400, "prompt") and "past the model's vocabulary of 104" in info.value.message
     answer = await server.serving.completion(parse_body({"prompt": "ABC", "max_tokens": 2}, CompletionRequest))
     assert answer["choices"][0]["finish_reason"] == "length"
+
+
+async def test_max_tokens_0_with_echo_finishes_length_even_where_the_unshown_token_would_stop(server):
+    """The one token computed for a scored prompt is no answer: its stop (here the recorded answer ends at once) is not
+    the response's either."""
+    from tests.serve.fake_model import REPLAY
+
+    prompt = f"x{REPLAY[0].decode()}Z{REPLAY[1].decode()}"
+    for max_tokens, finish in ((1, "stop"), (0, "length")):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 1}
+        choice = (await server.serving.completion(parse_body(body, CompletionRequest)))["choices"][0]
+        assert choice["finish_reason"] == finish and choice["text"] == prompt + ("Z" if max_tokens else "")

@@ -57,23 +57,27 @@ def test_text_is_held_only_where_a_call_may_begin(parser, pieces, released, call
 
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-ARGUMENTS = ' {"city": "Oslo",  "unit": "celsius"} \n'  # the model's own spacing, inside and around
+ARGUMENTS = '\n {"city": "Oslo",  "unit": "celsius"} \n'  # the model's own spacing, inside and around
 
 
-async def test_a_named_functions_arguments_stream_as_they_come_and_assemble_to_the_whole_call(server):
+@pytest.mark.parametrize("extra", [{}, {"logprobs": True}, {"max_tokens": 9}])
+async def test_a_named_functions_arguments_stream_as_they_come_and_assemble_to_the_whole_call(server, extra):
     """As vLLM streams a named tool_choice: the call's id and name with its first fragment, then fragment by fragment;
-    the fragments join to the non-streamed call's arguments (the model's text, whitespace around it left out)."""
-    body = _body(ARGUMENTS, tool_choice=NAMED)
+    the fragments join to the non-streamed call's arguments (the model's text, whitespace around it left out; cut
+    short by max_tokens, as far as it got, finishing "length" either way)."""
+    body = _body(ARGUMENTS, tool_choice=NAMED, **extra)
     whole = (await server.serving.chat(parse_body(body, ChatCompletionRequest)))["choices"][0]
     chunks = [c async for c in server.serving.chat_stream(parse_body({**body, "stream": True}, ChatCompletionRequest))]
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     entries = [entry for d in deltas for entry in d["delta"].get("tool_calls", [])]
-    assert len(entries) > 10 and not any(d["delta"].get("content") for d in deltas)
+    assert len(entries) > 5 and not any(d["delta"].get("content") for d in deltas)
     assert entries[0]["id"].startswith("call_") and entries[0]["function"]["name"] == "get_weather"
     assert all(set(e) == {"index", "function"} and set(e["function"]) == {"arguments"} for e in entries[1:])
     call = whole["message"]["tool_calls"][0]
-    assert "".join(e["function"]["arguments"] for e in entries) == call["function"]["arguments"] == ARGUMENTS.strip()
-    assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "stop"
+    cut = "max_tokens" in extra
+    expected = ARGUMENTS[:extra["max_tokens"]].strip() if cut else ARGUMENTS.strip()
+    assert "".join(e["function"]["arguments"] for e in entries) == call["function"]["arguments"] == expected
+    assert deltas[-1]["finish_reason"] == whole["finish_reason"] == ("length" if cut else "stop")
 
 
 @pytest.mark.parametrize("tool_choice, answer", [
