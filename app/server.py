@@ -13,6 +13,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Callable
 
 from app.api.serving import OpenAIServing
+from app.api.tools import tool_parser_for
 from app.config import ServedModelConfig
 from app.engine import AsyncEngine, Request, SamplingParams, build_engine_core
 from app.engine.async_engine import Admit
@@ -60,10 +61,11 @@ class ModelServer:
             default_sampling=_sampling_defaults(self.info, config),
             admit=admit,
             speculative_names=[spec.served_name for spec in config.engine.drafters],
-            tool_parser=config.model.tool_parser,
+            tool_parser=tool_parser_for(config.model.tool_parser, self.info.tokenizer),
         )
         self.ready_s = time.monotonic() - started
-        logger.info("model %s ready in %.1fs (warm-up %.2fs)", self.info.name, self.ready_s, self.info.warmup_s)
+        logger.info("model %s ready in %.1fs (warm-up %.2fs; tool calls read as %s)", self.info.name, self.ready_s,
+                    self.info.warmup_s, self.serving.tool_parser)
 
     @property
     def name(self) -> str:

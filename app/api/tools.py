@@ -164,6 +164,21 @@ def _is_text(value: str) -> bool:
     return True
 
 
+def tool_parser_for(setting: str, tokenizer) -> str:
+    """``model.tool_parser``, where ``auto`` reads the format off the chat template that teaches it: Mistral's
+    ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>`` or its JSON with ``"parameters"``, else Hermes (Qwen2.5/Qwen3,
+    Hermes; and the format this server shows to templates without tools)."""
+    if setting != "auto":
+        return setting
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = "\n".join(template.values()) if isinstance(template, dict) else template
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or ("<|start_header_id|>" in template and '"parameters"' in template):
+        return "llama3_json"
+    return "hermes"
+
+
 def template_renders_tools(tokenizer, with_tools: bool) -> bool:
     """Whether the template transformers applies renders tools: of a checkpoint's named templates (Hermes 2 Pro's,
     Command R's) it takes ``tool_use`` when tools are passed, else ``default``, as ``get_chat_template`` does."""

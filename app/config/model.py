@@ -10,7 +10,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATION_METHODS = ("none", "bnb-int8", "bnb-nf4", "gptq")  # app.models.quantization implements them
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # app/api/tools.py implements them
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # app/api/tools.py implements them (auto: the chat template's)
 SERVED_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
 
 
@@ -33,7 +33,9 @@ class ModelConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     quantization: str = "none"
-    tool_parser: str = "hermes"  # how "auto" tool calls are read from its text: hermes, llama3_json, mistral
+    # how tool_choice "auto" reads calls from its text: hermes, llama3_json, mistral, or auto (the format the chat
+    # template teaches: app/api/tools.py tool_parser_for)
+    tool_parser: str = "auto"
     # auto: requests' unset sampling fields take the checkpoint's generation_config.json values, as vLLM does
     # (app/models/generation_defaults.py); none: OpenAI's defaults (vLLM's --generation-config vllm)
     generation_config: str = "auto"
@@ -52,8 +54,8 @@ class ModelConfig:
                 f"model.quantization {self.quantization!r} is not one of {', '.join(QUANTIZATION_METHODS)} "
                 "(gptq needs a GPTQ checkpoint: make one with `python -m app quantize`)"
             )
-        if self.tool_parser not in TOOL_PARSERS:
-            raise ValueError(f"model.tool_parser {self.tool_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
+        if self.tool_parser not in ("auto", *TOOL_PARSERS):
+            raise ValueError(f"model.tool_parser {self.tool_parser!r} is not one of auto, {', '.join(TOOL_PARSERS)}")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"model.generation_config {self.generation_config!r} is not auto or none")
         if self.device not in DEVICES:

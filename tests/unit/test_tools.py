@@ -122,3 +122,20 @@ def test_named_templates_render_tools_through_their_tool_use_template():
     serving._chat_prompt(parse_body({**CHAT, "tools": [WEATHER, TIME]}, ChatCompletionRequest))
     serving._chat_prompt(parse_body(CHAT, ChatCompletionRequest))
     assert texts == ["TOOLS get_weather,get_time\nuser: Weather in Oslo?\n", "user: Weather in Oslo?\n"]
+
+
+@pytest.mark.parametrize("template, parser", [
+    ("{{ bos_token }}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% if m.tool_calls %}[TOOL_CALLS]{% endif %}", "mistral"),
+    ("<|start_header_id|>assistant<|end_header_id|>{{- '<|python_tag|>' + tool_call.name }}", "llama3_json"),
+    ("<|start_header_id|>{{- '{\"name\": \"' + tool_call.name + '\", \"parameters\": ' }}", "llama3_json"),  # Llama 3.2
+    ("<|im_start|>system\n<tools>{{ tools }}</tools>{{- '<tool_call>\\n' }}", "hermes"),  # Qwen2.5, Qwen3, Hermes
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "hermes"),  # no tools of its own: shown the Hermes way
+    ({"default": "plain", "tool_use": "... [TOOL_CALLS] ..."}, "mistral"),
+])
+def test_auto_reads_the_call_format_off_the_chat_template(template, parser):
+    from types import SimpleNamespace
+
+    from app.api.tools import tool_parser_for
+
+    assert tool_parser_for("auto", SimpleNamespace(chat_template=template)) == parser
+    assert tool_parser_for("mistral", SimpleNamespace(chat_template=template)) == "mistral"  # as configured
