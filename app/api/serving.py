@@ -105,7 +105,8 @@ class OpenAIServing:
         if choice == "auto":  # content as it comes, calls once their text is whole
             one_call = request.parallel_tool_calls is False
             streamed = self._streamed(self._chat_plans(request), request, _chat_choice, kind, chunker=lambda plan:
-                                      tool_streams.auto_chunks(self._chunks(plan, _chat_choice, kind), self.tool_parser, one_call))
+                                      tool_streams.auto_chunks(self._chunks(plan, _chat_choice, kind), self.tool_parser, one_call,
+                                                               request.parsed_tools()))
         elif isinstance(choice, tools.Tool):  # a named function: its arguments as they come
             streamed = self._streamed(self._chat_plans(request), request, _chat_choice, kind, chunker=lambda plan:
                                       tool_streams.named_call_chunks(self._chunks(plan, _chat_choice, kind), choice.name))
@@ -122,21 +123,22 @@ class OpenAIServing:
         results = await gather_or_cancel([self._collect(p) for p in plans])
         choice = request.tool_choice_resolved()
         one_call = request.parallel_tool_calls is False
-        choices = [{"index": p.index, "message": self._chat_message(text, choice, one_call), "logprobs": self.logprob_format.chat(lps),
+        shown = request.parsed_tools()
+        choices = [{"index": p.index, "message": self._chat_message(text, choice, one_call, shown), "logprobs": self.logprob_format.chat(lps),
                     "finish_reason": last.finish_reason} for p, (text, last, lps) in zip(plans, results)]
         for entry in choices:  # a forced function's answer stops as any answer does (OpenAI, vLLM); the model's own calls
             if choice in ("auto", "required") and entry["message"].get("tool_calls") and entry["finish_reason"] == "stop":
                 entry["finish_reason"] = "tool_calls"
         return self._response(plans, "chat.completion", choices)
 
-    def _chat_message(self, text: str, choice, one_call: bool = False) -> dict:
+    def _chat_message(self, text: str, choice, one_call: bool = False, shown: list | None = None) -> dict:
         """The assistant's message; with tool calling, the calls read out of its text (app/api/tools.py). With
         ``parallel_tool_calls: false`` a free answer keeps its first call only, as vLLM does (a required or named
         choice's grammar already allows just one)."""
         if choice is None:
             return {"role": "assistant", "content": text}
         if choice == "auto":
-            content, calls = tools.parse_calls(text, self.tool_parser)
+            content, calls = tools.parse_calls(text, self.tool_parser, shown)
             calls = calls[:1] if one_call else calls
         else:  # constrained to the call's JSON: no content unless cut short (then the text, finish_reason "length")
             calls = tools.forced_calls(text, choice)

@@ -10,11 +10,11 @@ from typing import AsyncIterator
 from app.api.tools import StreamedCalls, ToolCall
 
 
-async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool) -> AsyncIterator[dict]:
+async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, tools=None) -> AsyncIterator[dict]:
     """One choice of a chat with ``tool_choice: auto``, from its plain chunks: content as it comes, held only where
     a call may begin (``StreamedCalls``); at the end any content held, then the calls, then the finish
     (``tool_calls`` where calls ended it). ``one_call``: ``parallel_tool_calls: false`` keeps the first."""
-    calls_in, held_logprobs = StreamedCalls(parser), []
+    calls_in, held_logprobs = StreamedCalls(parser, tools), []
     async with contextlib.aclosing(chunks):  # closed with this stream (a client gone): its request aborted at once
         async for chunk in chunks:
             choice = chunk["choices"][0]

@@ -7,7 +7,8 @@
 - ``"auto"``: the model writes calls in its own format, read back by the model's parser (``model.tool_parser``):
   ``hermes`` (``<tool_call>{"name", "arguments"}</tool_call>``, Qwen, Hermes, and the default), ``llama3_json``
   (a bare ``{"name", "parameters"}`` object, optionally after ``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS]``
-  then a JSON list). Text the parser cannot read as a call stays the answer's content: nothing is dropped.
+  then a JSON list), ``qwen3_coder`` (XML-like blocks: app/api/xml_calls.py). Text the parser cannot read as a
+  call stays the answer's content: nothing is dropped.
 - ``"none"`` (or no tools): plain chat; the tools are not shown to the model.
 
 A chat template that renders tools itself (its source mentions ``tools``) gets them as transformers passes them.
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.api.errors import APIError
+from app.api.xml_calls import read_xml_calls, typed
 from app.config.model import TOOL_PARSERS
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
@@ -113,8 +115,9 @@ def forced_calls(text: str, choice: str | Tool) -> list[ToolCall]:
     return [ToolCall(call["name"], json.dumps(call["arguments"])) for call in value]
 
 
-def parse_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) from a free answer in ``parser``'s format; what is not a readable call stays content."""
+def parse_calls(text: str, parser: str, tools: list[Tool] | None = None) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) from a free answer in ``parser``'s format; what is not a readable call stays content.
+    ``tools``: the request's, whose schemas type ``qwen3_coder``'s raw parameter values."""
     if parser == "hermes":
         calls, kept, last = [], [], 0
         for match in _HERMES_CALL.finditer(text):
@@ -137,6 +140,12 @@ def parse_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
             listed = None
         calls = [c for c in (_call_from(item, "arguments") for item in listed or []) if c is not None]
         return (head.strip() or None, calls) if calls else (text, [])
+    if parser == "qwen3_coder":
+        rest, found = read_xml_calls(text)
+        properties = {tool.name: tool.parameters.get("properties") or {} for tool in tools or []}
+        calls = [ToolCall(name, json.dumps({key: typed(value, properties.get(name, {}).get(key)) for key, value in values.items()}))
+                 for name, values in found]
+        return (rest.strip() or None, calls) if calls else (text, [])
     raise ValueError(f"unknown tool parser {parser!r} (known: {', '.join(TOOL_PARSERS)})")
 
 
@@ -166,7 +175,8 @@ def _is_text(value: str) -> bool:
 
 def tool_parser_for(setting: str, tokenizer) -> str:
     """``model.tool_parser``, where ``auto`` reads the format off the chat template that teaches it: Mistral's
-    ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>`` or its JSON with ``"parameters"``, else Hermes (Qwen2.5/Qwen3,
+    ``[TOOL_CALLS]``, Qwen3-Coder's ``<function=...>`` blocks, Llama 3's ``<|python_tag|>`` or its JSON with
+    ``"parameters"``, else Hermes (Qwen2.5/Qwen3,
     Hermes; and the format this server shows to templates without tools)."""
     if setting != "auto":
         return setting
@@ -174,6 +184,8 @@ def tool_parser_for(setting: str, tokenizer) -> str:
     template = "\n".join(template.values()) if isinstance(template, dict) else template
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if "<function=" in template and "<parameter=" in template:  # Qwen3-Coder
+        return "qwen3_coder"
     if "<|python_tag|>" in template or ("<|start_header_id|>" in template and '"parameters"' in template):
         return "llama3_json"
     return "hermes"
@@ -226,7 +238,7 @@ def with_loaded_arguments(message: dict) -> dict:
     return {**message, "tool_calls": calls}
 
 
-_CALL_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
+_CALL_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "qwen3_coder": "<tool_call>"}
 _PYTHON_TAG = "<|python_tag|>"
 
 
@@ -235,10 +247,10 @@ class StreamedCalls:
     begin (the parser's marker, or the start of one at the end of the text so far; for ``llama3_json``, an answer
     that opens as JSON); from there the text is held and read as calls (and any content) once it is whole."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, tools: list[Tool] | None = None) -> None:
         if parser not in TOOL_PARSERS:
             raise ValueError(f"unknown tool parser {parser!r} (known: {', '.join(TOOL_PARSERS)})")
-        self.parser = parser
+        self.parser, self.tools = parser, tools
         self.text = ""
         self.released = 0  # the text before this has gone out as content
 
@@ -253,7 +265,7 @@ class StreamedCalls:
     def finish(self) -> tuple[str | None, list[ToolCall]]:
         """The content still held (None if none) and the calls, read from the text not sent."""
         rest = self.text[self.released:]
-        return parse_calls(rest, self.parser) if rest.strip() else (rest or None, [])
+        return parse_calls(rest, self.parser, self.tools) if rest.strip() else (rest or None, [])
 
     def _releasable(self) -> int:
         text = self.text

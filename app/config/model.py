@@ -10,7 +10,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATION_METHODS = ("none", "bnb-int8", "bnb-nf4", "gptq")  # app.models.quantization implements them
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # app/api/tools.py implements them (auto: the chat template's)
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")  # app/api/tools.py implements them (auto: the chat template's)
 SERVED_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
 
 

@@ -92,3 +92,21 @@ async def test_a_streamed_tool_answer_carries_every_tokens_logprob_as_the_whole_
     assert len(whole["logprobs"]["content"]) > 20 and streamed == whole["logprobs"]["content"]
     assert whole["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks if c["choices"]) == 1
+
+
+async def test_qwen3_coder_calls_stream_and_assemble_to_the_whole_answer_typed_by_the_schema():
+    served = {"model": {"source": "fake-tools", "tool_parser": "qwen3_coder"}, "engine": {"separate_process": False}}
+    coder = fake_model_server(AppConfig.from_dict({"models": [served]}).models[0])
+    try:
+        answer = "On it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n1984\n</parameter>\n</function>\n</tool_call>"
+        body = _body(answer)
+        whole = (await coder.serving.chat(parse_body(body, ChatCompletionRequest)))["choices"][0]
+        chunks = [c async for c in coder.serving.chat_stream(parse_body({**body, "stream": True}, ChatCompletionRequest))]
+    finally:
+        coder.shutdown(timeout_s=1)
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == whole["message"]["content"] == "On it."
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "1984"}]  # a string, as its schema says
+    assert [c["function"] for c in calls] == [c["function"] for c in whole["message"]["tool_calls"]]
+    assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "tool_calls"

@@ -39,6 +39,25 @@ def test_each_parser_reads_its_recorded_format_and_keeps_what_is_not_a_call(pars
     assert len({c.id for c in found}) == len(found) and all(c.id.startswith("call_") for c in found)
 
 
+BOOKING = {"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "nights": {"type": "integer"}, "price": {"type": "number"}, "breakfast": {"type": "boolean"},
+    "guests": {"type": "array"}, "note": {"type": ["string", "null"]}, "zip": {"type": "string"}}}}}
+QWEN3_CODER = ("Booking it.\n<tool_call>\n<function=book>\n<parameter=city>\nNew York\n</parameter>\n"
+               "<parameter=nights>\n3\n</parameter>\n<parameter=price>\n99.5\n</parameter>\n<parameter=breakfast>\nTrue\n"
+               "</parameter>\n<parameter=guests>\n[\"ada\", \"bob\"]\n</parameter>\n<parameter=note>\nnull\n</parameter>\n"
+               "<parameter=zip>\n01234\n</parameter>\n<parameter=extra>\n{\"a\": 1}\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_calls_take_their_types_from_the_tools_schema():
+    """Qwen3-Coder writes each parameter as raw text: the tool's schema types it (a string stays text even when it
+    reads as a number, "01234"), as vLLM's qwen3_coder parser does; a parameter the schema lacks stays text."""
+    content, calls = parse_calls(QWEN3_CODER, "qwen3_coder", parse_tools([BOOKING]))
+    assert content == "Booking it." and [c.name for c in calls] == ["book"]
+    assert json.loads(calls[0].arguments) == {"city": "New York", "nights": 3, "price": 99.5, "breakfast": True,
+                                              "guests": ["ada", "bob"], "note": None, "zip": "01234", "extra": '{"a": 1}'}
+    assert parse_calls("<tool_call>\n<function=book>\nunfinished", "qwen3_coder", []) == ("<tool_call>\n<function=book>\nunfinished", [])
+
+
 def test_tool_choice_resolves_or_is_a_400_naming_it():
     tools = parse_tools([WEATHER, TIME])
     assert resolve_choice(None, tools) == "auto" and resolve_choice(None, []) is None and resolve_choice("none", tools) is None
@@ -131,6 +150,7 @@ def test_named_templates_render_tools_through_their_tool_use_template():
     ("<|im_start|>system\n<tools>{{ tools }}</tools>{{- '<tool_call>\\n' }}", "hermes"),  # Qwen2.5, Qwen3, Hermes
     ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "hermes"),  # no tools of its own: shown the Hermes way
     ({"default": "plain", "tool_use": "... [TOOL_CALLS] ..."}, "mistral"),
+    ("<tools>{{ tools }}</tools>{{- '<tool_call>\\n<function=' + name + '>\\n' }}{{- '<parameter=' + key + '>' }}", "qwen3_coder"),
 ])
 def test_auto_reads_the_call_format_off_the_chat_template(template, parser):
     from types import SimpleNamespace
