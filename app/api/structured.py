@@ -3,7 +3,8 @@ llguidance grammar (``SamplingParams.grammar``), checked here, so that a schema 
 honour is a 400 naming what it lacks, before the request reaches an engine.
 
 JSON follows the schema with compact separators (``", "``, ``": "``) and no other whitespace: a small model
-cannot then spend its whole budget on blank lines inside an object.
+cannot then spend its whole budget on blank lines inside an object. Schemas are read as ``app/api/schemas.py``
+says (an object listing its properties takes no others, as vLLM's default backend reads it).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from typing import Any
 
 from app.api.errors import APIError
+from app.api.schemas import closed
 
 # What the JSON grammar allows between tokens (a schema's own "x-guidance" options override these).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -33,30 +35,52 @@ def request_grammar(response_format: dict[str, Any] | None, structured_outputs: 
     return compiled(kind, text, param)
 
 
+# The keys each response_format type takes (json_object's "schema": llama.cpp's and Together's form, honoured)
+_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type", "schema"}, "json_schema": {"type", "json_schema"}}
+_JSON_SCHEMA_KEYS = {"name": str, "description": str, "strict": bool, "schema": dict}
+
+
 def _from_response_format(response_format: dict[str, Any] | None):
     if response_format is None:
         return None
     kind = response_format.get("type")
     param = "response_format"
+    if kind not in _FORMAT_KEYS:
+        raise APIError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', not {kind!r}",
+                       param="response_format.type")
+    _only(response_format, _FORMAT_KEYS[kind], param, f"with type {kind!r}")
     if kind == "text":
         return None
     if kind == "json_object":
-        return ("json", _ANY_OBJECT), param
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise APIError(400, "response_format json_schema needs json_schema.schema (a JSON schema object)",
-                           param="response_format.json_schema.schema")
-        return ("json", json.dumps(schema)), param
-    raise APIError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', not {kind!r}",
-                   param="response_format.type")
+        schema = response_format.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise APIError(400, "response_format.schema must be a JSON schema object", param="response_format.schema")
+        return ("json", json.dumps(closed(schema)) if schema else _ANY_OBJECT), param
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise APIError(400, "response_format json_schema needs json_schema.schema (a JSON schema object)",
+                       param="response_format.json_schema.schema")
+    _only(spec, set(_JSON_SCHEMA_KEYS), "response_format.json_schema")
+    for key, kind_of in _JSON_SCHEMA_KEYS.items():
+        if key in spec and spec[key] is not None and not isinstance(spec[key], kind_of):
+            raise APIError(400, f"response_format.json_schema.{key} must be a {kind_of.__name__}",
+                           param=f"response_format.json_schema.{key}")
+    return ("json", json.dumps(closed(spec["schema"]))), param
+
+
+def _only(given: dict, known: set[str], param: str, where: str = "") -> None:
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise APIError(400, f"{param} {where + ' ' if where else ''}does not take {', '.join(unknown)} "
+                       f"(it takes {', '.join(sorted(known))})", param=f"{param}.{unknown[0]}")
 
 
 def _from_structured_outputs(structured: dict[str, Any] | None):
     if structured is None:
         return None
     given = [key for key, value in structured.items() if value is not None and value is not False]
+    if not isinstance(structured.get("json_object", False), bool) and structured["json_object"] is not None:
+        raise APIError(400, "structured_outputs.json_object must be true", param="structured_outputs.json_object")
     unknown = [key for key in structured if key not in STRUCTURED_KINDS]
     if unknown or len(given) != 1:
         raise APIError(400, f"structured_outputs takes exactly one of {', '.join(STRUCTURED_KINDS)}"
@@ -72,7 +96,7 @@ def _from_structured_outputs(structured: dict[str, Any] | None):
             raise APIError(400, f"structured_outputs.json is not valid JSON: {exc}", param=param) from None
         if not isinstance(schema, dict):
             raise APIError(400, "structured_outputs.json must be a JSON schema object", param=param)
-        return ("json", json.dumps(schema)), param
+        return ("json", json.dumps(closed(schema))), param
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise APIError(400, "structured_outputs.choice must be a non-empty list of non-empty strings", param=param)
@@ -90,7 +114,9 @@ def _grammar(kind: str, text: str) -> tuple[str | None, str | None]:
     try:
         if kind == "json":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
-        else:  # regex, choice, grammar (Lark or GBNF)
+        elif kind == "grammar":  # GBNF rules are written `name ::= ...`; Lark's `name: ...` (also `?name:`)
+            grammar = llguidance.grammar_from("gbnf" if "::=" in text else "lark", text)
+        else:  # regex, choice
             grammar = llguidance.grammar_from(kind, text)
     except ValueError as exc:
         return None, str(exc)

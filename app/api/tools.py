@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.api.errors import APIError
+from app.api.schemas import closed, tools_schema
 from app.api.xml_calls import read_xml_calls, typed
 from app.config.model import TOOL_PARSERS
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -96,12 +97,10 @@ def resolve_choice(tool_choice: Any, tools: list[Tool]) -> str | Tool | None:
 def forced_schema(choice: str | Tool, tools: list[Tool], parallel: bool) -> dict | None:
     """The JSON schema a ``required`` or named call's output must follow (None for ``auto``)."""
     if isinstance(choice, Tool):
-        return choice.parameters
+        return closed(choice.parameters)  # no keys the schema does not list (app/api/schemas.py)
     if choice != "required":
         return None
-    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                       "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
-    return {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+    return tools_schema([(t.name, closed(t.parameters)) for t in tools], parallel)
 
 
 def forced_calls(text: str, choice: str | Tool) -> list[ToolCall]:
@@ -112,7 +111,7 @@ def forced_calls(text: str, choice: str | Tool) -> list[ToolCall]:
         value = json.loads(text)
     except json.JSONDecodeError:
         return []  # cut at max_tokens: the text stays the content, finish_reason "length"
-    return [ToolCall(call["name"], json.dumps(call["arguments"])) for call in value]
+    return [ToolCall(call["name"], json.dumps(call["arguments"], ensure_ascii=False)) for call in value]
 
 
 def parse_calls(text: str, parser: str, tools: list[Tool] | None = None) -> tuple[str | None, list[ToolCall]]:

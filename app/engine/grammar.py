@@ -30,6 +30,12 @@ class GrammarError(ValueError):
     """A request's grammar cannot be compiled or has reached a state no token continues."""
 
 
+def _short(error: str) -> str:
+    """llguidance's error without the parser state it appends (hundreds of lines, no use to a client)."""
+    first = (error or "").strip().splitlines()[0] if (error or "").strip() else "no token continues the grammar"
+    return first[:300]
+
+
 class Grammars:
     """One engine's grammar state: the tokenizer as llguidance sees it (made on first use, ~1 s, once per process),
     compiled grammars by their text, and the step's masks."""
@@ -50,7 +56,7 @@ class Grammars:
         if compiled is None:
             compiled = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
             if compiled.is_error():
-                raise GrammarError(f"the grammar cannot be used: {compiled.get_error()}")
+                raise GrammarError(f"the grammar cannot be used: {_short(compiled.get_error())}")
             self._compiled[grammar] = compiled
             if len(self._compiled) > _CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
@@ -70,7 +76,7 @@ class Grammars:
             self._parallel().unsafe_compute_mask_ptr([(m, k) for k, m in enumerate(matchers)], bits.data_ptr(), words * 4, len(rows))
         for request, matcher in zip((requests[i] for i in rows), matchers):
             if matcher.is_error():
-                raise GrammarError(f"request {request.request_id}: {matcher.get_error()}")
+                raise GrammarError(f"request {request.request_id}: {_short(matcher.get_error())}")
         everything = len(rows) == logits.shape[0] and logits.is_contiguous()
         masked = logits if everything else logits[rows]  # [R, V]
         _write_masks(masked, bits)
@@ -93,10 +99,10 @@ class Grammars:
                 for j in range(valid + 1):
                     matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), words * 4)
                     if j < valid and not matcher.consume_token(tokens[j]):
-                        raise GrammarError(f"request {request.request_id}: {matcher.get_error()}")
+                        raise GrammarError(f"request {request.request_id}: {_short(matcher.get_error())}")
                 matcher.rollback(valid)
                 if matcher.is_error():
-                    raise GrammarError(f"request {request.request_id}: {matcher.get_error()}")
+                    raise GrammarError(f"request {request.request_id}: {_short(matcher.get_error())}")
                 bits[valid + 1 :] = bits[valid]
                 _write_masks(rows[start : start + count], bits)
             start += count
@@ -147,4 +153,4 @@ def _write_masks(logits: torch.Tensor, bits: torch.Tensor) -> None:
 def consume(request, token_id: int) -> None:
     """Advance a constrained request's matcher by the token it emitted (the mask allowed it)."""
     if request.matcher is not None and not request.matcher.consume_token(token_id):
-        raise GrammarError(f"token {token_id} does not continue the grammar: {request.matcher.get_error()}")
+        raise GrammarError(f"token {token_id} does not continue the grammar: {_short(request.matcher.get_error())}")

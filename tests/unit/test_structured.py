@@ -44,6 +44,13 @@ def test_each_form_becomes_a_grammar_and_text_stays_free():
     ({"structured_outputs": {"xml": "a"}}, "structured_outputs", "unknown: xml"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs", "not both"),
     ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    ({"structured_outputs": {"regex": "a+"}, "stop": [","]}, "stop", "short of its grammar"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strcit": True}}},
+     "response_format.json_schema.strcit", "does not take strcit"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": "yes"}}},
+     "response_format.json_schema.strict", "must be a bool"),
+    ({"response_format": {"type": "text", "json_schema": {"schema": SCHEMA}}}, "response_format.json_schema", "does not take"),
+    ({"structured_outputs": {"json_object": 0}}, "structured_outputs.json_object", "must be true"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(form, param, says):
     with pytest.raises(APIError) as caught:
@@ -63,3 +70,33 @@ def test_grammar_masks_land_on_the_logits_device():
     bits[0, 0] = 0b101
     _write_masks(logits, bits)
     assert logits[0, :4].tolist() == [0.0, float("-inf"), 0.0, float("-inf")]
+
+
+def _accepts(grammar: str, text: str) -> bool:
+    import llguidance
+
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer("byte"), grammar)
+    return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+
+def test_an_object_listing_its_properties_takes_no_others_and_json_object_honours_a_schema():
+    """As vLLM's default backend reads a schema (OpenAI's strict mode requires it): a model cannot invent keys; a
+    free-form object and what an allOf combines stay open; llama.cpp's json_object with a schema is that schema."""
+    nested = {"type": "object", "properties": {"a": {"type": "integer"}, "meta": {"type": "object"},
+                                               "child": {"type": "object", "properties": {"b": {"type": "string"}}}}}
+    grammar = _grammar({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": nested}}})
+    assert _accepts(grammar, '{"a": 1, "meta": {"any": 2}, "child": {"b": "x"}}')
+    assert not _accepts(grammar, '{"a": 1, "weather": "x"}') and not _accepts(grammar, '{"child": {"b": "x", "c": 1}}')
+    combined = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                          {"type": "object", "properties": {"b": {"type": "integer"}}}]}
+    assert _accepts(_grammar({**CHAT, "structured_outputs": {"json": combined}}), '{"a": 1, "b": 2}')
+    opened = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True}
+    assert _accepts(_grammar({**CHAT, "structured_outputs": {"json": opened}}), '{"a": 1, "z": 2}')
+    nullable = {"type": "object", "properties": {"a": {"type": "integer", "nullable": True}}}  # OpenAPI's, pydantic v1's
+    assert _accepts(_grammar({**CHAT, "structured_outputs": {"json": nullable}}), '{"a": null}')
+    with_schema = _grammar({**CHAT, "response_format": {"type": "json_object", "schema": SCHEMA}})
+    assert _accepts(with_schema, '{"a": 1}') and not _accepts(with_schema, '{"a": "one"}')
+
+
+def test_a_lark_grammar_opening_with_an_inlined_rule_is_read_as_lark():
+    assert _accepts(_grammar({**CHAT, "structured_outputs": {"grammar": '?start: "yes" | "no"'}}), "no")

@@ -88,7 +88,7 @@ def _accepted(schema: dict, text: str) -> bool:
 def test_required_and_named_calls_constrain_to_their_schemas():
     tools = parse_tools([WEATHER, TIME])
     named = forced_schema(tools[0], tools, parallel=True)
-    assert named == tools[0].parameters
+    assert named == {**tools[0].parameters, "additionalProperties": False}  # no keys it does not list
     assert forced_calls('{"city": "Oslo"}', tools[0])[0].name == "get_weather"
     required = forced_schema("required", tools, parallel=False)
     assert _accepted(required, '[{"name": "get_time", "arguments": {}}]')
@@ -159,3 +159,25 @@ def test_auto_reads_the_call_format_off_the_chat_template(template, parser):
 
     assert tool_parser_for("auto", SimpleNamespace(chat_template=template)) == parser
     assert tool_parser_for("mistral", SimpleNamespace(chat_template=template)) == "mistral"  # as configured
+
+
+def test_required_keeps_each_tools_definitions_and_its_references_to_its_own_root():
+    """pydantic's nested models ($defs + $ref) and a recursive tree ("$ref": "#"): under ``required`` each tool's
+    parameters sit inside one schema, their definitions at its root, "#" still their own root."""
+    address = {"type": "object", "properties": {"street": {"$ref": "#/$defs/Street"}}, "$defs": {
+        "Street": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}
+    tree = {"type": "object", "properties": {"label": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["label"]}
+    tools = parse_tools([{"type": "function", "function": {"name": "ship", "parameters": address}},
+                         {"type": "function", "function": {"name": "plant", "parameters": tree}}])
+    schema = forced_schema("required", tools, parallel=True)
+    assert _accepted(schema, '[{"name": "ship", "arguments": {"street": {"name": "Main"}}}, '
+                             '{"name": "plant", "arguments": {"label": "a", "children": [{"label": "b", "children": []}]}}]')
+    assert not _accepted(schema, '[{"name": "plant", "arguments": {"label": "a", "children": [{"name": "plant"}]}}]')
+    assert not _accepted(schema, '[{"name": "ship", "arguments": {"street": {"name": "Main", "no": 1}}}]')
+    clash = {**address, "$defs": {"Street": {"type": "string"}}}
+    with pytest.raises(APIError, match="define \\$defs/Street differently"):
+        forced_schema("required", parse_tools([{"type": "function", "function": {"name": "ship", "parameters": address}},
+                                               {"type": "function", "function": {"name": "post", "parameters": clash}}]), True)
+    calls = forced_calls('[{"name": "ship", "arguments": {"street": {"name": "Malmö"}}}]', "required")
+    assert calls[0].arguments == '{"street": {"name": "Malmö"}}'  # the text as written, not \\u-escaped
