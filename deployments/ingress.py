@@ -60,6 +60,12 @@ def _request_id(raw: Request | None = None) -> str:
     return serve_request_id(raw.headers if raw is not None else None)
 
 
+async def _parsed(body: Any, request_cls: type):
+    """The request, parsed off the event loop: a structured output's grammar compiles while parsing (tens of ms for a
+    large schema), and the streams of the model this replica hosts wait on the loop meanwhile."""
+    return await asyncio.to_thread(parse_body, body, request_cls)
+
+
 def _reported(exc: BaseException, request_id: str) -> APIError:
     """What the caller gets for ``exc``; a failure on our side goes to the log, traceback and all, under the same id."""
     error = to_api_error(exc, request_id)
@@ -287,20 +293,20 @@ class OpenAIIngress:
     # ---- Python handle API ----------------------------------------------------------------
     @_raises_api_errors
     async def completions(self, body: dict) -> dict:
-        return await self._call(parse_body({**body, "stream": False}, CompletionRequest), "completion")
+        return await self._call(await _parsed({**body, "stream": False}, CompletionRequest), "completion")
 
     @_streams_api_errors
     async def completions_stream(self, body: dict) -> AsyncIterator[dict]:
-        async for chunk in self._stream(parse_body({**body, "stream": True}, CompletionRequest), "completion"):
+        async for chunk in self._stream(await _parsed({**body, "stream": True}, CompletionRequest), "completion"):
             yield chunk
 
     @_raises_api_errors
     async def chat(self, body: dict) -> dict:
-        return await self._call(parse_body({**body, "stream": False}, ChatCompletionRequest), "chat")
+        return await self._call(await _parsed({**body, "stream": False}, ChatCompletionRequest), "chat")
 
     @_streams_api_errors
     async def chat_stream(self, body: dict) -> AsyncIterator[dict]:
-        async for chunk in self._stream(parse_body({**body, "stream": True}, ChatCompletionRequest), "chat"):
+        async for chunk in self._stream(await _parsed({**body, "stream": True}, ChatCompletionRequest), "chat"):
             yield chunk
 
     @_raises_api_errors
@@ -368,7 +374,7 @@ class OpenAIIngress:
         return self._route_for(request.model).stream(kind, request)
 
     async def _respond(self, raw: Request, request_cls: type, kind: str, request_id: str):
-        request = parse_body(await self._read_body(raw), request_cls)
+        request = await _parsed(await self._read_body(raw), request_cls)
         if request.stream:
             return await _sse_response(self._stream(request, kind), request_id)
         return JSONResponse(await self._call(request, kind))

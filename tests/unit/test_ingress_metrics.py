@@ -1,5 +1,5 @@
-"""GET /metrics gathers every model's figures (deployments/ingress.py): one model that does not answer leaves
-the others' figures out there, not a 500 for the whole scrape."""
+"""The ingress's own work (deployments/ingress.py): GET /metrics gathers every model's figures, one model that does
+not answer leaving the others' out there (not a 500 for the whole scrape); requests are parsed off the event loop."""
 
 from __future__ import annotations
 
@@ -23,3 +23,32 @@ async def test_a_model_that_does_not_answer_leaves_the_others_figures():
     response = await OpenAIIngress.func_or_class._metrics(ingress)
     assert response.status_code == 200
     assert 'llm_serve:num_requests_running{model_name="good"} 3.0' in response.body.decode()
+
+
+async def test_a_request_is_parsed_off_the_event_loop_while_the_loop_goes_on():
+    """A large schema's grammar compiles while its request is parsed: the loop (the hosted model's streams) is not
+    held meanwhile. The parse is held here until a task on the loop has run."""
+    import asyncio
+    import threading
+
+    from app.api import protocol
+    from app.api.protocol import ChatCompletionRequest
+    from deployments import ingress
+
+    loop_ran = threading.Event()
+    parse = protocol.parse_body
+
+    def slow_parse(body, cls):
+        assert loop_ran.wait(5), "the event loop was held while parsing"
+        return parse(body, cls)
+
+    async def on_the_loop():
+        loop_ran.set()
+
+    original, ingress.parse_body = ingress.parse_body, slow_parse
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"choice": ["a", "b"]}}
+        request, _ = await asyncio.gather(ingress._parsed(body, ChatCompletionRequest), on_the_loop())
+    finally:
+        ingress.parse_body = original
+    assert request.grammar() is not None
