@@ -1,4 +1,5 @@
-"""A model's warm-up proves it generates, then runs one step at the full token budget (the largest activations)."""
+"""A model's warm-up proves it generates, readies the grammar path, then runs one step at the full token budget (the
+largest activations)."""
 
 import dataclasses
 
@@ -11,7 +12,8 @@ def test_warm_up_generates_then_runs_a_step_of_the_whole_token_budget(loaded_rou
     assert _warm_up(engine, loaded_rounded, 96) > 0
     assert not engine.has_unfinished_requests()
     assert engine.counters.last_step_tokens == 96  # the full-budget prompt, prefilled in one step
-    assert engine.counters.num_generated_tokens == 3  # two tokens, then one
+    assert engine.counters.num_generated_tokens == 4  # two tokens, one under a grammar, then one
+    assert engine.runner.sampler.grammars._tokenizer is not None  # built now, not in a constrained request's step
 
 
 def test_the_full_step_fits_a_short_context(loaded_rounded):
