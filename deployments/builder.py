@@ -87,7 +87,8 @@ def replica_options(served: ServedModelConfig) -> dict[str, Any]:
     num_gpus = replica.num_gpus if replica.num_gpus is not None else (1 if served.model.device == "cuda" else 0)
     options: dict[str, Any] = {
         "name": deployment_name(served.model.name),
-        "ray_actor_options": {"num_cpus": replica.num_cpus, "num_gpus": num_gpus},
+        "ray_actor_options": {"num_cpus": replica.num_cpus, "num_gpus": num_gpus,
+                              **({"memory": int(replica.memory_gb * 2**30)} if replica.memory_gb else {})},
         "max_ongoing_requests": replica.max_ongoing_requests,
         **_backpressure(replica.max_queued_requests),
     }

@@ -22,6 +22,9 @@ class ReplicaConfig:
     num_replicas: int | str = 1  # an integer, or "auto" to autoscale
     num_cpus: float = 1.0
     num_gpus: float | None = None  # None: 1 with device: cuda, else 0 (a replica given no GPU runs device auto on CPU)
+    # Ray's memory resource for one replica, in GiB (weights, KV pool, activations): Ray then places replicas by
+    # memory too, and KubeRay's autoscaler adds a pod when a replica fits no node. None: not counted.
+    memory_gb: float | None = None
     # What Serve hands one replica at a time. None: room for the engine's running batch, its queue and one
     # admission window (max_num_seqs + engine.max_queued_requests + max_batch_size), so that past its bound
     # the engine answers (503, Retry-After) rather than requests waiting in Serve's queue.
@@ -46,6 +49,9 @@ class ReplicaConfig:
             raise ValueError(f"replica.num_replicas must be an integer >= 1 or 'auto', got {self.num_replicas!r}")
         if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
             raise ValueError("replica.num_cpus and replica.num_gpus must not be negative")
+        if self.memory_gb is not None and (isinstance(self.memory_gb, bool) or not isinstance(self.memory_gb, (int, float))
+                                           or self.memory_gb <= 0):
+            raise ValueError(f"replica.memory_gb must be a number of GiB > 0 (or null), got {self.memory_gb!r}")
         if self.max_ongoing_requests is not None:
             require_int("replica.max_ongoing_requests", self.max_ongoing_requests, minimum=1)
         if self.max_queued_requests != -1:

@@ -150,3 +150,16 @@ def test_an_autoscaling_config_serve_would_refuse_or_pass_over_is_refused_naming
 def test_where_no_replica_reports_serves_request_count_aims_at_the_same_target():
     config = AppConfig.from_args({"models": [{"model": {"source": "m"}, "replica": {"num_replicas": "auto", "target_queue_depth": 40}}]})
     assert replica_options(config.models[0])["autoscaling_config"]["target_ongoing_requests"] == 40
+
+
+def test_memory_gb_is_rays_memory_resource_for_each_replica_and_the_ingress_hosting_it():
+    """Placed by memory too: on KubeRay a replica that fits no pod's memory makes the autoscaler add a pod."""
+    from ray.serve.schema import RayActorOptionsSchema
+
+    config = AppConfig.from_dict({"models": [{"replica": {"memory_gb": 3}}, {"model": "other", "replica": {"memory_gb": 1.5}}]})
+    hosted, other = ingress_options(config, config.models[0]), replica_options(config.models[1])
+    assert hosted["ray_actor_options"]["memory"] == 3 * 2**30 and other["ray_actor_options"]["memory"] == 3 * 2**29
+    RayActorOptionsSchema(**other["ray_actor_options"])  # as Serve checks a deployment's actor options
+    assert "memory" not in replica_options(AppConfig.from_dict({"models": [{}]}).models[0])["ray_actor_options"]
+    with pytest.raises(ValueError, match="replica.memory_gb"):
+        ReplicaConfig(memory_gb=0)
