@@ -58,3 +58,35 @@ async def test_max_tokens_0_with_echo_finishes_length_even_where_the_unshown_tok
         body = {"prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 1}
         choice = (await server.serving.completion(parse_body(body, CompletionRequest)))["choices"][0]
         assert choice["finish_reason"] == finish and choice["text"] == prompt + ("Z" if max_tokens else "")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prompt_is_tokenized_off_the_event_loop(server, monkeypatch, stream):
+    """A long prompt's template and tokenizing (75 ms for 40k tokens) leave the loop, where the replica's streams wait:
+    the tokenizer here is held until a task on the loop has run."""
+    import asyncio
+    import threading
+
+    loop_ran, tokenizer = threading.Event(), server.serving.tokenizer
+    encode = tokenizer.encode
+
+    def held_encode(text, *args, **kwargs):
+        assert loop_ran.wait(5), "the event loop was held while tokenizing"
+        return encode(text, *args, **kwargs)
+
+    async def on_the_loop():
+        loop_ran.set()
+
+    monkeypatch.setattr(tokenizer, "encode", held_encode)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": stream}
+    request = parse_body(body, ChatCompletionRequest)
+    if stream:
+        answer = asyncio.create_task(_drained(server.serving.chat_stream(request)))
+    else:
+        answer = asyncio.create_task(server.serving.chat(request))
+    await asyncio.gather(answer, on_the_loop())
+    assert answer.result()
+
+
+async def _drained(chunks) -> list:
+    return [chunk async for chunk in chunks]
