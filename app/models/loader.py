@@ -12,9 +12,9 @@ from safetensors import SafetensorError
 
 from app.config import ModelConfig
 from app.engine import host_cpus
+from app.engine.text_config import text_config
 from app.models.exact_context import exact_context_limit, rope_scaled_context
 from app.models.generation_defaults import checkpoint_sampling_defaults
-from app.engine.text_config import text_config
 from app.models.quantization import QuantizationError, from_pretrained_kwargs
 from app.quiet import quiet_gptqmodel
 from app.models.registry import BUILTIN_MODELS, prepare_builtin
