@@ -61,8 +61,8 @@ def _request_id(raw: Request | None = None) -> str:
 
 
 async def _parsed(body: Any, request_cls: type):
-    """The request, parsed off the event loop: a structured output's grammar compiles while parsing (tens of ms for a
-    large schema), and the streams of the model this replica hosts wait on the loop meanwhile."""
+    """The request, parsed off the event loop, where the streams of the model this replica hosts wait: a large body's
+    validation, and a structured output's grammar where a check needs it (tens of ms for a large schema)."""
     return await asyncio.to_thread(parse_body, body, request_cls)
 
 

@@ -2,8 +2,10 @@
 
 - An object schema that lists its ``properties`` takes no others unless it says ``additionalProperties``, as vLLM's
   default grammar backend (xgrammar's strict mode) reads it and as OpenAI's strict mode requires: the JSON Schema
-  default would let a model invent keys (a weather tool's arguments grew a ``"weather"`` key). The members of an
-  ``allOf`` are left open (their properties combine); an object without ``properties`` stays a free-form object.
+  default would let a model invent keys (a weather tool's arguments grew a ``"weather"`` key). What combines with
+  other schemas stays open (an object beside ``allOf``/``anyOf``/``oneOf``/``$ref``/``if``, their members, the
+  definitions they reference), as does an object whose ``required`` names a key it does not list and one without
+  ``properties`` (free-form).
 - OpenAPI's ``"nullable": true`` (pydantic v1, FastAPI) becomes a type list with ``"null"``.
 - ``tool_choice: required`` nests each tool's parameters inside one schema: their ``$defs``/``definitions`` move to
   its root and their references to their own root (``"$ref": "#"``) follow them (``tools_schema``).
@@ -15,33 +17,57 @@ from typing import Any
 
 from app.api.errors import APIError
 
-_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SCHEMA_VALUES = ("items", "additionalProperties", "not", "contains", "propertyNames", "if", "then", "else")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_COMBINING = ("allOf", "anyOf", "oneOf", "if", "then", "else", "not", "$ref")  # what combines with an object's own keys
 
 
-def closed(schema: Any, in_all_of: bool = False) -> Any:
+# Keys beside a "$ref" that combine with what it references (a description or title does not)
+_COMBINED_WITH = {"properties", "patternProperties", "additionalProperties", "required", "allOf", "anyOf", "oneOf", "type"}
+
+
+def closed(schema: Any) -> Any:
     """``schema`` with the rules above applied throughout (a new object; ``schema`` is left as it is)."""
+    return _closed(schema, _combined_definitions(schema), open_here=False)
+
+
+def _closed(schema: Any, combined: set[str], open_here: bool) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     if out.get("nullable") is True and isinstance(out.get("type"), str):
         out["type"] = [out.pop("type"), "null"]
         out.pop("nullable")
-    if "properties" in out and "additionalProperties" not in out and not in_all_of:
+    properties = out.get("properties")
+    if (isinstance(properties, dict) and "additionalProperties" not in out and not open_here
+            and not any(key in out for key in _COMBINING) and set(out.get("required") or []) <= set(properties)):
         out["additionalProperties"] = False
-    for key in _SCHEMA_MAPS:
+    for key in ("$defs", "definitions"):
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed(value) for name, value in out[key].items()}
-    for key in _SCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed(value) for value in out[key]]
-    if isinstance(out.get("allOf"), list):
-        out["allOf"] = [closed(value, in_all_of=True) for value in out["allOf"]]
-    for key in _SCHEMA_VALUES:
+            out[key] = {name: _closed(value, combined, f"{key}/{name}" in combined) for name, value in out[key].items()}
+    for key in ("properties", "patternProperties", "dependentSchemas"):
         if isinstance(out.get(key), dict):
-            out[key] = closed(out[key])
+            out[key] = {name: _closed(value, combined, False) for name, value in out[key].items()}
+    for key in ("allOf", "anyOf", "oneOf", "prefixItems"):
+        if isinstance(out.get(key), list):  # a member of a combination combines with its siblings: left open
+            out[key] = [_closed(value, combined, key != "prefixItems") for value in out[key]]
+    for key in ("items", "additionalProperties", "contains", "propertyNames", "if", "then", "else", "not"):
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key], combined, key in ("if", "then", "else", "not"))
     return out
+
+
+def _combined_definitions(schema: Any, combining: bool = False) -> set[str]:
+    """The definitions (``$defs/Name``) a reference brings into a combination: they stay open as its members do."""
+    found: set[str] = set()
+    if isinstance(schema, list):
+        for item in schema:
+            found |= _combined_definitions(item, combining)
+    elif isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/") and (combining or set(schema) & _COMBINED_WITH):
+            found.add(ref[2:])
+        for key, value in schema.items():
+            found |= _combined_definitions(value, combining or key in ("allOf", "anyOf", "oneOf"))
+    return found
 
 
 def tools_schema(parameters: list[tuple[str, dict]], parallel: bool) -> dict:

@@ -159,8 +159,10 @@ class OpenAIServing:
 
     # ---- one OpenAI request, several engine requests (app/api/fanout.py) -------------------
     def _chat_plans(self, request: ChatCompletionRequest) -> list[_Prepared]:
-        return self._fan_out([self._prepare("chatcmpl", self._chat_prompt(request), request, request.requested_max_tokens)],
-                             request.n)
+        prepared = self._prepare("chatcmpl", self._chat_prompt(request), request, request.requested_max_tokens)
+        if self.tool_parser == "mistral" and request.tool_choice_resolved() == "auto":  # [TOOL_CALLS] is a special token
+            prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)  # kept for the parser, as vLLM
+        return self._fan_out([prepared], request.n)
 
     def _completion_plans(self, request: CompletionRequest) -> list[_Prepared]:
         prompt = fim_prompt(self.tokenizer, request.prompt, request.suffix, self.model_name) if request.suffix else request.prompt

@@ -17,7 +17,8 @@ import re
 from typing import Any
 
 _CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+# a parameter ends at its closing tag, or where the next one or the function's end begins (a model may leave it out)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 _TEXT_TYPES = ("string", "str", "text")
 
 
@@ -34,7 +35,7 @@ def read_xml_calls(text: str) -> tuple[str, list[tuple[str, dict[str, str]]]]:
 def typed(value: str, schema: dict | None) -> Any:
     """A raw value as its parameter's schema types it: text stays text; integers, numbers, booleans, null, objects
     and arrays are read (text where they do not read); a parameter the schema does not name stays text."""
-    kind = (schema or {}).get("type", "string")
+    kind = schema.get("type", "string") if isinstance(schema, dict) else "string"  # `true` is a schema too
     kinds = [kind] if isinstance(kind, str) else list(kind)
     if value.strip().lower() == "null" and ("null" in kinds or not any(k in _TEXT_TYPES for k in kinds)):
         return None

@@ -126,15 +126,18 @@ def test_manifest_runs_the_projects_application(path):
     containers += [group["template"]["spec"]["containers"][0] for group in cluster["workerGroupSpecs"]]
     for container in containers:
         assert {"containerPort": 8000, "name": "serve"} in container["ports"]
-    # Every replica fits on some worker pod (the head has num-cpus 0).
+    # Every replica fits on some worker pod (the head has num-cpus 0), as Ray counts the pod (rayStartParams first).
     groups = cluster["workerGroupSpecs"]
     workers = [group["template"]["spec"]["containers"][0]["resources"]["limits"] for group in groups]
+    cpus = [float(group["rayStartParams"].get("num-cpus", limits["cpu"])) for group, limits in zip(groups, workers)]
     for served in config.models:
         gpus = served.replica.num_gpus if served.replica.num_gpus is not None else int(served.model.device == "cuda")
         assert any(
-            float(limits["cpu"]) >= served.replica.num_cpus and int(limits.get("nvidia.com/gpu", 0)) >= gpus
-            for limits in workers
+            pod_cpus >= served.replica.num_cpus and int(limits.get("nvidia.com/gpu", 0)) >= gpus
+            for pod_cpus, limits in zip(cpus, workers)
         ), served.model.name
+    # A group that may grow is grown by the autoscaler, which the manifest turns on.
+    assert cluster.get("enableInTreeAutoscaling") or all(g["maxReplicas"] == g["replicas"] for g in groups)
     # The GPU groups' pods, at their most, hold every model's replicas at their most (one replica per GPU).
     gpu_pods = sum(group["maxReplicas"] * int(limits.get("nvidia.com/gpu", 0)) for group, limits in zip(groups, workers))
     gpu_replicas = sum(_most_replicas(served) * (served.replica.num_gpus or int(served.model.device == "cuda"))

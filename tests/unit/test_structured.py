@@ -100,3 +100,21 @@ def test_an_object_listing_its_properties_takes_no_others_and_json_object_honour
 
 def test_a_lark_grammar_opening_with_an_inlined_rule_is_read_as_lark():
     assert _accepts(_grammar({**CHAT, "structured_outputs": {"grammar": '?start: "yes" | "no"'}}), "no")
+
+
+def test_what_combines_with_other_schemas_stays_open():
+    """Inheritance (allOf over a $ref'd base), an object's own properties beside anyOf members, and a required key the
+    properties do not list: schemas that read as their authors meant them before objects were closed."""
+    base = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+    inherited = {"$defs": {"Base": base}, "allOf": [{"$ref": "#/$defs/Base"},
+                                                    {"type": "object", "properties": {"extra": {"type": "string"}}, "required": ["extra"]}]}
+    assert _accepts(_grammar({**CHAT, "structured_outputs": {"json": inherited}}), '{"id": 1, "extra": "x"}')
+    beside = {"type": "object", "properties": {"a": {"type": "integer"}},
+              "anyOf": [{"properties": {"b": {"type": "integer"}}}, {"properties": {"c": {"type": "integer"}}}]}
+    assert _accepts(_grammar({**CHAT, "structured_outputs": {"json": beside}}), '{"a": 1, "b": 2}')
+    unlisted = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}
+    assert _accepts(_grammar({**CHAT, "structured_outputs": {"json": unlisted}}), '{"a": 1, "b": 2}')
+    described = {"$defs": {"Street": {"type": "object", "properties": {"name": {"type": "string"}}}}, "type": "object",
+                 "properties": {"street": {"$ref": "#/$defs/Street", "description": "where"}}}  # pydantic v2's form
+    grammar = _grammar({**CHAT, "structured_outputs": {"json": described}})
+    assert _accepts(grammar, '{"street": {"name": "Main"}}') and not _accepts(grammar, '{"street": {"name": "Main", "no": 1}}')

@@ -181,3 +181,25 @@ def test_required_keeps_each_tools_definitions_and_its_references_to_its_own_roo
                                                {"type": "function", "function": {"name": "post", "parameters": clash}}]), True)
     calls = forced_calls('[{"name": "ship", "arguments": {"street": {"name": "Malmö"}}}]', "required")
     assert calls[0].arguments == '{"street": {"name": "Malmö"}}'  # the text as written, not \\u-escaped
+
+
+def test_qwen3_coder_reads_a_parameter_left_unclosed_and_any_schema():
+    text = "<tool_call>\n<function=book>\n<parameter=nights>\n3\n<parameter=city>\nOslo\n</function>\n</tool_call>"
+    tools = parse_tools([{"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"nights": {"type": "integer"}, "city": True}}}}])  # `true`: any value
+    assert json.loads(parse_calls(text, "qwen3_coder", tools)[1][0].arguments) == {"nights": 3, "city": "Oslo"}
+
+
+def test_a_mistral_answer_keeps_its_special_call_marker_in_the_text_for_the_parser():
+    """Mistral's [TOOL_CALLS] is a special token: skipped from the text, no call would ever be found (vLLM keeps them
+    for this parser too)."""
+    from types import SimpleNamespace
+
+    from app.api.serving import OpenAIServing
+
+    tokenizer = SimpleNamespace(chat_template="{{ messages }}", encode=lambda text, **_: [1, 2],
+                                apply_chat_template=lambda messages, **_: str(messages))
+    serving = OpenAIServing(None, tokenizer, "m", 64, [0], 8, tool_parser="mistral")
+    auto = serving._chat_plans(parse_body({**CHAT, "tools": [WEATHER]}, ChatCompletionRequest))[0]
+    plain = serving._chat_plans(parse_body(CHAT, ChatCompletionRequest))[0]
+    assert (auto.sampling.skip_special_tokens, plain.sampling.skip_special_tokens) == (False, True)
