@@ -104,7 +104,7 @@ class OpenAIServing:
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
         choice, kind = request.tool_choice_resolved(), "chat.completion.chunk"
         # the template and tokenizing off the event loop, where every stream of this replica waits (75 ms for 40k tokens)
-        plans = await asyncio.to_thread(self._chat_plans, request) if choice != "required" else []
+        plans = await asyncio.to_thread(self._chat_plans, request)
         if choice == "auto":  # content as it comes, calls once their text is whole
             one_call = request.parallel_tool_calls is False
             streamed = self._streamed(plans, request, _chat_choice, kind, chunker=lambda plan:
@@ -113,8 +113,9 @@ class OpenAIServing:
         elif isinstance(choice, tools.Tool):  # a named function: its arguments as they come
             streamed = self._streamed(plans, request, _chat_choice, kind, chunker=lambda plan:
                                       tool_streams.named_call_chunks(self._chunks(plan, _chat_choice, kind), choice.name))
-        elif choice is not None:  # required: the calls once whole (their names are known only inside the JSON)
-            streamed = self._tool_chunks(request)
+        elif choice is not None:  # required: each call once its name is whole, then its arguments as they come
+            streamed = self._streamed(plans, request, _chat_choice, kind, chunker=lambda plan:
+                                      tool_streams.required_call_chunks(self._chunks(plan, _chat_choice, kind)))
         else:
             streamed = self._streamed(plans, request, _chat_choice, kind)
         async with contextlib.aclosing(streamed) as chunks:  # closed with this stream, as completion_stream's
@@ -150,12 +151,6 @@ class OpenAIServing:
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
         return message
-
-    async def _tool_chunks(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
-        """A streamed chat with ``tool_choice: required``: the whole answer first (admission and errors still come
-        before any byte), then as OpenAI streams it (app/api/tool_streams.py)."""
-        async for chunk in tool_streams.whole_answer_chunks(await self.chat(request), request.include_usage):
-            yield chunk
 
     # ---- one OpenAI request, several engine requests (app/api/fanout.py) -------------------
     def _chat_plans(self, request: ChatCompletionRequest) -> list[_Prepared]:

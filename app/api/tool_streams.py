@@ -1,13 +1,13 @@
 """Streamed chat answers with tools, as OpenAI streams them: the content as deltas, each call as ``delta.tool_calls``
-entries (its ``index``, ``id`` and name, then its arguments: whole, or a named function's in fragments as they
-come), then the finish."""
+entries (its ``index``, ``id`` and name, then its arguments: whole under ``auto``, in fragments as they come for a
+named function or ``required``), then the finish."""
 
 from __future__ import annotations
 
 import contextlib
 from typing import AsyncIterator
 
-from app.api.tools import StreamedCalls, ToolCall
+from app.api.tools import StreamedCalls, ToolCall, required_calls
 
 
 async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, tools=None) -> AsyncIterator[dict]:
@@ -60,22 +60,25 @@ async def named_call_chunks(chunks: AsyncIterator[dict], name: str) -> AsyncIter
                 yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}]}
 
 
-async def whole_answer_chunks(response: dict, include_usage: bool) -> AsyncIterator[dict]:
-    """A whole chat response as the chunks of a stream: the role, any content, the calls, the finish, the usage."""
-    head = {key: response[key] for key in ("id", "created", "model")}
-    head["object"] = "chat.completion.chunk"
-    for entry in response["choices"]:
-        message, index = entry["message"], entry["index"]
-        yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
-        logprobs = entry["logprobs"]  # with the content, else with the calls (their tokens'), else with the finish
-        if message.get("content"):
-            yield {**head, "choices": [{"index": index, "delta": {"content": message["content"]}, "logprobs": logprobs,
-                                        "finish_reason": None}]}
-            logprobs = None
-        calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls", []))]
-        if calls:
-            yield {**head, "choices": [{"index": index, "delta": {"tool_calls": calls}, "logprobs": logprobs, "finish_reason": None}]}
-            logprobs = None
-        yield {**head, "choices": [{"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": entry["finish_reason"]}]}
-    if include_usage:
-        yield {**head, "choices": [], "usage": response["usage"]}
+async def required_call_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """One choice of a chat under ``tool_choice: required``: each call as soon as its name is whole (its ``index``,
+    ``id`` and name), then its arguments as they come, as vLLM streams them; the finish is ``tool_calls``."""
+    text, sent = "", []  # sent[i]: how much of call i's arguments went out
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            choice = chunk["choices"][0]
+            text += choice["delta"].get("content") or ""
+            entries = []
+            for i, (name, arguments) in enumerate(required_calls(text)):
+                if i == len(sent):
+                    entries.append({"index": i, **ToolCall(name, "").as_openai(), "function": {"name": name, "arguments": arguments}})
+                    sent.append(len(arguments))
+                elif len(arguments) > sent[i]:
+                    entries.append({"index": i, "function": {"arguments": arguments[sent[i]:]}})
+                    sent[i] = len(arguments)
+            if entries or choice["logprobs"]:
+                delta = {"tool_calls": entries} if entries else {}
+                yield {**chunk, "choices": [{**choice, "delta": delta, "finish_reason": None}]}
+            if choice["finish_reason"] is not None:
+                finish = "tool_calls" if sent and choice["finish_reason"] == "stop" else choice["finish_reason"]
+                yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": None, "finish_reason": finish}]}

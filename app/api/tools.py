@@ -104,14 +104,55 @@ def forced_schema(choice: str | Tool, tools: list[Tool], parallel: bool) -> dict
 
 
 def forced_calls(text: str, choice: str | Tool) -> list[ToolCall]:
-    """The calls in a constrained output (it follows forced_schema, unless cut short by max_tokens)."""
-    if isinstance(choice, Tool):  # the arguments as the model wrote them (cut short too), as vLLM and a stream send them
+    """The calls in a constrained output (it follows forced_schema; cut short by max_tokens, as far as they came),
+    each one's arguments as the model wrote them, as a stream sends them."""
+    if isinstance(choice, Tool):
         return [ToolCall(choice.name, text.strip())]
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return []  # cut at max_tokens: the text stays the content, finish_reason "length"
-    return [ToolCall(call["name"], json.dumps(call["arguments"], ensure_ascii=False)) for call in value]
+    return [ToolCall(name, arguments) for name, arguments in required_calls(text)]  # none named yet: the text stays content
+
+
+# `required`'s output, as its grammar writes it: `[{"name": "<name>", "arguments": <JSON>}, ...]`
+_REQUIRED_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_REQUIRED_NEXT = re.compile(r"\s*\}\s*([,\]])")
+
+
+def required_calls(text: str) -> list[tuple[str, str]]:
+    """The calls of a ``required`` output so far: each named one with its arguments' text as far as it goes (read
+    again as the text grows: the answers are short)."""
+    calls, at = [], len(text) - len(text.lstrip())
+    if not text[at:].startswith("["):
+        return calls
+    at += 1
+    while (head := _REQUIRED_CALL.match(text, at)) is not None:
+        end = _json_value_end(text, head.end())
+        calls.append((json.loads(f'"{head.group(1)}"'), text[head.end():end]))
+        after = _REQUIRED_NEXT.match(text, end)
+        if end == len(text) or after is None or after.group(1) == "]":
+            break
+        at = after.end()
+    return calls
+
+
+def _json_value_end(text: str, start: int) -> int:
+    """Where the JSON value at ``start`` ends (its length so far if it has not ended)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        char = text[i]
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            if depth == 0:  # a scalar's end: the call's own brace
+                return i
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        elif char == "," and depth == 0:
+            return i
+    return len(text)
 
 
 def parse_calls(text: str, parser: str, tools: list[Tool] | None = None) -> tuple[str | None, list[ToolCall]]:

@@ -110,3 +110,28 @@ async def test_qwen3_coder_calls_stream_and_assemble_to_the_whole_answer_typed_b
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "1984"}]  # a string, as its schema says
     assert [c["function"] for c in calls] == [c["function"] for c in whole["message"]["tool_calls"]]
     assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "tool_calls"
+
+
+REQUIRED = '[{"name": "get_weather", "arguments": {"city": "Oslo",  "note": "a \\"}\\" brace"}}, {"name": "get_weather", "arguments": {}}]'
+
+
+@pytest.mark.parametrize("max_tokens", [400, 60])
+async def test_required_calls_stream_as_they_come_and_assemble_to_the_whole_answer(server, max_tokens):
+    """As vLLM streams tool_choice required: each call once its name is whole (index, id, name), then its arguments'
+    fragments; the model's text as written (a brace inside a string is no end); cut short, as far as it came."""
+    body = _body(REQUIRED, tool_choice="required", max_tokens=max_tokens)
+    whole = (await server.serving.chat(parse_body(body, ChatCompletionRequest)))["choices"][0]
+    chunks = [c async for c in server.serving.chat_stream(parse_body({**body, "stream": True}, ChatCompletionRequest))]
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    entries = [entry for d in deltas for entry in d["delta"].get("tool_calls", [])]
+    assert len(entries) > 10 and not any(d["delta"].get("content") for d in deltas)
+    streamed = {}
+    for entry in entries:
+        call = streamed.setdefault(entry["index"], {"id": entry.get("id"), "name": entry["function"].get("name"), "arguments": ""})
+        call["arguments"] += entry["function"]["arguments"]
+    calls = whole["message"]["tool_calls"]
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    cut = max_tokens < len(REQUIRED)
+    if not cut:
+        assert [json.loads(c["arguments"]) for c in streamed.values()] == [{"city": "Oslo", "note": 'a "}" brace'}, {}]
+    assert deltas[-1]["finish_reason"] == whole["finish_reason"] == ("length" if cut else "tool_calls")
