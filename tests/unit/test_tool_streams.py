@@ -24,14 +24,25 @@ def server():
     server.shutdown(timeout_s=1)
 
 
+async def _whole_and_streamed(server, body: dict) -> tuple[dict, list[dict]]:
+    """The answer's choice in one piece and the same answer's chunks, generated side by side (the fake model steps
+    them together: half the wall time of one after the other)."""
+    import asyncio
+
+    async def streamed():
+        return [c async for c in server.serving.chat_stream(parse_body({**body, "stream": True}, ChatCompletionRequest))]
+
+    whole, chunks = await asyncio.gather(server.serving.chat(parse_body(body, ChatCompletionRequest)), streamed())
+    return whole["choices"][0], chunks
+
+
 def _body(answer: str = ANSWER, **extra) -> dict:
     content = f"Weather in Oslo? {REPLAY[0].decode()}{answer}{REPLAY[1].decode()}"  # the fake model answers this
     return {"messages": [{"role": "user", "content": content}], "tools": [WEATHER], "max_tokens": 400, **extra}
 
 
 async def test_content_streams_before_the_call_and_all_of_it_assembles_to_the_whole_answer(server):
-    whole = (await server.serving.chat(parse_body(_body(), ChatCompletionRequest)))["choices"][0]
-    chunks = [c async for c in server.serving.chat_stream(parse_body(_body(stream=True), ChatCompletionRequest))]
+    whole, chunks = await _whole_and_streamed(server, _body())
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     content_chunks = [d["delta"]["content"] for d in deltas if d["delta"].get("content")]
     assert len(content_chunks) > 10  # token by token, not one piece at the end
@@ -66,8 +77,7 @@ async def test_a_named_functions_arguments_stream_as_they_come_and_assemble_to_t
     the fragments join to the non-streamed call's arguments (the model's text, whitespace around it left out; cut
     short by max_tokens, as far as it got, finishing "length" either way)."""
     body = _body(ARGUMENTS, tool_choice=NAMED, **extra)
-    whole = (await server.serving.chat(parse_body(body, ChatCompletionRequest)))["choices"][0]
-    chunks = [c async for c in server.serving.chat_stream(parse_body({**body, "stream": True}, ChatCompletionRequest))]
+    whole, chunks = await _whole_and_streamed(server, body)
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     entries = [entry for d in deltas for entry in d["delta"].get("tool_calls", [])]
     assert len(entries) > 5 and not any(d["delta"].get("content") for d in deltas)
@@ -86,8 +96,7 @@ async def test_a_streamed_tool_answer_carries_every_tokens_logprob_as_the_whole_
     """The call's tokens keep their logprobs in the stream (on the calls' chunk), as the non-streamed answer gives
     them: a client summing a stream's logprobs gets the answer's."""
     body = _body(answer, logprobs=True, top_logprobs=1, tool_choice=tool_choice)
-    whole = (await server.serving.chat(parse_body(body, ChatCompletionRequest)))["choices"][0]
-    chunks = [c async for c in server.serving.chat_stream(parse_body({**body, "stream": True}, ChatCompletionRequest))]
+    whole, chunks = await _whole_and_streamed(server, body)
     streamed = [entry for c in chunks if c["choices"] for entry in (c["choices"][0]["logprobs"] or {}).get("content") or []]
     assert len(whole["logprobs"]["content"]) > 20 and streamed == whole["logprobs"]["content"]
     assert whole["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
@@ -100,8 +109,7 @@ async def test_qwen3_coder_calls_stream_and_assemble_to_the_whole_answer_typed_b
     try:
         answer = "On it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n1984\n</parameter>\n</function>\n</tool_call>"
         body = _body(answer)
-        whole = (await coder.serving.chat(parse_body(body, ChatCompletionRequest)))["choices"][0]
-        chunks = [c async for c in coder.serving.chat_stream(parse_body({**body, "stream": True}, ChatCompletionRequest))]
+        whole, chunks = await _whole_and_streamed(coder, body)
     finally:
         coder.shutdown(timeout_s=1)
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
@@ -120,8 +128,7 @@ async def test_required_calls_stream_as_they_come_and_assemble_to_the_whole_answ
     """As vLLM streams tool_choice required: each call once its name is whole (index, id, name), then its arguments'
     fragments; the model's text as written (a brace inside a string is no end); cut short, as far as it came."""
     body = _body(REQUIRED, tool_choice="required", max_tokens=max_tokens)
-    whole = (await server.serving.chat(parse_body(body, ChatCompletionRequest)))["choices"][0]
-    chunks = [c async for c in server.serving.chat_stream(parse_body({**body, "stream": True}, ChatCompletionRequest))]
+    whole, chunks = await _whole_and_streamed(server, body)
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     entries = [entry for d in deltas for entry in d["delta"].get("tool_calls", [])]
     assert len(entries) > 10 and not any(d["delta"].get("content") for d in deltas)
