@@ -169,7 +169,7 @@ def build_model_core(config: ServedModelConfig) -> tuple[LLMEngine, CoreInfo]:
         check_parity(core, loaded)
     # Readiness means the model has produced a token, not merely that weights were read.
     warmup_s = _warm_up(core, loaded, config.engine.max_num_batched_tokens)
-    info = CoreInfo(loaded.name, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, _vocab_size(loaded), warmup_s,
+    info = CoreInfo(loaded.name, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size, warmup_s,
                     loaded.sampling_defaults)
     return core, info
 
@@ -225,12 +225,6 @@ def _generate(core, loaded: LoadedModel, request: Request) -> None:
             error += (" (a step at the full token budget did not fit beside the KV cache: lower engine.kv_cache_memory_mb"
                       " (0: 80% of the GPU memory free after loading) or engine.max_num_batched_tokens)")
         raise RuntimeError(f"warm-up generation of {loaded.name} failed: {error}")
-
-
-def _vocab_size(loaded: LoadedModel) -> int:
-    from app.engine.text_config import text_config
-
-    return int(getattr(text_config(loaded.model.config), "vocab_size", None) or len(loaded.tokenizer))
 
 
 def _set_torch_threads(requested: int) -> None:

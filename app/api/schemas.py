@@ -18,8 +18,6 @@ from typing import Any
 from app.api.errors import APIError
 
 _COMBINING = ("allOf", "anyOf", "oneOf", "if", "then", "else", "not", "$ref")  # what combines with an object's own keys
-
-
 # Keys beside a "$ref" that combine with what it references (a description or title does not)
 _COMBINED_WITH = {"properties", "patternProperties", "additionalProperties", "required", "allOf", "anyOf", "oneOf", "type"}
 

@@ -25,10 +25,10 @@ from app.engine.output_processor import OutputProcessor
 from app.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from app.engine.runner import ModelRunner
 from app.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from app.engine.text_config import text_config
 from app.metrics import STEP_TOKEN_BUCKETS, Histogram
 from app.models import LoadedModel
 from app.spec.controller import SpeculationController
-from app.engine.text_config import text_config
 
 logger = logging.getLogger(__name__)
 # A device-side assert or an illegal memory access (torch.AcceleratorError) leaves the CUDA context unusable;

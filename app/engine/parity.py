@@ -68,7 +68,7 @@ def check_parity(engine, loaded) -> ParityReport:
     """Raise :class:`ParityError` unless ``engine`` (an LLMEngine over ``loaded``) matches transformers; log the gap."""
     started = time.monotonic()
     arch = _architecture(loaded.model)
-    requests = [Request(f"parity-check-{i}", _prompt(loaded.tokenizer, text, length, _vocab(loaded)),
+    requests = [Request(f"parity-check-{i}", _prompt(loaded.tokenizer, text, length, loaded.vocab_size),
                         SamplingParams(max_tokens=_NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=MAX_LOGPROBS),
                         loaded.eos_token_ids)
                 for i, (text, length) in enumerate(zip(_TEXTS, _LENGTHS))]
@@ -178,10 +178,6 @@ def _prompt(tokenizer, text: str, length: int, vocab: int) -> list[int]:
     """``length`` tokens of ``text`` (repeated as needed), within the model's vocabulary."""
     ids = [t for t in tokenizer.encode(text, add_special_tokens=False) if 0 <= t < vocab] or list(range(1, 17))
     return (ids * (length // len(ids) + 1))[:length]
-
-
-def _vocab(loaded) -> int:
-    return int(getattr(text_config(loaded.model.config), "vocab_size", None) or len(loaded.tokenizer))
 
 
 def _architecture(model) -> str:

@@ -26,9 +26,9 @@ from app.engine.paged_attention import SequenceSlice, register_paged_attention
 from app.engine.request import Request, TokenLogprob
 from app.engine.sampling import Sampler, has_penalty, token_logprobs
 from app.engine.scheduler import ScheduledRequest, SchedulerOutput
+from app.engine.text_config import text_config
 from app.models import LoadedModel
 from app.spec.verify import verify_drafts
-from app.engine.text_config import text_config
 
 logger = logging.getLogger(__name__)
 

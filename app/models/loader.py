@@ -46,6 +46,11 @@ class LoadedModel:
     bf16_products: bool = False  # Linear layers multiply in bf16 (activations rounded too) on our avx512_bf16 kernel
     sampling_defaults: dict[str, float] = field(default_factory=dict)  # generation_config.json's (generation_defaults.py)
 
+    @property
+    def vocab_size(self) -> int:
+        """The rows of the model's logits: its (text) config's vocabulary, else the tokenizer's."""
+        return int(getattr(text_config(self.model.config), "vocab_size", None) or len(self.tokenizer))
+
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
