@@ -48,8 +48,9 @@ class StepCounters:
 
 
 class StepCost:
-    """What sizes prefill chunks beside decodes (stall-free scheduling): a step's seconds as
-    ``a + b * tokens + c * keys``, ``keys`` being the attended keys summed over the step's tokens. ``a`` is what every
+    """What sizes prefill chunks beside decodes (stall-free scheduling): a step's seconds (all of it, scheduling and
+    emitting included: the gap its streams see) as ``a + b * tokens + c * keys``, ``keys`` being the attended keys
+    summed over the step's tokens. ``a`` is what every
     step pays (the layers' Python, the weights streamed once); a chunk deep in a long prompt attends to everything
     before it, so its tokens cost more than the first chunk's (on two AVX2 cores, about twice as much 1,500 tokens
     in), which a cost per token alone would learn only after the steps had overrun. Fitted by least squares over
@@ -57,6 +58,9 @@ class StepCost:
     steps seen cannot tell apart yet are left out (``c`` while every step has alike keys per token, then ``a``)."""
 
     DECAY = 0.95  # weight of a step one step older
+    # A bound is planned to this share of it: steps scatter around the fit (a few % on a shared 2-core machine) and
+    # their tokens still have to reach the streams. Planned to the whole 200 ms, W1's streams saw gaps of 201-215 ms.
+    PLANNED_SHARE = 0.9
     _SCALE = np.array([1.0, 1e-2, 1e-5])  # features to similar magnitudes: 1, ~100 tokens, ~100k keys
 
     def __init__(self) -> None:
@@ -89,6 +93,14 @@ class StepCost:
                 full[terms] = fitted
                 return tuple(float(v) for v in full * self._SCALE)
         return 0.0, float(self._xty[1] / self._xtx[1, 1] * self._SCALE[1]), 0.0
+
+    def tokens_within_bound(self, bound_s: float, prefill_offset: int) -> int | None:
+        """The most tokens a step carrying decodes may hold so that the streams' gap stays within ``bound_s``, planned
+        to ``PLANNED_SHARE`` of it, while the deepest prompt still prefilling is ``prefill_offset`` tokens in (its
+        next chunk attends to everything before it, and to itself)."""
+        seconds = bound_s * self.PLANNED_SHARE
+        tokens = self.tokens_within(seconds, prefill_offset)
+        return tokens if tokens is None else self.tokens_within(seconds, prefill_offset + tokens / 2)
 
     def tokens_within(self, seconds: float, keys_per_token: float = 0.0) -> int | None:
         """How many tokens a step may carry to last about ``seconds`` when each attends to ``keys_per_token`` keys
@@ -188,6 +200,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(self._decode_step_tokens())
         if not scheduled.scheduled:
             return refused
+        keys = attended_keys(scheduled)  # read before the update advances the requests' positions
         executed = time.perf_counter()
         try:
             result = self.runner.execute(scheduled, self.blocks)
@@ -196,7 +209,6 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
             logger.exception("forward pass failed")
             return refused + self._fail(scheduled, f"{type(exc).__name__}: {exc}")
-        self.step_cost.observe(scheduled.num_batched_tokens, time.perf_counter() - executed, attended_keys(scheduled))
         if self.speculation is not None and _only_decodes(scheduled):
             self.speculation.observe_step(scheduled.num_batched_tokens, time.perf_counter() - executed)
         self.scheduler.update(scheduled, {r.request_id: n for r, n in zip(result.requests, result.num_accepted)})
@@ -212,7 +224,9 @@ class LLMEngine:
                 self._release(request)
             outputs.append(output)
         self._count(scheduled, sum(len(o.new_token_ids) for o in outputs))
-        self.counters.busy_s += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.step_cost.observe(scheduled.num_batched_tokens, took, keys)
+        self.counters.busy_s += took
         if self.speculation is not None:
             for request, exc in self.speculation.propose(self._decoding(), self._mean_step_s(), time.monotonic()):
                 logger.error("request %s failed while drafting: %s: %s", request.request_id, type(exc).__name__, exc)
@@ -297,11 +311,8 @@ class LLMEngine:
         """The most tokens a step carrying decodes may hold (engine.max_decode_step_ms; None: no bound)."""
         if not self.config.max_decode_step_ms:
             return None
-        seconds = self.config.max_decode_step_ms / 1000
-        # the deepest prompt still prefilling: its next chunk attends to everything before it, and to itself
-        offset = max((r.num_computed_tokens for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens > 1), default=0)
-        tokens = self.step_cost.tokens_within(seconds, offset)
-        return tokens if tokens is None else self.step_cost.tokens_within(seconds, offset + tokens / 2)
+        deepest = max((r.num_computed_tokens for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens > 1), default=0)
+        return self.step_cost.tokens_within_bound(self.config.max_decode_step_ms / 1000, deepest)
 
     def _mean_step_s(self) -> float:
         c = self.counters

@@ -237,3 +237,21 @@ def test_drafts_never_preempt_a_request():
     assert not output.preempted and new.status is RequestStatus.RUNNING
     assert {s.request.request_id: (s.num_new_tokens, s.num_spec_tokens) for s in output.scheduled} == {
         "old": (1, 0), "new": (1, 0)}
+
+
+def test_a_bound_is_planned_with_headroom_and_for_the_deepest_prompts_next_chunk():
+    from app.engine.engine import StepCost
+
+    cost = StepCost()
+    assert cost.tokens_within_bound(0.2, prefill_offset=0) is None  # nothing measured: no cap
+    fixed, per_token, per_key = 0.03, 1e-3, 1e-6
+    cost.observe(2048, fixed + 2048 * per_token + 2048 * 1024 * per_key, 2048 * 1024)
+    for tokens, keys in ((8, 8 * 300), (208, 8 * 500 + 200 * 300), (108, 8 * 600 + 100 * 900), (16, 16 * 200)):
+        cost.observe(tokens, fixed + tokens * per_token + keys * per_key, keys)
+    fresh = cost.tokens_within_bound(0.2, prefill_offset=0)
+    # planned to 90% of 200 ms (180 ms): 150 ms over ~1.0 ms a token plus its keys; to the whole bound it would be ~170
+    assert fresh == pytest.approx(int(0.15 / (per_token + per_key * fresh / 2)), abs=2)
+    assert fresh < cost.tokens_within(0.2)
+    deep = cost.tokens_within_bound(0.2, prefill_offset=1500)  # a chunk 1,500 tokens in pays for the keys behind it
+    assert deep == pytest.approx(int(0.15 / (per_token + per_key * (1500 + deep / 2))), abs=2)
+    assert deep < fresh
