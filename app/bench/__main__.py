@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "profile":
         from app.bench.profile_steps import run_step_profile
 
-        result = run_step_profile(spec, args.batches, _engine_dtype(args.dtype), args.steps, **_kernel_args(args))
+        result = run_step_profile(spec, args.batches, _engine_dtype(args.dtype), args.steps, **_kernel_args(args),
+                                  source=args.model_source)
     elif args.command == "kernel-pairs":
         from app.bench.kernel_pairs import run_kernel_pairs
 

@@ -38,7 +38,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                         "`git worktree add` of an earlier commit), measured by this one's load generator: an A/B of two versions")
     parser.add_argument("--model-source", default=None,
                         help="compare, peer --launch ours or naive: serve this checkpoint (a directory, e.g. from `shape`) as --model instead of the config's; "
-                             "engine: run it (with --quantization, e.g. smollm2-135m-instruct-gptq --quantization gptq)")
+                             "engine, profile: run it (with --quantization, e.g. smollm2-135m-instruct-gptq --quantization gptq)")
     parser.add_argument("--quantization", default="none", choices=["none", "bnb-int8", "bnb-nf4", "gptq"],
                         help="engine: the --model-source checkpoint's quantization")
     parser.add_argument("--shape", default="llama-371m", help="shape: the seeded random checkpoint to build (app/bench/shapes.py)")

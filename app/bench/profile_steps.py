@@ -25,9 +25,10 @@ _TOP_OPS = 12
 
 
 def run_step_profile(spec: LoadSpec, batches: list[int], dtype: str, steps: int, kernels: dict | None = None,
-                     profiled_steps: int = PROFILED_STEPS) -> dict:
-    """``kernels``: EngineConfig's ``cpu_*_kernel`` settings to use (default: the config's defaults)."""
-    loaded = load_model(ModelConfig(dtype=dtype))
+                     profiled_steps: int = PROFILED_STEPS, source: str | None = None) -> dict:
+    """``kernels``: EngineConfig's ``cpu_*_kernel`` settings to use (default: the config's defaults); ``source``: the
+    checkpoint to profile (default: the embedded model)."""
+    loaded = load_model(ModelConfig(dtype=dtype, **({"source": source} if source else {})))
     prompts = [loaded.tokenizer.encode(p) for p in make_prompts(LoadSpec(**{**spec.__dict__, "num_requests": max(batches)}))]
     kernels = kernels or {}
     report: dict = {"dtype": dtype, **kernels, "threads": torch.get_num_threads(), "batches": {}}
