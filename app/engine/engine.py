@@ -50,12 +50,12 @@ class StepCounters:
 class StepCost:
     """What sizes prefill chunks beside decodes (stall-free scheduling): a step's seconds (all of it, scheduling and
     emitting included: the gap its streams see) as ``a + b * tokens + c * keys``, ``keys`` being the attended keys
-    summed over the step's tokens. ``a`` is what every
-    step pays (the layers' Python, the weights streamed once); a chunk deep in a long prompt attends to everything
-    before it, so its tokens cost more than the first chunk's (on two AVX2 cores, about twice as much 1,500 tokens
-    in), which a cost per token alone would learn only after the steps had overrun. Fitted by least squares over
-    every step (the warm-up's full-budget step first), each older step weighing ``DECAY`` times less; terms the
-    steps seen cannot tell apart yet are left out (``c`` while every step has alike keys per token, then ``a``)."""
+    summed over the step's tokens. ``a`` is what every step pays (the layers' Python, the weights streamed once); a
+    chunk deep in a long prompt attends to everything before it, so its tokens cost more than the first chunk's (on
+    two AVX2 cores, about twice as much 1,500 tokens in), which a cost per token alone would learn only after the
+    steps had overrun. Fitted by least squares over every step (the warm-up's full-budget step first), each older
+    step weighing ``DECAY`` times less; terms the steps seen cannot tell apart yet are left out (``c`` while every
+    step has alike keys per token, then ``a``)."""
 
     DECAY = 0.95  # weight of a step one step older
     # A bound is planned to this share of it: steps scatter around the fit (a few % on a shared 2-core machine) and
