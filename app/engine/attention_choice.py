@@ -33,10 +33,8 @@ logger = logging.getLogger(__name__)
 
 PHASES = ("decode", "prompt")
 _DECODE_SEQS, _DECODE_KEYS = 16, 512
-# SDPA's lead grows with the prompt, so the timed prompt is a long one (measured, ours against SDPA: AVX2 EPYC, 9x3x64
-# heads, a whole 512-token prompt 4.4 against 4.3 ms, 1,024 17.7 against 13.2, a 256-token chunk over 1,024 keys 7.6
-# against 4.9, 512 over 2,048 31.4 against 19.7; AVX-512 EPYC, 16x4x64 heads, timed at 512 + 256 over 1,024 the two
-# tied and the kernel was kept, yet a 1,666-token prompt alone took 4.73 s to its first token against 3.76 on SDPA)
+# SDPA's lead grows with the prompt, so the timed prompt is a long one: at half these lengths the two can tie where a
+# 1,666-token prompt runs 1.3x faster on SDPA (docs/performance.md, Kernel choice)
 _PROMPT, _CHUNK, _CHUNK_KEYS = 1024, 512, 2048
 # the cache's family names what is timed: a change to it measures again instead of reading an older decision
 FAMILY = f"attention: decode {_DECODE_SEQS}x{_DECODE_KEYS} keys, prompt {_PROMPT} + {_CHUNK} over {_CHUNK_KEYS}"
