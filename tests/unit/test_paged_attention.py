@@ -177,7 +177,7 @@ def _attend_in_steps(kernel, tokens: dict[str, tuple], steps: list[dict[str, int
 
 @needs_kernel
 @KV_DTYPES
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 12), (8, 1, 40)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 12), (8, 1, 40), (16, 4, 64)])
 def test_a_token_gets_the_same_bits_however_its_sequence_is_cut_into_steps(heads, kv_heads, head_dim, kv_dtype):
     """Whole prefill, chunks beside another sequence, prefill then decodes: every output bit for bit the same
     (what makes prefix-cache hits, chunked prefill, batch-mates and preemption leave logprobs unchanged)."""
@@ -226,7 +226,7 @@ def _run_kernel(case: dict, scale: float = 0.125) -> torch.Tensor:
 
 @needs_kernel
 @KV_DTYPES
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 12), (8, 1, 128)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 12), (8, 1, 128), (16, 4, 64), (20, 4, 32)])
 def test_decode_kernel_writes_the_new_keys_and_matches_sdpa_for_any_head_layout_and_length(heads, kv_heads, head_dim, kv_dtype):
     key_counts = [1, 7, 8, 9, 33, 130]  # lengths around the 8-wide vector exp, and a long one
     case = _kernel_case(len(key_counts), heads, kv_heads, head_dim, key_counts, kv_dtype)

@@ -135,18 +135,6 @@ INLINE void dot4(const float* q, const void* pool, const int64_t* k, int64_t d, 
 /* Scores of one query against keys l..l+4 (offsets of a group of 4 keys at rows[0..4)). */
 #define ROWS4(l) {ROW(l), ROW((l) + 1), ROW((l) + 2), ROW((l) + 3)}
 
-/* scores[l] = scale * <q, key l> for the keys of one sequence and KV head. */
-INLINE void key_scores(const float* q, const void* k_pool, const int64_t* slots, int64_t keys, int64_t kv_heads,
-                       int64_t g, int64_t d, float scale, float* scores, int bf16) {
-  int64_t l = 0;
-  for (; l + 4 <= keys; l += 4) {
-    const int64_t rows[4] = ROWS4(l);
-    dot4(q, k_pool, rows, d, bf16, scores + l);
-    for (int j = 0; j < 4; j++) scores[l + j] *= scale;
-  }
-  for (; l < keys; l++) scores[l] = dot(q, k_pool, ROW(l), d, bf16) * scale;
-}
-
 /* o[0..d) = inv_sum * sum_l p[l] * value l, with the output chunk held in registers across the keys. */
 INLINE void weighted_values(const float* p, const void* v_pool, const int64_t* slots, int64_t keys, int64_t kv_heads,
                             int64_t g, int64_t d, float inv_sum, float* o, int bf16) {
@@ -203,64 +191,12 @@ INLINE void prefetch_rows(const void* k_pool, const void* v_pool, const int64_t*
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)v_pool + ROW(l) * width + b, _MM_HINT_T1);
 }
 
-/* The `group` query heads sharing KV head g (query head r at q + r * q_head_stride) attend the first
- * `keys` keys of `slots`; their outputs go to o + r * d. The one computation of an attention output in
- * this file: decode and prefill both call it, so a token's output is the same bits whichever step
- * computed it, alone or in any batch. */
-INLINE void attend_group(const float* q, int64_t q_head_stride, int64_t group, const void* k_pool, const void* v_pool,
-                         const int64_t* slots, int64_t keys, int64_t kv_heads, int64_t g, int64_t d, float scale,
-                         float* o, int bf16) {
-  float* scores = malloc(sizeof(float) * (size_t)keys);
-  if (!scores) { /* cannot happen in practice (a few KB); leave NaN rather than crash the server */
-    for (int64_t i = 0; i < group * d; i++) o[i] = NAN;
-    return;
-  }
-  prefetch_rows(k_pool, v_pool, slots, keys, kv_heads, g, d, bf16);
-  for (int64_t r = 0; r < group; r++) {
-    key_scores(q + r * q_head_stride, k_pool, slots, keys, kv_heads, g, d, scale, scores, bf16);
-    float inv_sum = 1.0f / exp_shifted(scores, keys);
-    weighted_values(scores, v_pool, slots, keys, kv_heads, g, d, inv_sum, o + r * d, bf16);
-  }
-  free(scores);
-}
+#define RUN 4 /* rows whose value sums share each value load: a prefill's queries, or a decode's query heads */
 
-#define ATTEND_GROUP_ARGS                                                                                           \
-  const float *q, int64_t q_head_stride, int64_t group, const void *k_pool, const void *v_pool,                   \
-      const int64_t *slots, int64_t keys, int64_t kv_heads, int64_t g, int64_t d, float scale, float *o
-static void attend_group_f32(ATTEND_GROUP_ARGS) { attend_group(q, q_head_stride, group, k_pool, v_pool, slots, keys, kv_heads, g, d, scale, o, 0); }
-static void attend_group_bf16(ATTEND_GROUP_ARGS) { attend_group(q, q_head_stride, group, k_pool, v_pool, slots, keys, kv_heads, g, d, scale, o, 1); }
-#define ATTEND_GROUP(bf16, ...) ((bf16) ? attend_group_bf16(__VA_ARGS__) : attend_group_f32(__VA_ARGS__))
-
-/* q: query head h of sequence b at q + b*q_seq_stride + h*q_head_stride, head_dim contiguous.
- * new_k, new_v: this step's key and value of each sequence, laid out like q (their own strides), written
- * first into the pool at new_slots[b] (one task writes what it then reads: no other thread touches it).
- * k_pool, v_pool: [slots, kv_heads, head_dim] contiguous, fp32 or (kv_bf16) bf16. key_slots: [seqs, max_keys]
- * pool slot of each key, the new one included; key_counts: [seqs] keys of each sequence (its first
- * key_counts[b] slots are real). out: [seqs, heads, head_dim] contiguous. */
-void decode_attention(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* new_k,
-                      int64_t k_seq_stride, int64_t k_head_stride, const float* new_v, int64_t v_seq_stride,
-                      int64_t v_head_stride, const int64_t* new_slots, void* k_pool, void* v_pool, int kv_bf16,
-                      const int64_t* key_slots, const int64_t* key_counts, float* out, int64_t seqs, int64_t heads,
-                      int64_t kv_heads, int64_t head_dim, int64_t max_keys, float scale) {
-  const int64_t group = heads / kv_heads; /* query heads sharing one KV head */
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-  for (int64_t b = 0; b < seqs; b++) {
-    for (int64_t g = 0; g < kv_heads; g++) {
-      store_new(new_k, k_seq_stride, k_head_stride, k_pool, new_slots[b], b, g, kv_heads, head_dim, kv_bf16);
-      store_new(new_v, v_seq_stride, v_head_stride, v_pool, new_slots[b], b, g, kv_heads, head_dim, kv_bf16);
-      ATTEND_GROUP(kv_bf16, q + b * q_seq_stride + g * group * q_head_stride, q_head_stride, group, k_pool, v_pool,
-                   key_slots + b * max_keys, key_counts[b], kv_heads, g, head_dim, scale,
-                   out + (b * heads + g * group) * head_dim);
-    }
-  }
-}
-
-#define RUN 4 /* consecutive queries of one sequence attended together in a prefill */
-
-/* key_scores for a run of n <= RUN queries of one sequence (query i at qs[i], seeing counts[i] keys, scores
- * to scores[i]): each group of 4 keys that every query sees is loaded once for all of them, and each
- * query's scores are the same operations as key_scores gives it alone (groups of 4 from key 0, then single
- * keys), so the same bits. */
+/* scores[i][l] = scale * <query i, key l> for n rows of one sequence and KV head (row i's query at qs[i], seeing
+ * its first counts[i] keys): each group of 4 keys that every row sees is loaded once for all of them, and each
+ * row's scores are the same operations whichever rows go with it (groups of 4 keys from key 0 through dot4,
+ * then single keys through dot), so the same bits alone or beside any others. */
 INLINE void key_scores_run(const float* const* qs, int n, const void* k_pool, const int64_t* slots,
                            const int64_t* counts, int64_t kv_heads, int64_t g, int64_t d, float scale,
                            float* const* scores, int bf16) {
@@ -331,7 +267,77 @@ INLINE void weighted_values_run(float* const* p, const void* v_pool, const int64
     }
 }
 
-#define MAX_RUN_ROWS 64 /* query heads x RUN scored together: 16 heads a KV head at most */
+#define MAX_RUN_ROWS 64 /* rows scored together (query heads x RUN in a prefill): 16 heads a KV head at most */
+
+/* The `group` query heads sharing KV head g (query head r at q + r * q_head_stride) attend the first
+ * `keys` keys of `slots`; their outputs go to o + r * d. The one computation of an attention output in
+ * this file: decode and prefill both call it, so a token's output is the same bits whichever step
+ * computed it, alone or in any batch. The heads go through the run helpers together (each key loaded once
+ * for all of them, each value once for RUN of them) where the helpers give each row the bits it gets alone:
+ * at 32 sequences of 130 keys, 16 heads on 4 KV heads, 10% faster than one head after another. */
+INLINE void attend_group(const float* q, int64_t q_head_stride, int64_t group, const void* k_pool, const void* v_pool,
+                         const int64_t* slots, int64_t keys, int64_t kv_heads, int64_t g, int64_t d, float scale,
+                         float* o, int bf16) {
+  float* buffer = malloc(sizeof(float) * (size_t)(keys * group));
+  if (!buffer) { /* cannot happen in practice (a few KB); leave NaN rather than crash the server */
+    for (int64_t i = 0; i < group * d; i++) o[i] = NAN;
+    return;
+  }
+  prefetch_rows(k_pool, v_pool, slots, keys, kv_heads, g, d, bf16);
+  const float* qs[MAX_RUN_ROWS];
+  float* scores[MAX_RUN_ROWS];
+  float* outs[MAX_RUN_ROWS];
+  int64_t counts[MAX_RUN_ROWS];
+  float inv_sum[MAX_RUN_ROWS];
+  for (int64_t r0 = 0; r0 < group; r0 += MAX_RUN_ROWS) {
+    const int n = (int)(group - r0 < MAX_RUN_ROWS ? group - r0 : MAX_RUN_ROWS);
+    for (int r = 0; r < n; r++) {
+      qs[r] = q + (r0 + r) * q_head_stride;
+      scores[r] = buffer + r * keys;
+      outs[r] = o + (r0 + r) * d;
+      counts[r] = keys;
+    }
+    key_scores_run(qs, n, k_pool, slots, counts, kv_heads, g, d, scale, scores, bf16);
+    for (int r = 0; r < n; r++) inv_sum[r] = 1.0f / exp_shifted(scores[r], keys);
+    int r = 0;
+    for (; r + RUN <= n; r += RUN)
+      weighted_values_run(scores + r, v_pool, slots, counts + r, kv_heads, g, d, inv_sum + r, outs + r, bf16);
+    for (; r < n; r++) weighted_values(scores[r], v_pool, slots, keys, kv_heads, g, d, inv_sum[r], outs[r], bf16);
+  }
+  free(buffer);
+}
+
+#define ATTEND_GROUP_ARGS                                                                                           \
+  const float *q, int64_t q_head_stride, int64_t group, const void *k_pool, const void *v_pool,                   \
+      const int64_t *slots, int64_t keys, int64_t kv_heads, int64_t g, int64_t d, float scale, float *o
+static void attend_group_f32(ATTEND_GROUP_ARGS) { attend_group(q, q_head_stride, group, k_pool, v_pool, slots, keys, kv_heads, g, d, scale, o, 0); }
+static void attend_group_bf16(ATTEND_GROUP_ARGS) { attend_group(q, q_head_stride, group, k_pool, v_pool, slots, keys, kv_heads, g, d, scale, o, 1); }
+#define ATTEND_GROUP(bf16, ...) ((bf16) ? attend_group_bf16(__VA_ARGS__) : attend_group_f32(__VA_ARGS__))
+
+/* q: query head h of sequence b at q + b*q_seq_stride + h*q_head_stride, head_dim contiguous.
+ * new_k, new_v: this step's key and value of each sequence, laid out like q (their own strides), written
+ * first into the pool at new_slots[b] (one task writes what it then reads: no other thread touches it).
+ * k_pool, v_pool: [slots, kv_heads, head_dim] contiguous, fp32 or (kv_bf16) bf16. key_slots: [seqs, max_keys]
+ * pool slot of each key, the new one included; key_counts: [seqs] keys of each sequence (its first
+ * key_counts[b] slots are real). out: [seqs, heads, head_dim] contiguous. */
+void decode_attention(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* new_k,
+                      int64_t k_seq_stride, int64_t k_head_stride, const float* new_v, int64_t v_seq_stride,
+                      int64_t v_head_stride, const int64_t* new_slots, void* k_pool, void* v_pool, int kv_bf16,
+                      const int64_t* key_slots, const int64_t* key_counts, float* out, int64_t seqs, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, int64_t max_keys, float scale) {
+  const int64_t group = heads / kv_heads; /* query heads sharing one KV head */
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t b = 0; b < seqs; b++) {
+    for (int64_t g = 0; g < kv_heads; g++) {
+      store_new(new_k, k_seq_stride, k_head_stride, k_pool, new_slots[b], b, g, kv_heads, head_dim, kv_bf16);
+      store_new(new_v, v_seq_stride, v_head_stride, v_pool, new_slots[b], b, g, kv_heads, head_dim, kv_bf16);
+      ATTEND_GROUP(kv_bf16, q + b * q_seq_stride + g * group * q_head_stride, q_head_stride, group, k_pool, v_pool,
+                   key_slots + b * max_keys, key_counts[b], kv_heads, g, head_dim, scale,
+                   out + (b * heads + g * group) * head_dim);
+    }
+  }
+}
+
 
 /* attend_group for RUN consecutive queries t0.. of one sequence (query i's head r at q + i*q_tok_stride +
  * r*q_head_stride, output at o + i*o_tok_stride + r*d): each group of keys is loaded once for all RUN x
