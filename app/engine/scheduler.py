@@ -89,18 +89,29 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
     def schedule(self, decode_step_tokens: int | None = None) -> SchedulerOutput:
         """``decode_step_tokens``: the most tokens a step may carry while some request decodes (stall-free
-        chunked prefill: prefill chunks beside decodes get what is left; never fewer than one block of them)."""
+        chunked prefill: prefill chunks beside decodes get what is left; never fewer than one block of them),
+        unless more requests wait for their first token than streams decode: then the step takes the whole budget.
+        A burst of arrivals behind one early stream was otherwise prefilled a bounded chunk a step: 31 prompts of
+        ~56 tokens behind one stream of the 371M shape took 22 steps of ~180 ms, the last first token 4 s late,
+        where one step of 1.7 s serves them all and holds that one stream back once."""
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         if decode_step_tokens is not None:
-            decoding = sum(1 + len(r.spec_token_ids) for r in self.running
-                           if r.num_tokens - r.num_computed_tokens == 1 and not r.awaiting_draft)
-            if decoding:
-                budget = min(budget, max(decode_step_tokens, decoding + self.blocks.block_size))
+            decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.awaiting_draft]
+            if decoding and len(decoding) >= self._awaiting_first_token():
+                tokens = sum(1 + len(r.spec_token_ids) for r in decoding)
+                budget = min(budget, max(decode_step_tokens, tokens + self.blocks.block_size))
         budget = self._schedule_running(budget, output)
         if not output.preempted:  # memory is short: let the running requests drain first
             self._schedule_waiting(budget, output)
         return output
+
+    def _awaiting_first_token(self) -> int:
+        """Requests with no token out yet that this step could prefill: those prefilling and those waiting (as far
+        as free sequence slots go)."""
+        prefilling = sum(1 for r in self.running if r.num_output_tokens == 0 and r.num_tokens - r.num_computed_tokens > 1)
+        slots = max(self.config.max_num_seqs - len(self.running), 0)
+        return prefilling + min(sum(1 for r in self.waiting if r.num_output_tokens == 0), slots)
 
     def update(self, output: SchedulerOutput, num_accepted: dict[str, int] | None = None) -> None:
         """Record what the runner computed, before the engine appends the sampled tokens.

@@ -176,6 +176,30 @@ def test_beside_decodes_a_long_prompt_gets_only_what_the_step_cap_leaves():
     assert _step_capped(alone, cap=16) == {"long": 64}  # nothing decodes: the whole budget
 
 
+def test_a_burst_waiting_for_first_tokens_outnumbering_the_streams_takes_the_whole_budget():
+    scheduler = _scheduler(num_blocks=256, max_num_batched_tokens=64, max_num_seqs=6)
+    scheduler.add_request(_request("early", 4, max_tokens=50, first_token=0))
+    assert _step_capped(scheduler, cap=16) == {"early": 4}
+    for i in range(8):  # more than the free sequence slots: only 5 of them can be prefilled now
+        scheduler.add_request(_request(f"burst{i}", 10, first_token=100 * (i + 1)))
+    # one stream against five first tokens: the step is not held to the cap
+    assert _step_capped(scheduler, cap=16) == {"early": 1, **{f"burst{i}": 10 for i in range(5)}}
+    # six streams now, three still waiting (no slot for them): decodes alone, within the cap
+    assert _step_capped(scheduler, cap=16) == {"early": 1, **{f"burst{i}": 1 for i in range(5)}}
+
+
+def test_streams_that_outnumber_the_first_tokens_keep_the_cap():
+    scheduler = _scheduler(num_blocks=256, max_num_batched_tokens=64)
+    for i in range(3):
+        scheduler.add_request(_request(f"d{i}", 4, max_tokens=50, first_token=10 * i))
+    _step_capped(scheduler, cap=16)
+    for i in range(3):  # as many waiting as decoding: the streams keep their bound
+        scheduler.add_request(_request(f"new{i}", 20, first_token=100 * (i + 1)))
+    assert _step_capped(scheduler, cap=16) == {"d0": 1, "d1": 1, "d2": 1, "new0": 13}
+    # new0 is still prefilling: with new1 and new2 waiting, three first tokens against three streams
+    assert _step_capped(scheduler, cap=16) == {"d0": 1, "d1": 1, "d2": 1, "new0": 7, "new1": 6}
+
+
 def test_the_step_cost_learns_the_per_token_cost_from_the_first_step():
     from app.engine.engine import StepCost
 
