@@ -160,6 +160,7 @@ def _step_capped(scheduler: Scheduler, cap: int) -> dict[str, int]:
     scheduler.update(output)
     for request in sampling:
         request.output_token_ids.append(7)
+        request.first_token_s = request.first_token_s or 1.0  # as the engine's output processor records it
     return {s.request.request_id: s.num_new_tokens for s in output.scheduled}
 
 
@@ -182,10 +183,42 @@ def test_a_burst_waiting_for_first_tokens_outnumbering_the_streams_takes_the_who
     assert _step_capped(scheduler, cap=16) == {"early": 4}
     for i in range(8):  # more than the free sequence slots: only 5 of them can be prefilled now
         scheduler.add_request(_request(f"burst{i}", 10, first_token=100 * (i + 1)))
-    # one stream against five first tokens: the step is not held to the cap
-    assert _step_capped(scheduler, cap=16) == {"early": 1, **{f"burst{i}": 10 for i in range(5)}}
+    # one stream against five first tokens, 50 prompt tokens: 12.5 steps at the cap's 4 beside the stream, one at 64
+    assert _step_capped(scheduler, cap=5) == {"early": 1, **{f"burst{i}": 10 for i in range(5)}}
     # six streams now, three still waiting (no slot for them): decodes alone, within the cap
-    assert _step_capped(scheduler, cap=16) == {"early": 1, **{f"burst{i}": 1 for i in range(5)}}
+    assert _step_capped(scheduler, cap=5) == {"early": 1, **{f"burst{i}": 1 for i in range(5)}}
+
+
+def test_a_burst_of_a_few_bounded_steps_keeps_the_cap():
+    scheduler = _scheduler(num_blocks=256, max_num_batched_tokens=64)
+    scheduler.add_request(_request("early", 4, max_tokens=50, first_token=0))
+    _step_capped(scheduler, cap=16)
+    for i in range(5):  # 50 prompt tokens: under 4 steps at the cap's 15 beside the stream
+        scheduler.add_request(_request(f"burst{i}", 10, first_token=100 * (i + 1)))
+    assert _step_capped(scheduler, cap=16) == {"early": 1, "burst0": 10, "burst1": 5}
+
+
+def test_a_burst_longer_than_one_full_step_leaves_the_stream_its_cap():
+    scheduler = _scheduler(num_blocks=256, max_num_batched_tokens=64)
+    scheduler.add_request(_request("early", 4, max_tokens=50, first_token=0))
+    _step_capped(scheduler, cap=16)
+    for i in range(2):  # two first tokens against one stream, but 80 prompt tokens: more than one step's 64
+        scheduler.add_request(_request(f"long{i}", 40, first_token=100 * (i + 1)))
+    assert _step_capped(scheduler, cap=5) == {"early": 1, "long0": 4}
+
+
+def test_a_preempted_request_had_its_first_token_and_takes_its_slot_first():
+    scheduler = _scheduler(num_blocks=256, max_num_batched_tokens=256, max_num_seqs=3)
+    scheduler.add_request(_request("early", 4, max_tokens=50, first_token=0))
+    _step_capped(scheduler, cap=16)
+    resumed = _request("resumed", 4, max_tokens=50, first_token=50)
+    resumed.output_token_ids.append(7)
+    resumed.first_token_s, resumed.status = 1.0, RequestStatus.PREEMPTED
+    scheduler.waiting.append(resumed)  # back from a preemption: its stream waits, its first token is out
+    for i in range(3):
+        scheduler.add_request(_request(f"new{i}", 60, first_token=100 * (i + 1)))
+    # two free slots, the resumed request's first: one first token against one stream, so the cap holds
+    assert _step_capped(scheduler, cap=5) == {"early": 1, "resumed": 4}
 
 
 def test_streams_that_outnumber_the_first_tokens_keep_the_cap():

@@ -17,8 +17,9 @@
  * weighted sum of values, in a fixed order on one thread, for the query heads sharing a KV head), so a
  * token's output depends only on its query and the keys and values it sees: not on its batch-mates,
  * the thread count, where its prompt's chunks ended, a prefix-cache hit or a recompute after
- * preemption. torch's SDPA gave none of these bit for bit (docs/engine.md). Prefill runs go 4 queries
- * at a time through the same operations, sharing each load of keys and values.
+ * preemption. torch's SDPA gave none of these bit for bit (docs/engine.md). The query heads of a KV head
+ * go together, and prefill runs of 4 queries too, through the same operations per row, sharing each load of
+ * keys and values.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -278,8 +279,9 @@ INLINE void weighted_values_run(float* const* p, const void* v_pool, const int64
 INLINE void attend_group(const float* q, int64_t q_head_stride, int64_t group, const void* k_pool, const void* v_pool,
                          const int64_t* slots, int64_t keys, int64_t kv_heads, int64_t g, int64_t d, float scale,
                          float* o, int bf16) {
-  float* buffer = malloc(sizeof(float) * (size_t)(keys * group));
-  if (!buffer) { /* cannot happen in practice (a few KB); leave NaN rather than crash the server */
+  const int64_t rows = group < MAX_RUN_ROWS ? group : MAX_RUN_ROWS; /* scored together, at most */
+  float* buffer = malloc(sizeof(float) * (size_t)(keys * rows));
+  if (!buffer) { /* a score per key and head: cannot fail in practice; leave NaN rather than crash the server */
     for (int64_t i = 0; i < group * d; i++) o[i] = NAN;
     return;
   }

@@ -11,7 +11,8 @@
 //
 // A group's first tile of rows reads its weights from memory, the others from the L2. From four tiles of rows on
 // (19+ rows: batched decode steps, prefill), those later tiles also prefetch the next group's weights into the
-// L2, spread over them, so that group's first tile finds them there: a 32-row pass over the layers of a 371M Llama
+// L2, in turn, one or two lines a k pair until all are asked for, so that group's first tile finds them there: a
+// 32-row pass over the layers of a 371M Llama
 // shape, streamed from memory, ran at 95% of the 256-row rate instead of 89% (docs/performance.md). With fewer
 // tiles the prefetches crowd too few products (13 rows: 13% slower), and cost more than they save.
 //
@@ -44,9 +45,10 @@ typedef struct {
 static inline Prefetch next_group_share(const uint16_t* packed, int64_t g, int64_t groups, int64_t t, int64_t tiles,
                                         int64_t k2) {
     const Prefetch none = {0, 0, 0};
-    if (t == 0 || tiles < PREFETCH_MIN_TILES || g + 1 >= groups) return none;
+    if (t == 0 || tiles < PREFETCH_MIN_TILES || g + 1 >= groups || k2 == 0) return none;
     const int64_t group_elems = k2 * (GROUP_COLS * 2), lines = group_elems * 2 / LINE;
     const int64_t per_pair = (lines + (tiles - 1) * k2 - 1) / ((tiles - 1) * k2), first = (t - 1) * k2 * per_pair;
+    if (first >= lines) return none;  // the earlier tiles asked for them all
     const Prefetch share = {(const char*)(packed + (g + 1) * group_elems) + first * LINE, per_pair, lines - first};
     return share;
 }

@@ -22,7 +22,7 @@ def _reference(x, weight, bias):
     return (exact + bias.double() if bias is not None else exact).float()
 
 
-@pytest.mark.parametrize("n, k, rows", [(96, 64, 5), (960, 576, 1), (50, 33, 7), (576, 1536, 32), (130, 2, 13), (200, 66, 25)])
+@pytest.mark.parametrize("n, k, rows", [(96, 64, 5), (960, 576, 1), (50, 33, 7), (576, 1536, 32), (130, 2, 13), (200, 66, 25), (300, 64, 20)])
 def test_the_product_is_the_bf16_rounded_product_summed_in_fp32(n, k, rows):
     torch.manual_seed(n + k + rows)
     weight, bias, x = torch.randn(n, k), torch.randn(n), torch.randn(rows, k)
