@@ -178,13 +178,13 @@ def test_beside_decodes_a_long_prompt_gets_only_what_the_step_cap_leaves():
 
 
 def test_a_burst_waiting_for_first_tokens_outnumbering_the_streams_takes_the_whole_budget():
-    scheduler = _scheduler(num_blocks=256, max_num_batched_tokens=64, max_num_seqs=6)
+    scheduler = _scheduler(num_blocks=256, max_num_batched_tokens=128, max_num_seqs=6)
     scheduler.add_request(_request("early", 4, max_tokens=50, first_token=0))
     assert _step_capped(scheduler, cap=16) == {"early": 4}
     for i in range(8):  # more than the free sequence slots: only 5 of them can be prefilled now
-        scheduler.add_request(_request(f"burst{i}", 10, first_token=100 * (i + 1)))
-    # one stream against five first tokens, 50 prompt tokens: 12.5 steps at the cap's 4 beside the stream, one at 64
-    assert _step_capped(scheduler, cap=5) == {"early": 1, **{f"burst{i}": 10 for i in range(5)}}
+        scheduler.add_request(_request(f"burst{i}", 14, first_token=100 * (i + 1)))
+    # one stream against five first tokens, 70 prompt tokens: 17.5 steps at the cap's 4 beside the stream, one at 128
+    assert _step_capped(scheduler, cap=5) == {"early": 1, **{f"burst{i}": 14 for i in range(5)}}
     # six streams now, three still waiting (no slot for them): decodes alone, within the cap
     assert _step_capped(scheduler, cap=5) == {"early": 1, **{f"burst{i}": 1 for i in range(5)}}
 
