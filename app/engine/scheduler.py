@@ -110,12 +110,11 @@ class Scheduler:
     def _burst_goes_first(self, num_decoding: int, decode_tokens: int, bounded: int) -> bool:
         """Whether the requests waiting for their first token outnumber the streams, fit one step at the whole
         budget, and would take more than ``BURST_STEPS`` bounded steps (3 s at the 200 ms default). Then one step
-        prefills them all and holds the streams back once: on the 371M shape, 31 prompts of ~56 tokens behind one
-        stream took 22 steps of ~180 ms (the last first token 4 s late, 1.5x one whole step), and the 32 streams then
-        ran out of step, fewer rows a step at the end. A burst of fewer bounded steps keeps the bound: its first
-        tokens come sooner on average (SmolLM2 on two AVX-512 cores: 8-12 steps, first tokens p50 0.83-1.10 s against
-        1.24-1.35 s for all in one step). Waiting requests count in the order they would be admitted, as far as free
-        sequence slots (and, batching dynamically, the running group) go; a preempted request has had its first
+        prefills them all and holds the streams back once: spread over that many bounded steps, the burst's last
+        first token comes well after one whole step would have given it, and the streams run out of step, with fewer
+        rows a step at their end. A burst of fewer bounded steps keeps the bound: its first tokens come sooner on
+        average (measured in docs/engine.md). Waiting requests count in the order they would be admitted, as far as
+        free sequence slots (and, batching dynamically, the running group) go; a preempted request has had its first
         token."""
         firsts = [r for r in self.running if r.first_token_s is None and r.num_tokens - r.num_computed_tokens > 1]
         slots = max(self.config.max_num_seqs - len(self.running), 0)

@@ -274,8 +274,7 @@ INLINE void weighted_values_run(float* const* p, const void* v_pool, const int64
  * `keys` keys of `slots`; their outputs go to o + r * d. The one computation of an attention output in
  * this file: decode and prefill both call it, so a token's output is the same bits whichever step
  * computed it, alone or in any batch. The heads go through the run helpers together (each key loaded once
- * for all of them, each value once for RUN of them) where the helpers give each row the bits it gets alone:
- * at 32 sequences of 130 keys, 16 heads on 4 KV heads, 10% faster than one head after another. */
+ * for all of them, each value once for RUN of them), which give each row the bits it gets alone. */
 INLINE void attend_group(const float* q, int64_t q_head_stride, int64_t group, const void* k_pool, const void* v_pool,
                          const int64_t* slots, int64_t keys, int64_t kv_heads, int64_t g, int64_t d, float scale,
                          float* o, int bf16) {

@@ -11,10 +11,9 @@
 //
 // A group's first tile of rows reads its weights from memory, the others from the L2. From four tiles of rows on
 // (19+ rows: batched decode steps, prefill), those later tiles also prefetch the next group's weights into the
-// L2, in turn, one or two lines a k pair until all are asked for, so that group's first tile finds them there: a
-// 32-row pass over the layers of a 371M Llama
-// shape, streamed from memory, ran at 95% of the 256-row rate instead of 89% (docs/performance.md). With fewer
-// tiles the prefetches crowd too few products (13 rows: 13% slower), and cost more than they save.
+// L2, in turn, one or two lines a k pair until all are asked for, so that group's first tile finds them there
+// instead of waiting for memory. With fewer tiles the prefetches crowd too few products and cost more than they
+// save (measured in docs/engine.md).
 //
 // linear_int4_bf16dot takes 4-bit weights (GPTQ's codes, a zero and a scale per group of input features and
 // column) in the same tiles: each code becomes bf16 in registers through a table lookup, cheap enough to
