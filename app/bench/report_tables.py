@@ -269,11 +269,17 @@ def medians_table(sources: list[Source]) -> list[str]:
         rows.append([name, str(len(runs)), _num(figures["W1"]), _num(figures["W1 TTFT"], 2), _num(figures["W1 TPOT"]),
                      _num(figures["W2"]), _num(figures["W5 gap"], 0), _num(figures["W5 TTFT"], 2), figures["streamed"],
                      str(figures["failed"]), _ratio(figures["W1"], (reference or {}).get("W1")),
-                     _ratio(figures["W2"], (reference or {}).get("W2")), " ".join(r.source.ref for r in runs)])
+                     _ratio(figures["W2"], (reference or {}).get("W2")), _sitting(runs), " ".join(r.source.ref for r in runs)])
     header = ["server", "runs", "W1 tok/s", "W1 TTFT p50 (s)", "W1 TPOT p50 (ms)", "W2 tok/s", "W5 largest gap (ms)",
-              "W5 long prompt TTFT (s)", "chunks / tokens", "failed", "W1 vs vLLM", "W2 vs vLLM", "sources"]
+              "W5 long prompt TTFT (s)", "chunks / tokens", "failed", "W1 vs vLLM", "W2 vs vLLM", "sitting (UTC)", "sources"]
     return _table(header, rows) + ["", "Each figure is the median over the runs; chunks / tokens and failed requests are "
                                    "summed over every run and workload."]
+
+
+def _sitting(runs: list[ServerRuns]) -> str:
+    """When the sitting's first run of this server began (several sittings of one class each get a row)."""
+    started = sorted(r.source.data["started_utc"].removesuffix(" UTC") for r in runs if r.source.data.get("started_utc"))
+    return started[0][:16] if started else "–"
 
 
 def _medians(runs: list[ServerRuns]) -> dict:

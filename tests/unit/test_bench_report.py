@@ -183,13 +183,15 @@ def test_alternated_runs_are_summarized_by_their_medians(files, tmp_path, monkey
         for name, tok_s in (("ours", ours), ("vllm", vllm)):
             runs = {"W1": {**run(tok_s), "output_tokens": 4096, "streamed_chunks": 4096}, "W2": run(tok_s / 8)}
             paths.append(tmp_path / f"{name}-{i}.json")
-            paths[-1].write_text(json.dumps({"peer": name, "model": "smollm2-135m", "machine": MACHINE, "servers": {name: runs}}))
+            paths[-1].write_text(json.dumps({"peer": name, "model": "smollm2-135m", "machine": MACHINE, "servers": {name: runs},
+                                             "started_utc": f"2026-11-27 0{4 + i}:03:49 UTC"}))
     big = tmp_path / "ours-371m.json"
     big.write_text(json.dumps({"peer": "ours", "model": "llama-371m", "machine": MACHINE, "servers": {"ours": {"W1": run(90.0)}}}))
     markdown, _ = report.render_report([*paths, big], tmp_path / "b.md")
     medians = markdown.split("### Alternated runs: medians", 1)[1]
     ours = _row(medians, "ours")
     assert ours[1:3] == ["3", "220.0"] and ours[8] == "12288 / 12288" and ours[10] == "1.22x"  # 220 / median(180, 150, 190)
+    assert ours[12] == "2026-11-27 04:03"  # the sitting: its first run's start
     assert _row(medians, "ours on llama-371m")[10] == "–"  # no vLLM run on that model: no ratio
 
 
