@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from app.bench.report_tables import ServerRuns, Source
+    from app.bench.report_sources import Source
+    from app.bench.report_tables import ServerRuns
 
 
 def pyplot():

@@ -19,9 +19,10 @@ import os
 from pathlib import Path
 
 from app.bench import plots as plotting  # (render_report's ``plots`` says whether to draw them)
+from app.bench.report_sources import Source, load_sources
 from app.bench.report_tables import (
-    Source, goodput_table, load_sources, medians_table, mixed_table, other_workloads_table, seeds_table, server_table,
-    servers, sources_table, sweep_table,
+    goodput_table, medians_table, mixed_table, other_workloads_table, seeds_table, server_table, servers, sources_table,
+    sweep_table,
 )  # fmt: skip
 
 WORKLOAD_TEXT = {
