@@ -197,8 +197,9 @@ def medians_table(sources: list[Source]) -> list[str]:
                      _ratio(figures["W2"], (reference or {}).get("W2")), _sitting(runs), " ".join(r.source.ref for r in runs)])
     header = ["server", "runs", "W1 tok/s", "W1 TTFT p50 (s)", "W1 TPOT p50 (ms)", "W2 tok/s", "W5 largest gap (ms)",
               "W5 long prompt TTFT (s)", "chunks / tokens", "failed", "W1 vs vLLM", "W2 vs vLLM", "sitting (UTC)", "sources"]
-    return _table(header, rows) + ["", "Each figure is the median over the runs; chunks / tokens and failed requests are "
-                                   "summed over every run and workload."]
+    return _table(header, rows) + ["", "Each figure is the median over one sitting's runs (a row per sitting, by its "
+                                   "first run's start); chunks / tokens and failed requests are summed over every run "
+                                   "and workload."]
 
 
 def _sitting(runs: list[ServerRuns]) -> str:
