@@ -81,9 +81,9 @@ def render_report(paths: list[Path], out: Path, cpu_classes: list[str] = (), plo
 
 def _document_head() -> list[str]:
     lines = ["# Benchmarks", "",
-             "One section per CPU class, each rendered from one run on that class (with any alternated sittings given beside "
-             "it) and dated: a run rewrites its own class's section and leaves the others. Shared 2-core machines drift 15-40% within an hour: compare figures within one "
-             "section, as ratios.", "", "## Workloads", ""]
+             "One section per CPU class, each rendered from one run on that class (with any alternated sittings given "
+             "beside it) and dated: a run rewrites its own class's section and leaves the others. Shared 2-core machines "
+             "drift 15-40% within an hour: compare figures within one section, as ratios.", "", "## Workloads", ""]
     lines += [f"- **{name}**: {text}." for name, text in WORKLOAD_TEXT.items()]
     lines += ["", "TTFT: time to first streamed token; TPOT: (E2E - TTFT) / (tokens - 1) per request; ITL: time between "
               "streamed chunks, what a reader of the stream sees; goodput: requests per second that met the SLO (TTFT and the "
