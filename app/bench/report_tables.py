@@ -209,8 +209,6 @@ def _sitting(runs: list[ServerRuns]) -> str:
 
 
 def _medians(runs: list[ServerRuns]) -> dict:
-    import statistics
-
     def median(values: list) -> float | None:
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
