@@ -27,6 +27,10 @@ from deployments.replica import LLMServer
 DEFAULT_AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16}
 ROUTER_MAX_ONGOING_REQUESTS = 1000  # a router that hosts no model only relays: its limit is the models'
 RETRY_AFTER_S = 1  # Serve's own 503 (its queue at a caller is full) tells clients when to come back, as ours do
+# Serve runs a replica's code on an event loop of its own thread by default, so every streamed chunk crosses
+# threads to reach the loop that writes HTTP. Ours never blocks its loop (bodies parse and engines stop on worker
+# threads; the engine runs in its own process), so it shares Serve's loop: one hop less for every token.
+REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -72,7 +76,7 @@ def ingress_options(config: AppConfig, local: ServedModelConfig | None) -> dict[
     queued = [served.replica.max_queued_requests for served in config.models]
     max_queued = -1 if -1 in queued else sum(queued)
     if local is None:
-        return {"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": ROUTER_MAX_ONGOING_REQUESTS,
+        return {"ray_actor_options": {"num_cpus": 0, **_runtime_env()}, "max_ongoing_requests": ROUTER_MAX_ONGOING_REQUESTS,
                 **_backpressure(max_queued)}
     options = {key: value for key, value in replica_options(local).items() if key != "name"}
     relayed = sum(served.replica.max_ongoing_requests for served in config.models if served is not local)
@@ -88,7 +92,7 @@ def replica_options(served: ServedModelConfig) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": deployment_name(served.model.name),
         "ray_actor_options": {"num_cpus": replica.num_cpus, "num_gpus": num_gpus,
-                              **({"memory": int(replica.memory_gb * 2**30)} if replica.memory_gb else {})},
+                              **({"memory": int(replica.memory_gb * 2**30)} if replica.memory_gb else {}), **_runtime_env()},
         "max_ongoing_requests": replica.max_ongoing_requests,
         **_backpressure(replica.max_queued_requests),
     }
@@ -99,6 +103,12 @@ def replica_options(served: ServedModelConfig) -> dict[str, Any]:
     if replica.max_replicas_per_node is not None:  # Serve's own spreading: at most this many per Ray node
         options["max_replicas_per_node"] = replica.max_replicas_per_node
     return options
+
+
+def _runtime_env() -> dict[str, Any]:
+    """Every replica's environment: REPLICA_ENV. Serve adds it to an application's own runtime_env (its env_vars
+    merge), and a deployment's ray_actor_options in serve_config.yaml replace it."""
+    return {"runtime_env": {"env_vars": dict(REPLICA_ENV)}}
 
 
 def autoscaling_config(served: ServedModelConfig) -> dict[str, Any]:

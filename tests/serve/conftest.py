@@ -111,6 +111,13 @@ def fake_client(fake_app):
         yield http
 
 
+def runs_user_code_in_a_thread_of_its_own(replica_actor) -> bool:
+    """Run in a replica's process (``__ray_call__``; importable there, unlike a test module): Serve's setting."""
+    from ray.serve._private import constants
+
+    return constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD
+
+
 def with_deployment_options(app, **options):
     """``app`` as build_app made it, with Serve ``options`` (e.g. a shorter grace period or health-check period)
     set on every deployment: the ingress and the model deployments it is bound to."""

@@ -159,7 +159,8 @@ def test_memory_gb_is_rays_memory_resource_for_each_replica_and_the_ingress_host
     config = AppConfig.from_dict({"models": [{"replica": {"memory_gb": 3}}, {"model": "other", "replica": {"memory_gb": 1.5}}]})
     hosted, other = ingress_options(config, config.models[0]), replica_options(config.models[1])
     assert hosted["ray_actor_options"]["memory"] == 3 * 2**30 and other["ray_actor_options"]["memory"] == 3 * 2**29
-    RayActorOptionsSchema(**other["ray_actor_options"])  # as Serve checks a deployment's actor options
+    for options in (hosted, other, ingress_options(config, None)):  # as Serve checks a deployment's actor options
+        RayActorOptionsSchema(**options["ray_actor_options"])
     assert "memory" not in replica_options(AppConfig.from_dict({"models": [{}]}).models[0])["ray_actor_options"]
     with pytest.raises(ValueError, match="replica.memory_gb"):
         ReplicaConfig(memory_gb=0)
