@@ -76,8 +76,8 @@ def ingress_options(config: AppConfig, local: ServedModelConfig | None) -> dict[
     queued = [served.replica.max_queued_requests for served in config.models]
     max_queued = -1 if -1 in queued else sum(queued)
     if local is None:
-        return {"ray_actor_options": {"num_cpus": 0, **_runtime_env()}, "max_ongoing_requests": ROUTER_MAX_ONGOING_REQUESTS,
-                **_backpressure(max_queued)}
+        return {"ray_actor_options": {"num_cpus": 0, **_runtime_env()},
+                "max_ongoing_requests": ROUTER_MAX_ONGOING_REQUESTS, **_backpressure(max_queued)}
     options = {key: value for key, value in replica_options(local).items() if key != "name"}
     relayed = sum(served.replica.max_ongoing_requests for served in config.models if served is not local)
     options["max_ongoing_requests"] += relayed
@@ -92,7 +92,8 @@ def replica_options(served: ServedModelConfig) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": deployment_name(served.model.name),
         "ray_actor_options": {"num_cpus": replica.num_cpus, "num_gpus": num_gpus,
-                              **({"memory": int(replica.memory_gb * 2**30)} if replica.memory_gb else {}), **_runtime_env()},
+                              **({"memory": int(replica.memory_gb * 2**30)} if replica.memory_gb else {}),
+                              **_runtime_env()},
         "max_ongoing_requests": replica.max_ongoing_requests,
         **_backpressure(replica.max_queued_requests),
     }
