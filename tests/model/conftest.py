@@ -7,7 +7,8 @@ from app.config import EngineConfig, ModelConfig, ServedModelConfig
 from app.engine import LLMEngine, Request, SamplingParams
 from app.models import load_model
 from app.server import ModelServer
-from tests.conftest import TORCH_THREADS
+from app.cpu.ops import unavailable_reason
+from tests.conftest import TEST_DEVICE, TORCH_THREADS
 from tests.prompts import PROMPTS  # noqa: F401 (the model tier's tests import it from here)
 
 
@@ -40,6 +41,11 @@ def loaded_rounded():
             if type(module) is torch.nn.Linear:  # the head too (tied: the embedding with it)
                 module.weight.copy_(module.weight.bfloat16().float())
     return loaded
+
+
+def our_kernels_compute() -> bool:
+    """Whether our CPU kernels compute the model tier's engines: a position's row then has the same bits in any step."""
+    return TEST_DEVICE == "cpu" and unavailable_reason() is None
 
 
 TEST_MAX_MODEL_LEN = 2048  # room for every prompt and answer of these tests; each engine zeroes a KV pool this long
@@ -77,7 +83,7 @@ def hf_greedy(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """transformers' own generate, the reference every mode must equal."""
     with torch.inference_mode():
         out = loaded.model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
+            torch.tensor([prompt_ids], device=loaded.model.device), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
         )
     return out[0, len(prompt_ids) :].tolist()
 
@@ -101,7 +107,7 @@ def assert_tracks_transformers(loaded, requests: list[Request], logprobs: dict, 
     worst = 0.0
     for request in requests:
         assert len(logprobs[request.request_id]) == request.num_output_tokens
-        ids = torch.tensor([request.prompt_token_ids + list(request.output_token_ids)])
+        ids = torch.tensor([request.prompt_token_ids + list(request.output_token_ids)], device=loaded.model.device)
         with torch.inference_mode():
             reference = loaded.model(ids).logits[0].float().log_softmax(-1)
         for step, lp in enumerate(logprobs[request.request_id]):

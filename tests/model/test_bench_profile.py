@@ -7,7 +7,7 @@ import pytest
 from app.bench.load import LoadSpec
 from app.bench.profile_steps import run_step_profile
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.cpu_only]  # it profiles the CPU kernels' steps
 
 
 KERNEL_OPS = {"avx2": "llm_serve::linear", "onednn": "mkldnn::_linear_pointwise", "torch": "aten::mm"}

@@ -18,6 +18,7 @@ from tests.model.conftest import PROMPTS, greedy, make_engine, run_engine
 
 pytestmark = [
     pytest.mark.model,
+    pytest.mark.cpu_only,
     pytest.mark.skipif(not bf16_products_available(),
                        reason=f"needs our kernels and avx512_bf16: {unavailable_reason() or 'this CPU has no avx512_bf16'}"),
 ]

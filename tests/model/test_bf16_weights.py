@@ -12,7 +12,7 @@ from app.models import load_model
 from tests.model.conftest import PROMPTS
 from tests.model.test_bf16 import native_bf16
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.cpu_only]
 
 
 

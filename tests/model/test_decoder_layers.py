@@ -1,10 +1,13 @@
 """The one-frame decoder layer forward on the real model: every logprob keeps its bits, in prefill chunks and batches."""
 
+import pytest
+
 from app.cpu.decoder import DecoderLayerForward
-from app.cpu.ops import unavailable_reason
 from app.engine import Request
 
-from tests.model.conftest import PROMPTS, greedy, make_engine
+from tests.model.conftest import PROMPTS, greedy, make_engine, our_kernels_compute
+
+pytestmark = [pytest.mark.model, pytest.mark.cpu_only]  # the fused layer is the CPU path's forward
 
 
 def _run(loaded, setting: str) -> dict[str, list[tuple[int, float, list]]]:
@@ -23,7 +26,7 @@ def _run(loaded, setting: str) -> dict[str, list[tuple[int, float, list]]]:
 def test_fused_layers_keep_every_logprob_bit(loaded_rounded):
     module_path, fused_path = _run(loaded_rounded, "torch"), _run(loaded_rounded, "auto")
     assert len(fused_path) == len(PROMPTS) and all(len(v) == 10 for v in fused_path.values())
-    if unavailable_reason() is None:  # our kernels: a product's bits depend on nothing but its inputs
+    if our_kernels_compute():  # our kernels: a product's bits depend on nothing but its inputs
         assert fused_path == module_path
         return
     # the library's products (oneDNN, MKL) may not give one input the same bits from call to call (seen: 1e-6 nats)

@@ -10,7 +10,7 @@ from app.engine import Request
 from app.models import load_model
 from tests.model.conftest import PROMPTS, greedy, hf_greedy, make_engine, run_engine
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.cpu_only]
 
 
 def test_without_the_kernels_every_prompt_still_equals_generate_inside_a_batch(kernels_off):

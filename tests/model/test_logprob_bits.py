@@ -15,6 +15,7 @@ from tests.model.conftest import make_engine
 # many queries and keys share the call), so on a CPU where ours cannot run there is nothing to check.
 pytestmark = [
     pytest.mark.model,
+    pytest.mark.cpu_only,
     pytest.mark.skipif(unavailable_reason() is not None, reason=f"bit-exact logprobs come from our CPU kernels, which cannot run here: {unavailable_reason()}"),
 ]
 

@@ -15,8 +15,11 @@ from app.engine import Request
 from app.models.loader import load_model
 from tests.model.conftest import PROMPTS, greedy, make_engine, run_engine
 
-pytestmark = pytest.mark.skipif(not onednn_bf16_supported(),
-                                reason="oneDNN has no bf16 path on this CPU (avx512bw/vl/dq or avx_ne_convert) or torch build")
+pytestmark = [
+    pytest.mark.cpu_only,
+    pytest.mark.skipif(not onednn_bf16_supported(),
+                       reason="oneDNN has no bf16 path on this CPU (avx512bw/vl/dq or avx_ne_convert) or torch build"),
+]
 
 
 def test_the_product_is_the_bf16_rounded_product_with_fp32_sums_and_the_bias_added():

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from app.config import SpecConfig
-from app.cpu.ops import unavailable_reason
 from app.engine import Request, SamplingParams
 from app.spec.remote import DraftResult, draft_sampling
-from tests.model.conftest import PROMPTS, greedy, make_engine, run_engine
+from tests.model.conftest import PROMPTS, greedy, make_engine, our_kernels_compute, run_engine
 
 pytestmark = pytest.mark.model
 
@@ -45,7 +44,7 @@ def test_inside_a_batch_of_16_speculation_changes_no_token(loaded_rounded, plain
     engine = make_engine(loaded_rounded, max_model_len=512, speculative=NGRAM)
     got = _run_with_logprobs(engine, _requests(loaded_rounded, PROMPTS, "p", logprobs=0))
     assert [[t for t, _ in got[k]] for k in plain] == [[t for t, _ in plain[k]] for k in plain]
-    if unavailable_reason() is None:  # our kernels compute a position's row the same in any step: same bits
+    if our_kernels_compute():  # our kernels compute a position's row the same in any step: same bits
         assert got == plain
     stats = engine.stats()
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_accepted_tokens"] > 0  # it did speculate, and gain
@@ -79,6 +78,7 @@ def test_penalties_and_sampling_see_the_drafts_before_each_position(loaded_round
     assert stats["spec_num_drafts"] > 0
 
 
+@pytest.mark.cpu_only  # a sampled token follows its logprobs' bits, the same in any step on our kernels alone
 def test_a_seeded_sampled_request_gives_its_tokens_without_speculation_alone_or_in_a_batch(loaded_rounded):
     """The draft-length policy drafts less in a larger batch: a seeded request's tokens must not follow it."""
     prompt = loaded_rounded.tokenizer.encode(PROMPTS[12])
@@ -206,7 +206,7 @@ def test_a_request_resuming_its_sessions_kv_computes_what_a_fresh_engine_does(lo
     assert resumed.num_cached_tokens == len(prompt) + 7
     want = _run_with_logprobs(make_engine(loaded_rounded, max_model_len=512), [fresh])["b"]
     assert [token for token, _ in got] == [token for token, _ in want]
-    if unavailable_reason() is None:  # our kernels compute a position's row the same in any step: same bits
+    if our_kernels_compute():  # our kernels compute a position's row the same in any step: same bits
         assert got == want
     else:  # torch's products sum a prefill's rows in another order than a decode step's
         assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-4
