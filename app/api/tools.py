@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.api.errors import APIError
+from app.api.hermes_calls import HermesReader
 from app.api.schemas import closed, tools_schema
 from app.api.xml_calls import read_xml_calls, typed
 from app.config.model import TOOL_PARSERS
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
                    "To call one, answer with <tool_call>{{\"name\": <function name>, \"arguments\": <arguments object>}}"
                    "</tool_call>, one block per call.")
@@ -158,16 +158,11 @@ def _json_value_end(text: str, start: int) -> int:
 def parse_calls(text: str, parser: str, tools: list[Tool] | None = None) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) from a free answer in ``parser``'s format; what is not a readable call stays content.
     ``tools``: the request's, whose schemas type ``qwen3_coder``'s raw parameter values."""
-    if parser == "hermes":
-        calls, kept, last = [], [], 0
-        for match in _HERMES_CALL.finditer(text):
-            call = _call_from(_json_or_none(match.group(1)), "arguments")
-            if call is not None:
-                calls.append(call)
-                kept.append(text[last:match.start()])
-                last = match.end()
-        content = ("".join(kept) + text[last:]).strip() if calls else text
-        return content or None, calls
+    if parser == "hermes":  # read as a stream reads it (app/api/hermes_calls.py)
+        reader = HermesReader()
+        reader.feed(text)
+        content, calls = reader.finish()
+        return content, [ToolCall(name, arguments) for name, arguments in calls]
     if parser == "llama3_json":
         body = text.strip().removeprefix("<|python_tag|>").strip()
         calls = [c for c in (_call_from(_json_or_none(part), "parameters") for part in body.split(";")) if c is not None] if body.startswith("{") else []
@@ -278,14 +273,16 @@ def with_loaded_arguments(message: dict) -> dict:
     return {**message, "tool_calls": calls}
 
 
-_CALL_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "qwen3_coder": "<tool_call>"}
+_CALL_MARKERS = {"mistral": "[TOOL_CALLS]", "qwen3_coder": "<tool_call>"}  # Hermes: its reader
 _PYTHON_TAG = "<|python_tag|>"
 
 
 class StreamedCalls:
     """A free answer (``tool_choice: auto``) as it streams: content goes out as it comes, up to where a call may
     begin (the parser's marker, or the start of one at the end of the text so far; for ``llama3_json``, an answer
-    that opens as JSON); from there the text is held and read as calls (and any content) once it is whole."""
+    that opens as JSON). Hermes calls go out as they are written (``calls``: the reader that reads whole answers,
+    app/api/hermes_calls.py); in the other formats the text from there is held and read as calls (and any
+    content) once it is whole."""
 
     def __init__(self, parser: str, tools: list[Tool] | None = None) -> None:
         if parser not in TOOL_PARSERS:
@@ -293,19 +290,35 @@ class StreamedCalls:
         self.parser, self.tools = parser, tools
         self.text = ""
         self.released = 0  # the text before this has gone out as content
+        self._reader = HermesReader() if parser == "hermes" else None
+
+    @property
+    def calls(self) -> list[tuple[str, str]]:
+        """The calls written so far, each one's name and arguments as far as they came (Hermes; none otherwise)."""
+        return [(name, arguments) for name, arguments in self._reader.calls] if self._reader is not None else []
 
     def feed(self, delta: str) -> str:
         """Add the answer's next text; returns the content that can go out now. Trailing whitespace waits for what
         follows it: before a call it is no content (the whole answer's content is stripped there)."""
         self.text += delta
-        upto = max(len(self.text[:self._releasable()].rstrip()), self.released)
+        if self._reader is not None:  # content before the first call (text after it waits for the end)
+            self._reader.feed(delta)
+            settled = self._reader.content[:self._reader.lead] if self._reader.lead is not None else self._reader.content
+        else:
+            settled = self.text[:self._releasable()]
+        upto = max(len(settled.rstrip()), self.released)
         out, self.released = self.text[self.released:upto], upto
         return out
 
     def finish(self) -> tuple[str | None, list[ToolCall]]:
-        """The content still held (None if none) and the calls, read from the text not sent."""
-        rest = self.text[self.released:]
-        return parse_calls(rest, self.parser, self.tools) if rest.strip() else (rest or None, [])
+        """The content still held (None if none) and the calls, read from the text not sent (Hermes: every call)."""
+        if self._reader is None:
+            rest = self.text[self.released:]
+            return parse_calls(rest, self.parser, self.tools) if rest.strip() else (rest or None, [])
+        content, calls = self._reader.finish()
+        sent = self.text[:self.released]
+        rest = content[len(sent) if content.startswith(sent) else len(sent.lstrip()):] if content is not None else None
+        return rest or None, [ToolCall(name, arguments) for name, arguments in calls]
 
     def _releasable(self) -> int:
         text = self.text

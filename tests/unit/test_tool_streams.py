@@ -41,16 +41,40 @@ def _body(answer: str = ANSWER, **extra) -> dict:
     return {"messages": [{"role": "user", "content": content}], "tools": [WEATHER], "max_tokens": 400, **extra}
 
 
-async def test_content_streams_before_the_call_and_all_of_it_assembles_to_the_whole_answer(server):
+def _assembled(entries: list[dict]) -> list[tuple[str, str]]:
+    """A stream's ``delta.tool_calls`` entries joined by index: (name, arguments) per call."""
+    calls = {}
+    for entry in entries:
+        call = calls.setdefault(entry["index"], {"name": entry["function"].get("name"), "arguments": ""})
+        call["arguments"] += entry["function"]["arguments"]
+    return [(c["name"], c["arguments"]) for c in calls.values()]
+
+
+async def test_content_streams_before_the_call_and_the_call_as_it_is_written_and_all_assembles_to_the_whole_answer(server):
     whole, chunks = await _whole_and_streamed(server, _body())
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     content_chunks = [d["delta"]["content"] for d in deltas if d["delta"].get("content")]
     assert len(content_chunks) > 10  # token by token, not one piece at the end
-    calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    entries = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    assert len(entries) > 3 and entries[0]["id"].startswith("call_")  # its name, then its arguments as they come
+    assert all(set(e) == {"index", "function"} for e in entries[1:])
     assert "".join(content_chunks) == whole["message"]["content"] == "Let me check the weather."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("get_weather", {"city": "Oslo"})]
-    assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather"]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert _assembled(entries) == calls == [("get_weather", '{"city": "Oslo"}')]
     assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("max_tokens, arguments", [(60, None), (80, '{"city'), (88, '{"city": "Oslo')])
+async def test_a_call_cut_short_is_a_call_as_far_as_it_came_streamed_or_not(server, max_tokens, arguments):
+    """Cut by max_tokens (the fake model writes a byte a token) inside its arguments, a call is one in both forms,
+    its arguments as far as they came (as OpenAI answers); cut before them, the text is content in both."""
+    whole, chunks = await _whole_and_streamed(server, _body(max_tokens=max_tokens))
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    entries = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"].get("tool_calls", [])]
+    assert _assembled(entries) == calls == ([("get_weather", arguments)] if arguments else [])
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == whole["message"]["content"]
+    assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "length"
 
 
 @pytest.mark.parametrize("parser, pieces, released, calls", [

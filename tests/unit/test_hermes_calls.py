@@ -1,0 +1,66 @@
+"""Hermes calls read as they are written: a stream, fed in any pieces, sends each call's name and then its
+arguments as prefixes of what the whole answer reads, and assembles to it exactly."""
+
+import random
+
+import pytest
+
+from app.api.tools import StreamedCalls, parse_calls
+
+# (answer, its content and calls read whole). A call's arguments are the model's own JSON text.
+ANSWERS = [
+    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+     "Let me check.", [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]),
+    # a closing tag and braces inside a string are no end; text after the calls is content
+    ('<tool_call>{"name": "f", "arguments": {"note": "a \\"}\\" </tool_call>", "list": [1, {"x": []}]}}</tool_call> after',
+     "after", [("f", '{"note": "a \\"}\\" </tool_call>", "list": [1, {"x": []}]}')]),
+    # other shapes are read whole once the block closes: keys in another order, arguments as a string
+    ('<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call>', None, [("get_weather", '{"city": "Oslo"}')]),
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", '{"a": 1}')]),
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}, "id": 7}</tool_call>', None, [("f", '{"a": 1}')]),  # a key after
+    ("<tool_call>{not json</tool_call> plain", "<tool_call>{not json</tool_call> plain", []),  # unreadable: content
+    ("No call here, just <tool text. ", "No call here, just <tool text. ", []),
+    ('Sure <tool_call>{"name": "f", "arguments": {"a": [1, 2', "Sure", [("f", '{"a": [1, 2')]),  # cut short: a call
+    ('<tool_call>{"name": "f"', '<tool_call>{"name": "f"', []),  # cut before its arguments: no call
+]
+
+
+@pytest.mark.parametrize("answer, content, calls", ANSWERS)
+def test_a_whole_answer_reads_as_its_content_and_calls(answer, content, calls):
+    found_content, found = parse_calls(answer, "hermes")
+    assert (found_content, [(c.name, c.arguments) for c in found]) == (content, calls)
+
+
+def _pieces(text: str, how: str) -> list[str]:
+    if how == "chars":
+        return list(text)
+    rng, pieces, at = random.Random(f"{how}{text}"), [], 0
+    while at < len(text):
+        step = rng.randint(1, 7)
+        pieces.append(text[at:at + step])
+        at += step
+    return pieces
+
+
+@pytest.mark.parametrize("how", ["chars", "seed-1", "seed-2"])
+@pytest.mark.parametrize("answer, content, calls", ANSWERS)
+def test_a_stream_sends_prefixes_of_the_whole_reading_and_assembles_to_it(answer, content, calls, how):
+    stream, released = StreamedCalls("hermes"), ""
+    for piece in _pieces(answer, how):
+        released += stream.feed(piece)
+        assert content is not None and content.startswith(released) or not released
+        so_far = stream.calls
+        assert len(so_far) <= len(calls)
+        for (name, arguments), (whole_name, whole_arguments) in zip(so_far, calls):
+            assert name == whole_name and whole_arguments.startswith(arguments)  # never taken back
+    rest, found = stream.finish()
+    assert (released + (rest or "") or None, [(c.name, c.arguments) for c in found]) == (content, calls)
+
+
+def test_a_calls_name_goes_out_before_its_arguments_are_written():
+    stream = StreamedCalls("hermes")
+    stream.feed('<tool_call>{"name": "get_weather", "arguments": {"ci')
+    assert stream.calls == [("get_weather", '{"ci')]
+    stream.feed('ty": "Oslo"}}</tool_call>')
+    assert stream.calls == [("get_weather", '{"city": "Oslo"}')]
