@@ -16,6 +16,14 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 ANSWER = 'Let me check the weather. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
 
 
+@pytest.fixture(autouse=True)
+def quick_steps(monkeypatch):
+    """The fake model's steps at 2 ms: these tests read what is streamed, not when (a byte a step)."""
+    from tests.serve import fake_model
+
+    monkeypatch.setattr(fake_model, "STEP_S", 0.002)
+
+
 @pytest.fixture
 def server():
     served = {"model": {"source": "fake-tools"}, "engine": {"separate_process": False}}
