@@ -32,6 +32,7 @@ from app.config.model import TOOL_PARSERS
 _TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
                    "To call one, answer with <tool_call>{{\"name\": <function name>, \"arguments\": <arguments object>}}"
                    "</tool_call>, one block per call.")
+_MISTRAL_MARKER = "[TOOL_CALLS]"
 
 
 @dataclass(frozen=True)
@@ -168,12 +169,8 @@ def parse_calls(text: str, parser: str, tools: list[Tool] | None = None) -> tupl
         calls = [c for c in (_call_from(_json_or_none(part), "parameters") for part in body.split(";")) if c is not None] if body.startswith("{") else []
         return (None, calls) if calls and len(calls) == len(body.split(";")) else (text, [])
     if parser == "mistral":
-        head, marker, body = text.partition("[TOOL_CALLS]")
-        try:
-            listed = json.loads(body.strip()) if marker else None
-        except json.JSONDecodeError:
-            listed = None
-        calls = [c for c in (_call_from(item, "arguments") for item in listed or []) if c is not None]
+        head, marker, body = text.partition(_MISTRAL_MARKER)
+        calls = [ToolCall(name, arguments) for name, arguments in mistral_calls(body, whole=True)] if marker else []
         return (head.strip() or None, calls) if calls else (text, [])
     if parser == "qwen3_coder":
         rest, found = read_xml_calls(text)
@@ -182,6 +179,21 @@ def parse_calls(text: str, parser: str, tools: list[Tool] | None = None) -> tupl
                  for name, values in found]
         return (rest.strip() or None, calls) if calls else (text, [])
     raise ValueError(f"unknown tool parser {parser!r} (known: {', '.join(TOOL_PARSERS)})")
+
+
+def mistral_calls(body: str, whole: bool = False) -> list[tuple[str, str]]:
+    """The calls in the JSON list after ``[TOOL_CALLS]`` as far as it has come, read as ``required``'s output is:
+    each one's name once whole, its arguments the model's text. ``whole``: the answer is complete, and calls in
+    another shape (keys in another order) after those are read from the whole list."""
+    found = []
+    for name, arguments in required_calls(body):
+        if not (_is_text(name) and _is_text(arguments)):
+            break
+        found.append((name, arguments))
+    listed = _json_or_none(body.strip()) if whole else None
+    if isinstance(listed, list):
+        found += [(c.name, c.arguments) for c in (_call_from(item, "arguments") for item in listed[len(found):]) if c is not None]
+    return found
 
 
 def _json_or_none(text: str) -> Any:
@@ -273,16 +285,16 @@ def with_loaded_arguments(message: dict) -> dict:
     return {**message, "tool_calls": calls}
 
 
-_CALL_MARKERS = {"mistral": "[TOOL_CALLS]", "qwen3_coder": "<tool_call>"}  # Hermes: its reader
+_CALL_MARKERS = {"mistral": _MISTRAL_MARKER, "qwen3_coder": "<tool_call>"}  # Hermes: its reader
 _PYTHON_TAG = "<|python_tag|>"
 
 
 class StreamedCalls:
     """A free answer (``tool_choice: auto``) as it streams: content goes out as it comes, up to where a call may
     begin (the parser's marker, or the start of one at the end of the text so far; for ``llama3_json``, an answer
-    that opens as JSON). Hermes calls go out as they are written (``calls``: the reader that reads whole answers,
-    app/api/hermes_calls.py); in the other formats the text from there is held and read as calls (and any
-    content) once it is whole."""
+    that opens as JSON). Hermes and Mistral calls go out as they are written (``calls``: read as whole answers are,
+    app/api/hermes_calls.py, ``mistral_calls``); in the other formats the text from there is held and read as calls
+    (and any content) once it is whole."""
 
     def __init__(self, parser: str, tools: list[Tool] | None = None) -> None:
         if parser not in TOOL_PARSERS:
@@ -294,8 +306,14 @@ class StreamedCalls:
 
     @property
     def calls(self) -> list[tuple[str, str]]:
-        """The calls written so far, each one's name and arguments as far as they came (Hermes; none otherwise)."""
-        return [(name, arguments) for name, arguments in self._reader.calls] if self._reader is not None else []
+        """The calls written so far, each one's name and arguments as far as they came (Hermes and Mistral; in the
+        other formats none before the end)."""
+        if self._reader is not None:
+            return [(name, arguments) for name, arguments in self._reader.calls]
+        if self.parser == "mistral":
+            _, marker, body = self.text.partition(_MISTRAL_MARKER)
+            return mistral_calls(body) if marker else []
+        return []
 
     def feed(self, delta: str) -> str:
         """Add the answer's next text; returns the content that can go out now. Trailing whitespace waits for what

@@ -1,5 +1,5 @@
-"""Hermes calls read as they are written: a stream, fed in any pieces, sends each call's name and then its
-arguments as prefixes of what the whole answer reads, and assembles to it exactly."""
+"""Tool calls read as they are written (Hermes, Mistral): a stream, fed in any pieces, sends each call's name and
+then its arguments as prefixes of what the whole answer reads, and assembles to it exactly."""
 
 import random
 
@@ -7,8 +7,8 @@ import pytest
 
 from app.api.tools import StreamedCalls, parse_calls
 
-# (answer, its content and calls read whole). A call's arguments are the model's own JSON text.
-ANSWERS = [
+# (parser, answer, its content and calls read whole). A call's arguments are the model's own JSON text.
+HERMES = [
     ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
      '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
      "Let me check.", [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]),
@@ -24,11 +24,21 @@ ANSWERS = [
     ('Sure <tool_call>{"name": "f", "arguments": {"a": [1, 2', "Sure", [("f", '{"a": [1, 2')]),  # cut short: a call
     ('<tool_call>{"name": "f"', '<tool_call>{"name": "f"', []),  # cut before its arguments: no call
 ]
+MISTRAL = [
+    ('Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo",  "note": "a ]} b"}}, {"name": "t", "arguments": {}}]',
+     "Checking.", [("get_weather", '{"city": "Oslo",  "note": "a ]} b"}'), ("t", "{}")]),
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"arguments": {"b": 2}, "name": "g"}]', None,
+     [("f", '{"a": 1}'), ("g", '{"b": 2}')]),  # a call in another shape: read from the whole list
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1', None, [("f", '{"a": [1')]),  # cut short: a call
+    ("[TOOL_CALLS] [oops", "[TOOL_CALLS] [oops", []),
+    ("No calls [TOOL", "No calls [TOOL", []),
+]
+ANSWERS = [("hermes", *case) for case in HERMES] + [("mistral", *case) for case in MISTRAL]
 
 
-@pytest.mark.parametrize("answer, content, calls", ANSWERS)
-def test_a_whole_answer_reads_as_its_content_and_calls(answer, content, calls):
-    found_content, found = parse_calls(answer, "hermes")
+@pytest.mark.parametrize("parser, answer, content, calls", ANSWERS)
+def test_a_whole_answer_reads_as_its_content_and_calls(parser, answer, content, calls):
+    found_content, found = parse_calls(answer, parser)
     assert (found_content, [(c.name, c.arguments) for c in found]) == (content, calls)
 
 
@@ -44,9 +54,9 @@ def _pieces(text: str, how: str) -> list[str]:
 
 
 @pytest.mark.parametrize("how", ["chars", "seed-1", "seed-2"])
-@pytest.mark.parametrize("answer, content, calls", ANSWERS)
-def test_a_stream_sends_prefixes_of_the_whole_reading_and_assembles_to_it(answer, content, calls, how):
-    stream, released = StreamedCalls("hermes"), ""
+@pytest.mark.parametrize("parser, answer, content, calls", ANSWERS)
+def test_a_stream_sends_prefixes_of_the_whole_reading_and_assembles_to_it(parser, answer, content, calls, how):
+    stream, released = StreamedCalls(parser), ""
     for piece in _pieces(answer, how):
         released += stream.feed(piece)
         assert content is not None and content.startswith(released) or not released
