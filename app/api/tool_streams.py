@@ -1,6 +1,6 @@
 """Streamed chat answers with tools, as OpenAI streams them: the content as deltas, each call as ``delta.tool_calls``
 entries (its ``index``, ``id`` and name once the name is whole, then its arguments in fragments as they come; under
-``auto`` in the ``llama3_json`` and ``qwen3_coder`` formats, each call whole once the answer is), then the finish."""
+``auto`` in the ``llama3_json`` format, each call whole once the answer is), then the finish."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from app.api.tools import StreamedCalls, ToolCall, required_calls
 
 async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, tools=None) -> AsyncIterator[dict]:
     """One choice of a chat with ``tool_choice: auto``, from its plain chunks: content as it comes, held only where
-    a call may begin (``StreamedCalls``); each call as it is written (Hermes, Mistral) or once the answer is whole;
+    a call may begin (``StreamedCalls``); each call as it is written (``llama3_json``: once the answer is whole);
     at the end any content held, then the finish (``tool_calls`` where calls ended it). ``one_call``:
     ``parallel_tool_calls: false`` keeps the first."""
     calls_in, held_logprobs, sent = StreamedCalls(parser, tools), [], []

@@ -27,7 +27,7 @@ from typing import Any
 from app.api.errors import APIError
 from app.api.hermes_calls import HermesReader
 from app.api.schemas import closed, tools_schema
-from app.api.xml_calls import read_xml_calls, typed
+from app.api.xml_calls import read_xml_calls, xml_arguments
 from app.config.model import TOOL_PARSERS
 _TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
                    "To call one, answer with <tool_call>{{\"name\": <function name>, \"arguments\": <arguments object>}}"
@@ -174,9 +174,7 @@ def parse_calls(text: str, parser: str, tools: list[Tool] | None = None) -> tupl
         return (head.strip() or None, calls) if calls else (text, [])
     if parser == "qwen3_coder":
         rest, found = read_xml_calls(text)
-        properties = {tool.name: tool.parameters.get("properties") or {} for tool in tools or []}
-        calls = [ToolCall(name, json.dumps({key: typed(value, properties.get(name, {}).get(key)) for key, value in values.items()}))
-                 for name, values in found]
+        calls = [ToolCall(name, arguments) for name, arguments in qwen3_coder_calls(found, tools)]
         return (rest.strip() or None, calls) if calls else (text, [])
     raise ValueError(f"unknown tool parser {parser!r} (known: {', '.join(TOOL_PARSERS)})")
 
@@ -194,6 +192,13 @@ def mistral_calls(body: str, whole: bool = False) -> list[tuple[str, str]]:
     if isinstance(listed, list):
         found += [(c.name, c.arguments) for c in (_call_from(item, "arguments") for item in listed[len(found):]) if c is not None]
     return found
+
+
+def qwen3_coder_calls(found: list[tuple[str, list[tuple[str, str]], bool]], tools: list[Tool] | None) -> list[tuple[str, str]]:
+    """Qwen3-Coder's calls as far as they came (``read_xml_calls``), each one's arguments as JSON text typed by its
+    tool's schema: the object's whole parameters, closed once the function is."""
+    properties = {tool.name: tool.parameters.get("properties") or {} for tool in tools or []}
+    return [(name, xml_arguments(parameters, closed, properties.get(name, {}))) for name, parameters, closed in found]
 
 
 def _json_or_none(text: str) -> Any:
@@ -292,9 +297,9 @@ _PYTHON_TAG = "<|python_tag|>"
 class StreamedCalls:
     """A free answer (``tool_choice: auto``) as it streams: content goes out as it comes, up to where a call may
     begin (the parser's marker, or the start of one at the end of the text so far; for ``llama3_json``, an answer
-    that opens as JSON). Hermes and Mistral calls go out as they are written (``calls``: read as whole answers are,
-    app/api/hermes_calls.py, ``mistral_calls``); in the other formats the text from there is held and read as calls
-    (and any content) once it is whole."""
+    that opens as JSON). Calls go out as they are written (``calls``: read as whole answers are, so a stream
+    assembles to the whole answer); ``llama3_json``'s are read once the answer is whole, which says whether it is
+    calls."""
 
     def __init__(self, parser: str, tools: list[Tool] | None = None) -> None:
         if parser not in TOOL_PARSERS:
@@ -306,13 +311,15 @@ class StreamedCalls:
 
     @property
     def calls(self) -> list[tuple[str, str]]:
-        """The calls written so far, each one's name and arguments as far as they came (Hermes and Mistral; in the
-        other formats none before the end)."""
+        """The calls written so far, each one's name and arguments as far as they came (``llama3_json``: none before
+        the end, where the whole answer says whether it is calls)."""
         if self._reader is not None:
             return [(name, arguments) for name, arguments in self._reader.calls]
         if self.parser == "mistral":
             _, marker, body = self.text.partition(_MISTRAL_MARKER)
             return mistral_calls(body) if marker else []
+        if self.parser == "qwen3_coder":
+            return qwen3_coder_calls(read_xml_calls(self.text)[1], self.tools)
         return []
 
     def feed(self, delta: str) -> str:

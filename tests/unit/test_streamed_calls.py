@@ -1,4 +1,4 @@
-"""Tool calls read as they are written (Hermes, Mistral): a stream, fed in any pieces, sends each call's name and
+"""Tool calls read as they are written (Hermes, Mistral, Qwen3-Coder): a stream, fed in any pieces, sends each call's name and
 then its arguments as prefixes of what the whole answer reads, and assembles to it exactly."""
 
 import random
@@ -33,7 +33,16 @@ MISTRAL = [
     ("[TOOL_CALLS] [oops", "[TOOL_CALLS] [oops", []),
     ("No calls [TOOL", "No calls [TOOL", []),
 ]
-ANSWERS = [("hermes", *case) for case in HERMES] + [("mistral", *case) for case in MISTRAL]
+QWEN3_CODER = [  # no tools given: every value stays text
+    ("On it.\n<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\ntwo\n</parameter>\n</function>\n"
+     "</tool_call>", "On it.", [("f", '{"a": "1", "b": "two"}')]),
+    ("<tool_call>\n<function=f>\n<parameter=a>\nx\n<parameter=b>\ny\n</function>\n</tool_call> done", "done",
+     [("f", '{"a": "x", "b": "y"}')]),  # closing tags left out
+    ("<tool_call>\n<function=f>\n<parameter=a>\nx\n</parameter>\n<parameter=b>\nyy", None, [("f", '{"a": "x"')]),  # cut short
+    ("<tool_call>\n<funct", "<tool_call>\n<funct", []),
+]
+ANSWERS = ([("hermes", *case) for case in HERMES] + [("mistral", *case) for case in MISTRAL]
+           + [("qwen3_coder", *case) for case in QWEN3_CODER])
 
 
 @pytest.mark.parametrize("parser, answer, content, calls", ANSWERS)

@@ -139,16 +139,18 @@ async def test_qwen3_coder_calls_stream_and_assemble_to_the_whole_answer_typed_b
     served = {"model": {"source": "fake-tools", "tool_parser": "qwen3_coder"}, "engine": {"separate_process": False}}
     coder = fake_model_server(AppConfig.from_dict({"models": [served]}).models[0])
     try:
-        answer = "On it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n1984\n</parameter>\n</function>\n</tool_call>"
+        answer = ("On it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n1984\n</parameter>\n"
+                  "<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>")
         body = _body(answer)
         whole, chunks = await _whole_and_streamed(coder, body)
     finally:
         coder.shutdown(timeout_s=1)
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
-    calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    entries = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
     assert "".join(d["delta"].get("content") or "" for d in deltas) == whole["message"]["content"] == "On it."
-    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "1984"}]  # a string, as its schema says
-    assert [c["function"] for c in calls] == [c["function"] for c in whole["message"]["tool_calls"]]
+    assert [e["function"]["arguments"] for e in entries] == ["{", '"city": "1984"', ', "unit": "celsius"', "}"]  # as they come
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert _assembled(entries) == calls and json.loads(calls[0][1]) == {"city": "1984", "unit": "celsius"}  # text, as its schema says
     assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "tool_calls"
 
 
