@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncIterator
 
-from app.api.tools import StreamedCalls, ToolCall, required_calls
+from app.api.call_readers import ListReader
+from app.api.tools import StreamedCalls, ToolCall
 
 
 async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, tools=None) -> AsyncIterator[dict]:
@@ -78,12 +79,12 @@ async def named_call_chunks(chunks: AsyncIterator[dict], name: str) -> AsyncIter
 async def required_call_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
     """One choice of a chat under ``tool_choice: required``: each call as soon as its name is whole (its ``index``,
     ``id`` and name), then its arguments as they come, as vLLM streams them; the finish is ``tool_calls``."""
-    text, sent = "", []  # sent[i]: how much of call i's arguments went out
+    reader, sent = ListReader(), []  # sent[i]: how much of call i's arguments went out
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             choice = chunk["choices"][0]
-            text += choice["delta"].get("content") or ""
-            entries = call_entries(required_calls(text), sent)
+            reader.feed(choice["delta"].get("content") or "")
+            entries = call_entries([(name, arguments) for name, arguments in reader.calls], sent)
             if entries or choice["logprobs"]:
                 delta = {"tool_calls": entries} if entries else {}
                 yield {**chunk, "choices": [{**choice, "delta": delta, "finish_reason": None}]}

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.api.errors import APIError
-from app.api.hermes_calls import HermesReader
+from app.api.call_readers import HermesReader, ListReader
 from app.api.schemas import closed, tools_schema
 from app.api.xml_calls import read_xml_calls, xml_arguments
 from app.config.model import TOOL_PARSERS
@@ -112,54 +112,18 @@ def forced_calls(text: str, choice: str | Tool) -> list[ToolCall]:
     return [ToolCall(name, arguments) for name, arguments in required_calls(text)]  # none named yet: the text stays content
 
 
-# `required`'s output, as its grammar writes it: `[{"name": "<name>", "arguments": <JSON>}, ...]`
-_REQUIRED_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-_REQUIRED_NEXT = re.compile(r"\s*\}\s*([,\]])")
-
-
 def required_calls(text: str) -> list[tuple[str, str]]:
-    """The calls of a ``required`` output so far: each named one with its arguments' text as far as it goes (read
-    again as the text grows: the answers are short)."""
-    calls, at = [], len(text) - len(text.lstrip())
-    if not text[at:].startswith("["):
-        return calls
-    at += 1
-    while (head := _REQUIRED_CALL.match(text, at)) is not None:
-        end = _json_value_end(text, head.end())
-        calls.append((json.loads(f'"{head.group(1)}"'), text[head.end():end]))
-        after = _REQUIRED_NEXT.match(text, end)
-        if end == len(text) or after is None or after.group(1) == "]":
-            break
-        at = after.end()
-    return calls
-
-
-def _json_value_end(text: str, start: int) -> int:
-    """Where the JSON value at ``start`` ends (its length so far if it has not ended)."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        char = text[i]
-        if in_string:
-            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            if depth == 0:  # a scalar's end: the call's own brace
-                return i
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        elif char == "," and depth == 0:
-            return i
-    return len(text)
+    """The calls of a ``required`` output (``[{"name": "<name>", "arguments": <JSON>}, ...]``, as its grammar writes
+    it) so far: each named one with its arguments' text as far as it goes."""
+    reader = ListReader()
+    reader.feed(text)
+    return [(name, arguments) for name, arguments in reader.calls]
 
 
 def parse_calls(text: str, parser: str, tools: list[Tool] | None = None) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) from a free answer in ``parser``'s format; what is not a readable call stays content.
     ``tools``: the request's, whose schemas type ``qwen3_coder``'s raw parameter values."""
-    if parser == "hermes":  # read as a stream reads it (app/api/hermes_calls.py)
+    if parser == "hermes":  # read as a stream reads it (app/api/call_readers.py)
         reader = HermesReader()
         reader.feed(text)
         content, calls = reader.finish()
@@ -183,11 +147,7 @@ def mistral_calls(body: str, whole: bool = False) -> list[tuple[str, str]]:
     """The calls in the JSON list after ``[TOOL_CALLS]`` as far as it has come, read as ``required``'s output is:
     each one's name once whole, its arguments the model's text. ``whole``: the answer is complete, and calls in
     another shape (keys in another order) after those are read from the whole list."""
-    found = []
-    for name, arguments in required_calls(body):
-        if not (_is_text(name) and _is_text(arguments)):
-            break
-        found.append((name, arguments))
+    found = required_calls(body)
     listed = _json_or_none(body.strip()) if whole else None
     if isinstance(listed, list):
         found += [(c.name, c.arguments) for c in (_call_from(item, "arguments") for item in listed[len(found):]) if c is not None]
@@ -308,6 +268,8 @@ class StreamedCalls:
         self.text = ""
         self.released = 0  # the text before this has gone out as content
         self._reader = HermesReader() if parser == "hermes" else None
+        self._list: ListReader | None = None  # Mistral's list of calls, from its marker on
+        self._xml_seen, self._xml_calls = 0, []  # Qwen3-Coder's calls as read when the text was this long
 
     @property
     def calls(self) -> list[tuple[str, str]]:
@@ -315,11 +277,15 @@ class StreamedCalls:
         the end, where the whole answer says whether it is calls)."""
         if self._reader is not None:
             return [(name, arguments) for name, arguments in self._reader.calls]
-        if self.parser == "mistral":
-            _, marker, body = self.text.partition(_MISTRAL_MARKER)
-            return mistral_calls(body) if marker else []
+        if self._list is not None:
+            return [(name, arguments) for name, arguments in self._list.calls]
         if self.parser == "qwen3_coder":
-            return qwen3_coder_calls(read_xml_calls(self.text)[1], self.tools)
+            # read again only where a tag may have completed: every tag ends with ">" but "<parameter=" (11 long),
+            # which ends the value before it (reading every piece again costs a time square in the answer's length)
+            if ">" in self.text[self._xml_seen:] or "<" in self.text[max(0, self._xml_seen - 11):]:
+                self._xml_calls = qwen3_coder_calls(read_xml_calls(self.text)[1], self.tools)
+            self._xml_seen = len(self.text)
+            return self._xml_calls
         return []
 
     def feed(self, delta: str) -> str:
@@ -330,6 +296,7 @@ class StreamedCalls:
             self._reader.feed(delta)
             settled = self._reader.content[:self._reader.lead] if self._reader.lead is not None else self._reader.content
         else:
+            self._feed_list(delta)
             settled = self.text[:self._releasable()]
         upto = max(len(settled.rstrip()), self.released)
         out, self.released = self.text[self.released:upto], upto
@@ -344,6 +311,13 @@ class StreamedCalls:
         sent = self.text[:self.released]
         rest = content[len(sent) if content.startswith(sent) else len(sent.lstrip()):] if content is not None else None
         return rest or None, [ToolCall(name, arguments) for name, arguments in calls]
+
+    def _feed_list(self, delta: str) -> None:
+        if self._list is not None:
+            self._list.feed(delta)
+        elif self.parser == "mistral" and _MISTRAL_MARKER in self.text:
+            self._list = ListReader()
+            self._list.feed(self.text.partition(_MISTRAL_MARKER)[2])
 
     def _releasable(self) -> int:
         text = self.text

@@ -1,0 +1,237 @@
+"""Tool calls read as they are written, in one pass over the text however it arrives.
+
+One reader serves both forms of an answer. A stream feeds it the text as it comes and sends each call as soon as
+its name is whole, then its arguments' text fragment by fragment (as OpenAI and vLLM stream calls); a whole answer
+is fed at once. So a stream assembles to the non-streamed message by construction, and a call cut short by
+``max_tokens`` is a call in both, its arguments as far as they came (``finish_reason`` "length"). A call's
+arguments are the model's own JSON text.
+
+- ``HermesReader``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks among content. A block in
+  another shape (its keys in another order, arguments given as a string) is read whole once it closes; a block
+  that does not read as a call stays content.
+- ``ListReader``: a JSON list of ``{"name": ..., "arguments": ...}`` objects (``tool_choice: required``'s output,
+  Mistral's calls after ``[TOOL_CALLS]``), read up to the first object in another shape.
+"""
+
+from __future__ import annotations
+
+import json
+
+import regex
+
+MARKER, END = "<tool_call>", "</tool_call>"
+# A call object's head up to its arguments' first character: the name is whole once this matches
+_HEAD = regex.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_CONTAINER = regex.compile(r"[\[{]")
+_BLOCK_TAIL = regex.compile(r"\s*\}\s*</tool_call>")
+_LIST_TAIL = regex.compile(r"\s*\}\s*([,\]])")
+
+
+class JsonValueScan:
+    """Where a JSON value that starts at a given offset ends, read incrementally as its text grows."""
+
+    def __init__(self, start: int) -> None:
+        self.start, self.at = start, start  # the text before ``at`` is read
+        self.ended = False
+        self._depth, self._in_string, self._escaped = 0, False, False
+
+    def advance(self, text: str) -> int:
+        """The value's end (exclusive) if it has ended, else the text's length. A scalar ends before the ``,`` or
+        closing bracket after it; an object or array after its own closing bracket."""
+        for i in range(self.at, len(text)):
+            char = text[i]
+            if self._in_string:
+                self._escaped, self._in_string = (False, True) if self._escaped else (char == "\\", char != '"')
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]," and self._depth == 0:
+                self.at, self.ended = i, True
+                return i
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self.at, self.ended = i + 1, True
+                    return i + 1
+        self.at = len(text)
+        return self.at
+
+
+def _name(head) -> str | None:
+    name = json.loads(f'"{head.group(1)}"')
+    return name if _is_text(name) else None
+
+
+class HermesReader:
+    """The content and calls of a Hermes answer as far as it has come (``feed``), then whole (``finish``)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.content = ""  # settled content: text outside the blocks, up to the first unsettled character
+        self.calls: list[list[str]] = []  # [name, arguments text so far] per call, in order
+        self.lead = None  # the content's length where the first block began (content after it waits for the end)
+        self._at = 0  # the text before this is read
+        self._state = "text"  # text | head | arguments | tail | block
+        self._block_start = 0
+        self._scan: JsonValueScan | None = None
+
+    def feed(self, delta: str) -> None:
+        self.text += delta
+        steps = {"text": self._read_text, "head": self._read_head, "arguments": self._read_arguments,
+                 "tail": self._read_tail, "block": self._read_block}
+        while steps[self._state]():
+            pass
+
+    def finish(self) -> tuple[str | None, list[tuple[str, str]]]:
+        """(content, calls) of the whole answer: content stripped where calls were found, as it was otherwise."""
+        rest = self.text[self._at:]
+        if self._state == "text":
+            self.content += rest
+        elif self._state in ("head", "block"):  # an unclosed block: a call if it reads as one, else content
+            call = _whole_call(self.text[self._block_start + len(MARKER):]) if self._state == "block" else None
+            if call is None:
+                self.content += self.text[self._block_start:]
+            else:
+                self.calls.append(list(call))
+        elif self._state == "tail" and rest.strip() not in ("", "}"):
+            self.content += rest  # text after a call's arguments, with no closing tag: content
+        self._at, self._state = len(self.text), "text"
+        calls = [(name, arguments) for name, arguments in self.calls]
+        if not calls:
+            return self.text or None, []
+        return self.content.strip() or None, calls
+
+    # ---- one step of the reading each; True where it moved on and may take another -------------------
+    def _read_text(self) -> bool:
+        found = self.text.find(MARKER, self._at)
+        if found < 0:  # settle the text but what may begin a marker
+            held = next((k for k in range(min(len(MARKER) - 1, len(self.text)), 0, -1) if self.text.endswith(MARKER[:k])), 0)
+            upto = max(self._at, len(self.text) - held)
+            self.content, self._at = self.content + self.text[self._at:upto], upto
+            return False
+        self.content += self.text[self._at:found]
+        self.lead = len(self.content) if self.lead is None else self.lead
+        self._block_start, self._at, self._state = found, found + len(MARKER), "head"
+        return True
+
+    def _read_head(self) -> bool:
+        head = _HEAD.match(self.text, self._at, partial=True)
+        if head is not None and (head.partial or head.end() == len(self.text)):
+            return False  # may still become a head, or its arguments' first character is still to come
+        if head is None or _name(head) is None or not _CONTAINER.match(self.text, head.end()):
+            self._state = "block"  # another shape (or no name): read whole once the block closes
+            return True
+        self.calls.append([_name(head), ""])
+        self._at, self._state, self._scan = head.end(), "arguments", JsonValueScan(head.end())
+        return True
+
+    def _read_arguments(self) -> bool:
+        end = self._scan.advance(self.text)
+        self.calls[-1][1] = self.text[self._scan.start:end]
+        self._at = end
+        if not self._scan.ended:
+            return False
+        self._state = "tail"
+        return True
+
+    def _read_tail(self) -> bool:
+        tail = _BLOCK_TAIL.match(self.text, self._at, partial=True)
+        if tail is not None and tail.partial:
+            return False
+        if tail is None:  # more keys after the arguments: the call stands; the block ends at its closing tag
+            found = self.text.find(END, self._at)
+            if found < 0:
+                return False
+            self._at = found + len(END)
+        else:
+            self._at = tail.end()
+        self._state = "text"
+        return True
+
+    def _read_block(self) -> bool:
+        found = self.text.find(END, self._at)
+        if found < 0:
+            return False
+        call = _whole_call(self.text[self._at:found])
+        if call is None:  # unreadable: the block stays content
+            self.content += self.text[self._block_start:found + len(END)]
+        else:
+            self.calls.append(list(call))
+        self._at, self._state = found + len(END), "text"
+        return True
+
+
+class ListReader:
+    """The calls of a JSON list of ``{"name": ..., "arguments": ...}`` objects as far as it has come: each named
+    one with its arguments' text so far, up to the list's end or the first object in another shape."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: list[list[str]] = []
+        self._at = 0
+        self._state = "open"  # open | head | arguments | tail | done
+        self._scan: JsonValueScan | None = None
+
+    def feed(self, delta: str) -> None:
+        self.text += delta
+        steps = {"open": self._read_open, "head": self._read_head, "arguments": self._read_arguments,
+                 "tail": self._read_tail, "done": lambda: False}
+        while steps[self._state]():
+            pass
+
+    def _read_open(self) -> bool:
+        body = self.text[self._at:].lstrip()
+        if not body:
+            return False
+        self._at, self._state = len(self.text) - len(body) + 1, "head" if body[0] == "[" else "done"
+        return True
+
+    def _read_head(self) -> bool:
+        head = _HEAD.match(self.text, self._at, partial=True)
+        if head is not None and (head.partial or head.end() == len(self.text)):
+            return False
+        if head is None or _name(head) is None:
+            self._state = "done"
+            return True
+        self.calls.append([_name(head), ""])
+        self._at, self._state, self._scan = head.end(), "arguments", JsonValueScan(head.end())
+        return True
+
+    def _read_arguments(self) -> bool:
+        end = self._scan.advance(self.text)
+        self.calls[-1][1] = self.text[self._scan.start:end]
+        self._at = end
+        if not self._scan.ended:
+            return False
+        self._state = "tail"
+        return True
+
+    def _read_tail(self) -> bool:
+        tail = _LIST_TAIL.match(self.text, self._at, partial=True)
+        if tail is not None and tail.partial:
+            return False
+        self._at = tail.end() if tail is not None else self._at
+        self._state = "head" if tail is not None and tail.group(1) == "," else "done"
+        return True
+
+
+def _whole_call(body: str) -> tuple[str, str] | None:
+    """A block's JSON read whole: (name, arguments text), or None if it is no call."""
+    try:
+        value = json.loads(body.strip())
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", {})
+    arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return (value["name"], arguments) if _is_text(value["name"]) and _is_text(arguments) else None
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # "\ud800" decodes to no text
+        return False
+    return True
