@@ -63,18 +63,39 @@ def _name(head) -> str | None:
     return name if _is_text(name) else None
 
 
-class HermesReader:
+class _CallsReading:
+    """What both readers share: the text so far, the calls found (``[name, arguments text so far]``, in order), and
+    a call's arguments read as they come."""
+
+    def __init__(self, state: str) -> None:
+        self.text = ""
+        self.calls: list[list[str]] = []
+        self._at = 0  # the text before this is read
+        self._state = state
+        self._scan: JsonValueScan | None = None
+
+    def _begin_call(self, name: str, arguments_start: int) -> None:
+        self.calls.append([name, ""])
+        self._at, self._state, self._scan = arguments_start, "arguments", JsonValueScan(arguments_start)
+
+    def _read_arguments(self) -> bool:
+        end = self._scan.advance(self.text)
+        self.calls[-1][1] = self.text[self._scan.start:end]
+        self._at = end
+        if not self._scan.ended:
+            return False
+        self._state = "tail"
+        return True
+
+
+class HermesReader(_CallsReading):
     """The content and calls of a Hermes answer as far as it has come (``feed``), then whole (``finish``)."""
 
     def __init__(self) -> None:
-        self.text = ""
+        super().__init__("text")  # text | head | arguments | tail | block
         self.content = ""  # settled content: text outside the blocks, up to the first unsettled character
-        self.calls: list[list[str]] = []  # [name, arguments text so far] per call, in order
         self.lead = None  # the content's length where the first block began (content after it waits for the end)
-        self._at = 0  # the text before this is read
-        self._state = "text"  # text | head | arguments | tail | block
         self._block_start = 0
-        self._scan: JsonValueScan | None = None
 
     def feed(self, delta: str) -> None:
         self.text += delta
@@ -122,17 +143,7 @@ class HermesReader:
         if head is None or _name(head) is None or not _CONTAINER.match(self.text, head.end()):
             self._state = "block"  # another shape (or no name): read whole once the block closes
             return True
-        self.calls.append([_name(head), ""])
-        self._at, self._state, self._scan = head.end(), "arguments", JsonValueScan(head.end())
-        return True
-
-    def _read_arguments(self) -> bool:
-        end = self._scan.advance(self.text)
-        self.calls[-1][1] = self.text[self._scan.start:end]
-        self._at = end
-        if not self._scan.ended:
-            return False
-        self._state = "tail"
+        self._begin_call(_name(head), head.end())
         return True
 
     def _read_tail(self) -> bool:
@@ -162,16 +173,12 @@ class HermesReader:
         return True
 
 
-class ListReader:
+class ListReader(_CallsReading):
     """The calls of a JSON list of ``{"name": ..., "arguments": ...}`` objects as far as it has come: each named
     one with its arguments' text so far, up to the list's end or the first object in another shape."""
 
     def __init__(self) -> None:
-        self.text = ""
-        self.calls: list[list[str]] = []
-        self._at = 0
-        self._state = "open"  # open | head | arguments | tail | done
-        self._scan: JsonValueScan | None = None
+        super().__init__("open")  # open | head | arguments | tail | done
 
     def feed(self, delta: str) -> None:
         self.text += delta
@@ -194,17 +201,7 @@ class ListReader:
         if head is None or _name(head) is None:
             self._state = "done"
             return True
-        self.calls.append([_name(head), ""])
-        self._at, self._state, self._scan = head.end(), "arguments", JsonValueScan(head.end())
-        return True
-
-    def _read_arguments(self) -> bool:
-        end = self._scan.advance(self.text)
-        self.calls[-1][1] = self.text[self._scan.start:end]
-        self._at = end
-        if not self._scan.ended:
-            return False
-        self._state = "tail"
+        self._begin_call(_name(head), head.end())
         return True
 
     def _read_tail(self) -> bool:
