@@ -10,7 +10,8 @@ arguments are the model's own JSON text.
   another shape (its keys in another order, arguments given as a string) is read whole once it closes; a block
   that does not read as a call stays content.
 - ``ListReader``: a JSON list of ``{"name": ..., "arguments": ...}`` objects (``tool_choice: required``'s output,
-  Mistral's calls after ``[TOOL_CALLS]``), read up to the first object in another shape.
+  Mistral's calls after ``[TOOL_CALLS]``), or Llama 3's ``{"name": ..., "parameters": ...}`` objects separated by
+  ``;``, read up to the first object in another shape.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import regex
 
 MARKER, END = "<tool_call>", "</tool_call>"
 # A call object's head up to its arguments' first character: the name is whole once this matches
-_HEAD = regex.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+_HEAD = regex.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 _CONTAINER = regex.compile(r"[\[{]")
 _BLOCK_TAIL = regex.compile(r"\s*\}\s*</tool_call>")
 _LIST_TAIL = regex.compile(r"\s*\}\s*([,\]])")
+PYTHON_TAG = "<|python_tag|>"
+_SEQUENCE_TAIL = regex.compile(r"\s*\}\s*(;)")  # Llama 3's calls one after the other: `{...}; {...}`
 
 
 class JsonValueScan:
@@ -175,10 +178,12 @@ class HermesReader(_CallsReading):
 
 class ListReader(_CallsReading):
     """The calls of a JSON list of ``{"name": ..., "arguments": ...}`` objects as far as it has come: each named
-    one with its arguments' text so far, up to the list's end or the first object in another shape."""
+    one with its arguments' text so far, up to the list's end or the first object in another shape. ``llama3``:
+    Llama 3's objects instead (``"parameters"``), after ``<|python_tag|>`` or not, separated by ``;``."""
 
-    def __init__(self) -> None:
+    def __init__(self, llama3: bool = False) -> None:
         super().__init__("open")  # open | head | arguments | tail | done
+        self.llama3 = llama3
 
     def feed(self, delta: str) -> None:
         self.text += delta
@@ -189,6 +194,14 @@ class ListReader(_CallsReading):
 
     def _read_open(self) -> bool:
         body = self.text[self._at:].lstrip()
+        if self.llama3:
+            if PYTHON_TAG.startswith(body):
+                return False  # the tag, or its start, or nothing yet
+            body = body.removeprefix(PYTHON_TAG).lstrip()
+            if not body:
+                return False
+            self._at, self._state = len(self.text) - len(body), "head" if body[0] == "{" else "done"
+            return True
         if not body:
             return False
         self._at, self._state = len(self.text) - len(body) + 1, "head" if body[0] == "[" else "done"
@@ -205,11 +218,11 @@ class ListReader(_CallsReading):
         return True
 
     def _read_tail(self) -> bool:
-        tail = _LIST_TAIL.match(self.text, self._at, partial=True)
+        tail = (_SEQUENCE_TAIL if self.llama3 else _LIST_TAIL).match(self.text, self._at, partial=True)
         if tail is not None and tail.partial:
             return False
         self._at = tail.end() if tail is not None else self._at
-        self._state = "head" if tail is not None and tail.group(1) == "," else "done"
+        self._state = "head" if tail is not None and tail.group(1) in ",;" else "done"
         return True
 
 

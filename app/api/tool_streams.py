@@ -1,6 +1,6 @@
 """Streamed chat answers with tools, as OpenAI streams them: the content as deltas, each call as ``delta.tool_calls``
-entries (its ``index``, ``id`` and name once the name is whole, then its arguments in fragments as they come; under
-``auto`` in the ``llama3_json`` format, each call whole once the answer is), then the finish."""
+entries (its ``index``, ``id`` and name once the name is whole, then its arguments in fragments as they come), then
+the finish."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from app.api.tools import StreamedCalls, ToolCall
 
 async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, tools=None) -> AsyncIterator[dict]:
     """One choice of a chat with ``tool_choice: auto``, from its plain chunks: content as it comes, held only where
-    a call may begin (``StreamedCalls``); each call as it is written (``llama3_json``: once the answer is whole);
-    at the end any content held, then the finish (``tool_calls`` where calls ended it). ``one_call``:
-    ``parallel_tool_calls: false`` keeps the first."""
+    a call may begin (``StreamedCalls``); each call as it is written; at the end any content held, then the finish
+    (``tool_calls`` where calls ended it). ``one_call``: ``parallel_tool_calls: false`` keeps the first."""
     calls_in, held_logprobs, sent = StreamedCalls(parser, tools), [], []
     async with contextlib.aclosing(chunks):  # closed with this stream (a client gone): its request aborted at once
         async for chunk in chunks:

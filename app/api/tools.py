@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.api.errors import APIError
-from app.api.call_readers import HermesReader, ListReader
+from app.api.call_readers import PYTHON_TAG, HermesReader, ListReader
 from app.api.schemas import closed, tools_schema
 from app.api.xml_calls import read_xml_calls, xml_arguments
 from app.config.model import TOOL_PARSERS
@@ -128,10 +128,9 @@ def parse_calls(text: str, parser: str, tools: list[Tool] | None = None) -> tupl
         reader.feed(text)
         content, calls = reader.finish()
         return content, [ToolCall(name, arguments) for name, arguments in calls]
-    if parser == "llama3_json":
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        calls = [c for c in (_call_from(_json_or_none(part), "parameters") for part in body.split(";")) if c is not None] if body.startswith("{") else []
-        return (None, calls) if calls and len(calls) == len(body.split(";")) else (text, [])
+    if parser == "llama3_json":  # an answer opening with a call is calls (Llama 3 writes nothing else then)
+        calls = [ToolCall(name, arguments) for name, arguments in llama3_calls(text, whole=True)]
+        return (None, calls) if calls else (text, [])
     if parser == "mistral":
         head, marker, body = text.partition(_MISTRAL_MARKER)
         calls = [ToolCall(name, arguments) for name, arguments in mistral_calls(body, whole=True)] if marker else []
@@ -152,6 +151,20 @@ def mistral_calls(body: str, whole: bool = False) -> list[tuple[str, str]]:
     if isinstance(listed, list):
         found += [(c.name, c.arguments) for c in (_call_from(item, "arguments") for item in listed[len(found):]) if c is not None]
     return found
+
+
+def llama3_calls(text: str, whole: bool = False) -> list[tuple[str, str]]:
+    """Llama 3's calls (``{"name", "parameters"}`` objects, after ``<|python_tag|>`` or not, separated by ``;``) as
+    far as they came, each one's arguments the model's text. ``whole``: the answer is complete, and one whose objects
+    are in another shape (keys in another order) is calls where every part reads as one."""
+    reader = ListReader(llama3=True)
+    reader.feed(text)
+    if reader.calls or not whole:
+        return [(name, arguments) for name, arguments in reader.calls]
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    parts = body.split(";") if body.startswith("{") else []
+    calls = [c for c in (_call_from(_json_or_none(part), "parameters") for part in parts) if c is not None]
+    return [(c.name, c.arguments) for c in calls] if calls and len(calls) == len(parts) else []
 
 
 def qwen3_coder_calls(found: list[tuple[str, list[tuple[str, str]], bool]], tools: list[Tool] | None) -> list[tuple[str, str]]:
@@ -251,15 +264,13 @@ def with_loaded_arguments(message: dict) -> dict:
 
 
 _CALL_MARKERS = {"mistral": _MISTRAL_MARKER, "qwen3_coder": "<tool_call>"}  # Hermes: its reader
-_PYTHON_TAG = "<|python_tag|>"
 
 
 class StreamedCalls:
     """A free answer (``tool_choice: auto``) as it streams: content goes out as it comes, up to where a call may
     begin (the parser's marker, or the start of one at the end of the text so far; for ``llama3_json``, an answer
     that opens as JSON). Calls go out as they are written (``calls``: read as whole answers are, so a stream
-    assembles to the whole answer); ``llama3_json``'s are read once the answer is whole, which says whether it is
-    calls."""
+    assembles to the whole answer)."""
 
     def __init__(self, parser: str, tools: list[Tool] | None = None) -> None:
         if parser not in TOOL_PARSERS:
@@ -268,13 +279,12 @@ class StreamedCalls:
         self.text = ""
         self.released = 0  # the text before this has gone out as content
         self._reader = HermesReader() if parser == "hermes" else None
-        self._list: ListReader | None = None  # Mistral's list of calls, from its marker on
+        self._list = ListReader(llama3=True) if parser == "llama3_json" else None  # Mistral's: from its marker on
         self._xml_seen, self._xml_calls = 0, []  # Qwen3-Coder's calls as read when the text was this long
 
     @property
     def calls(self) -> list[tuple[str, str]]:
-        """The calls written so far, each one's name and arguments as far as they came (``llama3_json``: none before
-        the end, where the whole answer says whether it is calls)."""
+        """The calls written so far, each one's name and arguments as far as they came."""
         if self._reader is not None:
             return [(name, arguments) for name, arguments in self._reader.calls]
         if self._list is not None:
@@ -321,9 +331,9 @@ class StreamedCalls:
 
     def _releasable(self) -> int:
         text = self.text
-        if self.parser == "llama3_json":  # calls only when the whole answer is one: it opens with JSON or the tag
+        if self.parser == "llama3_json":  # calls only where the answer opens with one: JSON or the tag
             body = text.lstrip()
-            opens_as_call = body.startswith("{") or body.startswith(_PYTHON_TAG) or _PYTHON_TAG.startswith(body)
+            opens_as_call = body.startswith("{") or body.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(body)
             return 0 if not body or opens_as_call else len(text)
         marker = _CALL_MARKERS[self.parser]
         found = text.find(marker, self.released)

@@ -1,4 +1,4 @@
-"""Tool calls read as they are written (Hermes, Mistral, Qwen3-Coder): a stream, fed in any pieces, sends each call's name and
+"""Tool calls read as they are written (Hermes, Mistral, Qwen3-Coder, Llama 3): a stream, fed in any pieces, sends each call's name and
 then its arguments as prefixes of what the whole answer reads, and assembles to it exactly."""
 
 import random
@@ -41,8 +41,16 @@ QWEN3_CODER = [  # no tools given: every value stays text
     ("<tool_call>\n<function=f>\n<parameter=a>\nx\n</parameter>\n<parameter=b>\nyy", None, [("f", '{"a": "x"')]),  # cut short
     ("<tool_call>\n<funct", "<tool_call>\n<funct", []),
 ]
+LLAMA3 = [
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "t", "parameters": {}}', None,
+     [("get_weather", '{"city": "Oslo"}'), ("t", "{}")]),
+    (' {"parameters": {"a": 1}, "name": "f"}', None, [("f", '{"a": 1}')]),  # another shape: read whole at the end
+    ('{"name": "f", "parameters": {"a": "b', None, [("f", '{"a": "b')]),  # cut short: a call
+    ('{"answer": 42}', '{"answer": 42}', []),  # JSON that is no call
+    ("It is 4 pm.", "It is 4 pm.", []),
+]
 ANSWERS = ([("hermes", *case) for case in HERMES] + [("mistral", *case) for case in MISTRAL]
-           + [("qwen3_coder", *case) for case in QWEN3_CODER])
+           + [("qwen3_coder", *case) for case in QWEN3_CODER] + [("llama3_json", *case) for case in LLAMA3])
 
 
 @pytest.mark.parametrize("parser, answer, content, calls", ANSWERS)
