@@ -19,6 +19,7 @@ HERMES = [
     ('<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call>', None, [("get_weather", '{"city": "Oslo"}')]),
     ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", '{"a": 1}')]),
     ('<tool_call>{"name": "f", "arguments": {"a": 1}, "id": 7}</tool_call>', None, [("f", '{"a": 1}')]),  # a key after
+    ('<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>', None, [("f", '{"a": 1}')]),  # Llama's key
     ("<tool_call>{not json</tool_call> plain", "<tool_call>{not json</tool_call> plain", []),  # unreadable: content
     ("No call here, just <tool text. ", "No call here, just <tool text. ", []),
     ('Sure <tool_call>{"name": "f", "arguments": {"a": [1, 2', "Sure", [("f", '{"a": [1, 2')]),  # cut short: a call
