@@ -23,7 +23,7 @@ from app.engine.grammar import consume
 from app.engine.kv_cache import BlockManager
 from app.engine.output_processor import OutputProcessor
 from app.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
-from app.engine.runner import ModelRunner
+from app.engine.runner import ModelRunner, RunnerOutput
 from app.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from app.engine.text_config import text_config
 from app.metrics import STEP_TOKEN_BUCKETS, Histogram
@@ -203,16 +203,23 @@ class LLMEngine:
         keys = attended_keys(scheduled)  # read before the update advances the requests' positions
         executed = time.perf_counter()
         try:
-            result = self.runner.execute(scheduled, self.blocks)
+            result, failed, apart = self.runner.execute(scheduled, self.blocks), [], False
         except _DEVICE_LOST:
             raise  # the GPU's context is broken for every later step too: the core dies, Serve replaces the replica
-        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving the rest
-            logger.exception("forward pass failed")
-            return refused + self._fail(scheduled, f"{type(exc).__name__}: {exc}")
-        if self.speculation is not None and _only_decodes(scheduled):
+        except Exception as exc:  # noqa: BLE001 - the step's requests run apart: only what fails alone fails
+            logger.exception("a step of %d requests failed; running them apart", len(scheduled.scheduled))
+            (result, failed), apart = self._execute_apart(scheduled.scheduled, exc), True
+        if failed:  # their KV released, their streams ended with the error; the rest go on as if nothing happened
+            outputs = refused + [self._fail_one(request, error) for request, error in failed]
+            for request, _ in failed:
+                self._release(request)
+            gone = {request.request_id for request, _ in failed}
+            scheduled = SchedulerOutput([s for s in scheduled.scheduled if s.request.request_id not in gone], scheduled.preempted)
+        else:
+            outputs = refused
+        if self.speculation is not None and _only_decodes(scheduled) and not apart:
             self.speculation.observe_step(scheduled.num_batched_tokens, time.perf_counter() - executed)
         self.scheduler.update(scheduled, {r.request_id: n for r, n in zip(result.requests, result.num_accepted)})
-        outputs = refused
         for request, token_ids, logprobs, drafted, accepted, error in zip(
             result.requests, result.token_ids, result.logprobs, result.num_drafted, result.num_accepted, result.errors
         ):
@@ -225,7 +232,8 @@ class LLMEngine:
             outputs.append(output)
         self._count(scheduled, sum(len(o.new_token_ids) for o in outputs))
         took = time.perf_counter() - started
-        self.step_cost.observe(scheduled.num_batched_tokens, took, keys)
+        if not apart:  # a step run apart took no normal step's time
+            self.step_cost.observe(scheduled.num_batched_tokens, took, keys)
         self.counters.busy_s += took
         if self.speculation is not None:
             for request, exc in self.speculation.propose(self._decoding(), self._mean_step_s(), time.monotonic()):
@@ -329,12 +337,26 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.forget(request.request_id)
 
-    def _fail(self, scheduled: SchedulerOutput, error: str) -> list[RequestOutput]:
-        outputs = []
-        for item in scheduled.scheduled:
-            self._release(item.request)
-            outputs.append(self._fail_one(item.request, error))
-        return outputs
+    def _execute_apart(self, items: list, error: Exception) -> tuple[RunnerOutput, list[tuple[Request, str]]]:
+        """After a step of ``items`` failed with ``error``: its halves run as steps of their own, and so on down to
+        single requests. What failed on a batch-mate (a bad request's shapes) or on the step's size (out of memory)
+        completes, with the tokens it gets alone (the KV it wrote is written again, and nothing was sampled: a
+        sampling error is one request's already, ``RunnerOutput.errors``); a request failing alone fails."""
+        if len(items) == 1:
+            logger.error("request %s failed alone: %s: %s", items[0].request.request_id, type(error).__name__, error)
+            return RunnerOutput(), [(items[0].request, f"{type(error).__name__}: {error}")]
+        merged, failed = RunnerOutput(), []
+        for part in (items[:len(items) // 2], items[len(items) // 2:]):
+            try:
+                result, part_failed = self.runner.execute(SchedulerOutput(part), self.blocks), []
+            except _DEVICE_LOST:
+                raise
+            except Exception as exc:  # noqa: BLE001 - halved again
+                result, part_failed = self._execute_apart(part, exc)
+            for name in RunnerOutput.__dataclass_fields__:
+                getattr(merged, name).extend(getattr(result, name))
+            failed += part_failed
+        return merged, failed
 
     def _count(self, scheduled: SchedulerOutput, num_sampled: int) -> None:  # num_sampled: tokens emitted
         c = self.counters

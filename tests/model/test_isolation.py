@@ -1,5 +1,6 @@
-"""One request's failure is its own: an exception while sampling, matching stop strings or detokenizing one request
-fails that request alone; the others of the same steps finish with all their tokens, the tokens they get alone."""
+"""One request's failure is its own: an exception while sampling, matching stop strings or detokenizing one request,
+or in a forward pass it is part of, fails that request alone; the others of the same steps finish with all their
+tokens, the tokens they get alone."""
 
 import pytest
 
@@ -93,7 +94,7 @@ def test_a_request_with_no_room_in_the_context_fails_at_admission_alone(loaded_r
 
 def test_a_broken_gpu_context_stops_the_engine_instead_of_failing_every_step(loaded_rounded, monkeypatch):
     """A device-side assert leaves CUDA unusable for every later step: the core must die (Serve replaces the
-    replica) rather than answer errors for good; an ordinary failure fails its step's requests alone."""
+    replica) rather than answer errors for good; an ordinary failure runs its step's requests apart (below)."""
     import torch
 
     engine = make_engine(loaded_rounded)
@@ -105,3 +106,48 @@ def test_a_broken_gpu_context_stops_the_engine_instead_of_failing_every_step(loa
     monkeypatch.setattr(engine.runner, "execute", lost)
     with pytest.raises(torch.AcceleratorError):
         engine.step()
+
+
+def _failing_steps(engine, monkeypatch, fails, error=RuntimeError) -> list[int]:
+    """The engine's forward passes raise ``error`` where ``fails(the step's request ids)``; returns each pass's size."""
+    original, sizes = engine.runner.execute, []
+
+    def execute(output, blocks):
+        ids = {item.request.request_id for item in output.scheduled}
+        sizes.append(len(ids))
+        if fails(ids):
+            raise error("injected failure")
+        return original(output, blocks)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    return sizes
+
+
+def test_a_forward_pass_failing_on_one_request_fails_it_alone_and_its_batch_mates_get_their_tokens(loaded_rounded, monkeypatch):
+    """A pass that raises whenever one request is in it (its shapes, a kernel's bug): the step's requests run apart,
+    in halves down to single requests; that one fails, the others get every token they get alone, seeded ones too."""
+    alone = _requests(loaded_rounded, bad=False)
+    _run(make_engine(loaded_rounded), alone)
+    engine, requests = make_engine(loaded_rounded), _requests(loaded_rounded, bad=True)
+    sizes = _failing_steps(engine, monkeypatch, lambda ids: "bad" in ids)
+    finals = _run(engine, requests)
+    assert finals["bad"].finish_reason == "error" and "injected failure" in finals["bad"].error
+    assert finals["bad"].num_output_tokens == 0 and sizes[:5] == [4, 2, 2, 1, 1]  # the step, its halves, its last half apart
+    for request, reference in zip(requests, alone):
+        if request.request_id != "bad":
+            assert finals[request.request_id].finish_reason == "length"
+            assert request.output_token_ids == reference.output_token_ids
+
+
+def test_a_step_too_large_for_memory_runs_in_smaller_ones_and_every_request_completes(loaded_rounded, monkeypatch):
+    """Out of memory on a step's size (a GPU's activations beside its KV pool): its halves fit, and every request
+    completes with the tokens it gets alone."""
+    import torch
+
+    alone = _requests(loaded_rounded, bad=False)
+    _run(make_engine(loaded_rounded), alone)
+    engine, requests = make_engine(loaded_rounded), _requests(loaded_rounded, bad=False)
+    sizes = _failing_steps(engine, monkeypatch, lambda ids: len(ids) > 2, error=torch.OutOfMemoryError)
+    finals = _run(engine, requests)
+    assert all(finals[r.request_id].finish_reason == "length" for r in requests) and max(sizes) == 4
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in alone]
