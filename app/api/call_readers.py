@@ -28,6 +28,7 @@ _BLOCK_TAIL = regex.compile(r"\s*\}\s*</tool_call>")
 _LIST_TAIL = regex.compile(r"\s*\}\s*([,\]])")
 PYTHON_TAG = "<|python_tag|>"
 _SEQUENCE_TAIL = regex.compile(r"\s*\}\s*(;)")  # Llama 3's calls one after the other: `{...}; {...}`
+_OBJECT_END = regex.compile(r"\s*\}")
 
 
 class JsonValueScan:
@@ -62,7 +63,11 @@ class JsonValueScan:
 
 
 def _name(head) -> str | None:
-    name = json.loads(f'"{head.group(1)}"')
+    """A head's function name, or None where it does not decode to text (a bad escape, a raw control character)."""
+    try:
+        name = json.loads(f'"{head.group(1)}"')
+    except json.JSONDecodeError:
+        return None
     return name if _is_text(name) else None
 
 
@@ -118,8 +123,8 @@ class HermesReader(_CallsReading):
                 self.content += self.text[self._block_start:]
             else:
                 self.calls.append(list(call))
-        elif self._state == "tail" and rest.strip() not in ("", "}"):
-            self.content += rest  # text after a call's arguments, with no closing tag: content
+        elif self._state == "tail" and not END.startswith(rest.strip().removeprefix("}").lstrip()):
+            self.content += rest  # text after a call's arguments that closes no block (not its brace and tag cut short)
         self._at, self._state = len(self.text), "text"
         calls = [(name, arguments) for name, arguments in self.calls]
         if not calls:
@@ -184,6 +189,8 @@ class ListReader(_CallsReading):
     def __init__(self, llama3: bool = False) -> None:
         super().__init__("open")  # open | head | arguments | tail | done
         self.llama3 = llama3
+        self.end: int | None = None  # where the list ended (its "]"; Llama 3: the last object's "}"), once it has
+        self.stopped: int | None = None  # where an object in another shape began, if the reading stopped there
 
     def feed(self, delta: str) -> None:
         self.text += delta
@@ -211,8 +218,8 @@ class ListReader(_CallsReading):
         head = _HEAD.match(self.text, self._at, partial=True)
         if head is not None and (head.partial or head.end() == len(self.text)):
             return False
-        if head is None or _name(head) is None:
-            self._state = "done"
+        if head is None or _name(head) is None or not _CONTAINER.match(self.text, head.end()):
+            self._state, self.stopped = "done", self._at  # another shape (arguments as a string, keys reordered)
             return True
         self._begin_call(_name(head), head.end())
         return True
@@ -221,8 +228,14 @@ class ListReader(_CallsReading):
         tail = (_SEQUENCE_TAIL if self.llama3 else _LIST_TAIL).match(self.text, self._at, partial=True)
         if tail is not None and tail.partial:
             return False
-        self._at = tail.end() if tail is not None else self._at
-        self._state = "head" if tail is not None and tail.group(1) in ",;" else "done"
+        if tail is not None and tail.group(1) in ",;":
+            self._at, self._state = tail.end(), "head"
+            return True
+        if tail is not None:  # "]": the list's end
+            self.end = tail.end()
+        elif self.llama3 and (close := _OBJECT_END.match(self.text, self._at)) is not None:
+            self.end = close.end()  # the last call: what follows is content
+        self._state = "done"
         return True
 
 
@@ -234,7 +247,7 @@ def _whole_call(body: str) -> tuple[str, str] | None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get("arguments", {})
+    arguments = value.get("arguments", value.get("parameters", {}))
     arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
     return (value["name"], arguments) if _is_text(value["name"]) and _is_text(arguments) else None
 

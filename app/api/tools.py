@@ -27,7 +27,7 @@ from typing import Any
 from app.api.errors import APIError
 from app.api.call_readers import PYTHON_TAG, HermesReader, ListReader
 from app.api.schemas import closed, tools_schema
-from app.api.xml_calls import read_xml_calls, xml_arguments
+from app.api.xml_calls import XmlReader
 from app.config.model import TOOL_PARSERS
 _TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
                    "To call one, answer with <tool_call>{{\"name\": <function name>, \"arguments\": <arguments object>}}"
@@ -129,49 +129,59 @@ def parse_calls(text: str, parser: str, tools: list[Tool] | None = None) -> tupl
         content, calls = reader.finish()
         return content, [ToolCall(name, arguments) for name, arguments in calls]
     if parser == "llama3_json":  # an answer opening with a call is calls (Llama 3 writes nothing else then)
-        calls = [ToolCall(name, arguments) for name, arguments in llama3_calls(text, whole=True)]
-        return (None, calls) if calls else (text, [])
+        found, after = llama3_calls(text)
+        return ((after.strip() or None), [ToolCall(*call) for call in found]) if found else (text, [])
     if parser == "mistral":
         head, marker, body = text.partition(_MISTRAL_MARKER)
-        calls = [ToolCall(name, arguments) for name, arguments in mistral_calls(body, whole=True)] if marker else []
-        return (head.strip() or None, calls) if calls else (text, [])
+        found, after = mistral_calls(body) if marker else ([], "")
+        return ((head + after).strip() or None, [ToolCall(*call) for call in found]) if found else (text, [])
     if parser == "qwen3_coder":
-        rest, found = read_xml_calls(text)
-        calls = [ToolCall(name, arguments) for name, arguments in qwen3_coder_calls(found, tools)]
-        return (rest.strip() or None, calls) if calls else (text, [])
+        reader = XmlReader(_schemas(tools))  # read as a stream reads it
+        reader.feed(text)
+        content, calls = reader.finish()
+        return content, [ToolCall(name, arguments) for name, arguments in calls]
     raise ValueError(f"unknown tool parser {parser!r} (known: {', '.join(TOOL_PARSERS)})")
 
 
-def mistral_calls(body: str, whole: bool = False) -> list[tuple[str, str]]:
-    """The calls in the JSON list after ``[TOOL_CALLS]`` as far as it has come, read as ``required``'s output is:
-    each one's name once whole, its arguments the model's text. ``whole``: the answer is complete, and calls in
-    another shape (keys in another order) after those are read from the whole list."""
-    found = required_calls(body)
-    listed = _json_or_none(body.strip()) if whole else None
-    if isinstance(listed, list):
-        found += [(c.name, c.arguments) for c in (_call_from(item, "arguments") for item in listed[len(found):]) if c is not None]
-    return found
+def mistral_calls(body: str) -> tuple[list[tuple[str, str]], str]:
+    """A whole answer's calls in the JSON list after ``[TOOL_CALLS]``, read as a stream reads them (``ListReader``:
+    each one's arguments the model's text; cut short, as far as they came), then any in another shape (keys in
+    another order, arguments as a string) from the whole list; and the text after them, which is content."""
+    reader = ListReader()
+    reader.feed(body)
+    found = [(name, arguments) for name, arguments in reader.calls]
+    if reader.stopped is None:
+        return found, body[reader.end:] if reader.end is not None else ""
+    try:
+        listed, end = json.JSONDecoder().raw_decode(body.lstrip())
+    except json.JSONDecodeError:
+        listed, end = None, 0
+    others = [_call_from(item, "arguments") for item in listed[len(found):]] if isinstance(listed, list) else [None]
+    if not all(others):
+        return found, body[reader.stopped:]
+    return found + [(c.name, c.arguments) for c in others], body.lstrip()[end:]
 
 
-def llama3_calls(text: str, whole: bool = False) -> list[tuple[str, str]]:
-    """Llama 3's calls (``{"name", "parameters"}`` objects, after ``<|python_tag|>`` or not, separated by ``;``) as
-    far as they came, each one's arguments the model's text. ``whole``: the answer is complete, and one whose objects
-    are in another shape (keys in another order) is calls where every part reads as one."""
+def llama3_calls(text: str) -> tuple[list[tuple[str, str]], str]:
+    """A whole answer's Llama 3 calls (``{"name", "parameters"}`` objects, after ``<|python_tag|>`` or not, separated
+    by ``;``), read as a stream reads them (``ListReader``), then, where every part after them reads as a call in
+    another shape (keys in another order), those; and the text after them, which is content."""
     reader = ListReader(llama3=True)
     reader.feed(text)
-    if reader.calls or not whole:
-        return [(name, arguments) for name, arguments in reader.calls]
-    body = text.strip().removeprefix(PYTHON_TAG).strip()
-    parts = body.split(";") if body.startswith("{") else []
-    calls = [c for c in (_call_from(_json_or_none(part), "parameters") for part in parts) if c is not None]
-    return [(c.name, c.arguments) for c in calls] if calls and len(calls) == len(parts) else []
+    found = [(name, arguments) for name, arguments in reader.calls]
+    if reader.stopped is None:
+        return found, text[reader.end:] if reader.end is not None else ""
+    rest = text[reader.stopped:]
+    body = rest.strip().removeprefix(PYTHON_TAG).strip()
+    others = [_call_from(_json_or_none(part), "parameters") for part in body.split(";")] if body.startswith("{") else [None]
+    if not all(others):
+        return found, rest
+    return found + [(c.name, c.arguments) for c in others], ""
 
 
-def qwen3_coder_calls(found: list[tuple[str, list[tuple[str, str]], bool]], tools: list[Tool] | None) -> list[tuple[str, str]]:
-    """Qwen3-Coder's calls as far as they came (``read_xml_calls``), each one's arguments as JSON text typed by its
-    tool's schema: the object's whole parameters, closed once the function is."""
-    properties = {tool.name: tool.parameters.get("properties") or {} for tool in tools or []}
-    return [(name, xml_arguments(parameters, closed, properties.get(name, {}))) for name, parameters, closed in found]
+def _schemas(tools: list[Tool] | None) -> dict[str, dict]:
+    """Each tool's ``properties`` by its name: what types Qwen3-Coder's raw parameter values."""
+    return {tool.name: tool.parameters.get("properties") or {} for tool in tools or []}
 
 
 def _json_or_none(text: str) -> Any:
@@ -263,7 +273,7 @@ def with_loaded_arguments(message: dict) -> dict:
     return {**message, "tool_calls": calls}
 
 
-_CALL_MARKERS = {"mistral": _MISTRAL_MARKER, "qwen3_coder": "<tool_call>"}  # Hermes: its reader
+_CALL_MARKERS = {"mistral": _MISTRAL_MARKER}  # Hermes, Qwen3-Coder: their readers
 
 
 class StreamedCalls:
@@ -278,9 +288,9 @@ class StreamedCalls:
         self.parser, self.tools = parser, tools
         self.text = ""
         self.released = 0  # the text before this has gone out as content
-        self._reader = HermesReader() if parser == "hermes" else None
+        # Hermes and Qwen3-Coder: content and calls read in one (content after the first call waits for the end)
+        self._reader = HermesReader() if parser == "hermes" else XmlReader(_schemas(tools)) if parser == "qwen3_coder" else None
         self._list = ListReader(llama3=True) if parser == "llama3_json" else None  # Mistral's: from its marker on
-        self._xml_seen, self._xml_calls = 0, []  # Qwen3-Coder's calls as read when the text was this long
 
     @property
     def calls(self) -> list[tuple[str, str]]:
@@ -289,13 +299,6 @@ class StreamedCalls:
             return [(name, arguments) for name, arguments in self._reader.calls]
         if self._list is not None:
             return [(name, arguments) for name, arguments in self._list.calls]
-        if self.parser == "qwen3_coder":
-            # read again only where a tag may have completed: every tag ends with ">" but "<parameter=" (11 long),
-            # which ends the value before it (reading every piece again costs a time square in the answer's length)
-            if ">" in self.text[self._xml_seen:] or "<" in self.text[max(0, self._xml_seen - 11):]:
-                self._xml_calls = qwen3_coder_calls(read_xml_calls(self.text)[1], self.tools)
-            self._xml_seen = len(self.text)
-            return self._xml_calls
         return []
 
     def feed(self, delta: str) -> str:
@@ -313,14 +316,15 @@ class StreamedCalls:
         return out
 
     def finish(self) -> tuple[str | None, list[ToolCall]]:
-        """The content still held (None if none) and the calls, read from the text not sent (Hermes: every call)."""
-        if self._reader is None:
-            rest = self.text[self.released:]
-            return parse_calls(rest, self.parser, self.tools) if rest.strip() else (rest or None, [])
-        content, calls = self._reader.finish()
-        sent = self.text[:self.released]
+        """The content not sent yet (None if none) and every call: the whole answer's, less what went out."""
+        if self._reader is not None:
+            content, found = self._reader.finish()
+            calls = [ToolCall(name, arguments) for name, arguments in found]
+        else:
+            content, calls = parse_calls(self.text, self.parser, self.tools)
+        sent = self.text[:self.released]  # the content stripped where calls were found: so is what went out of it
         rest = content[len(sent) if content.startswith(sent) else len(sent.lstrip()):] if content is not None else None
-        return rest or None, [ToolCall(name, arguments) for name, arguments in calls]
+        return rest or None, calls
 
     def _feed_list(self, delta: str) -> None:
         if self._list is not None:

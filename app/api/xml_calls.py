@@ -13,58 +13,136 @@ vLLM's ``qwen3_coder`` parser reads them::
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
-_MARKER, _END = "<tool_call>", "</tool_call>"
-_FUNCTION = re.compile(r"<tool_call>\s*<function=([^>\n]+)>")
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?")
-# a value ends at its closing tag, or where the next parameter begins (a model may leave the tag out), or with the
-# function
-_VALUE_END = re.compile(r"\n?(?:</parameter>|(?=<parameter=))")
+import regex
+
+_MARKER, _END, _FUNCTION_END, _PARAMETER_END = "<tool_call>", "</tool_call>", "</function>", "</parameter>"
+_FUNCTION = regex.compile(r"\s*<function=([^>\n]+)>")
+_PARAMETER = regex.compile(r"<parameter=([^>\n]+)>\n?")
+_PARAMETER_OPEN = "<parameter="
 _TEXT_TYPES = ("string", "str", "text")
 
 
-def read_xml_calls(text: str) -> tuple[str, list[tuple[str, list[tuple[str, str]], bool]]]:
-    """The text outside the calls, and each call as far as it has come: its function name, the parameters whose
-    values are whole (raw text), and whether the function is closed. Read again as a stream's text grows: what it
-    returns only grows."""
-    calls, kept, at = [], [], 0
-    while (start := text.find(_MARKER, at)) >= 0:
-        kept.append(text[at:start])
-        head = _FUNCTION.match(text, start)
-        if head is None:  # no function (yet): the block is text
-            end = text.find(_END, start)
-            kept.append(text[start:] if end < 0 else text[start:end + len(_END)])
-            at = len(text) if end < 0 else end + len(_END)
-            continue
-        close = text.find("</function>", head.end())
-        body = text[head.end():] if close < 0 else text[head.end():close]
-        calls.append((head.group(1).strip(), _parameters(body, close >= 0), close >= 0))
-        if close < 0:
-            return "".join(kept), calls
-        end = text.find(_END, close)
-        at = close + len("</function>") if end < 0 else end + len(_END)
-    return "".join(kept) + text[at:], calls
+class XmlReader:
+    """Qwen3-Coder's content and calls as far as they have come (``feed``), then whole (``finish``), in one pass.
 
+    Each call's arguments are the JSON text of its typed parameters so far: ``{`` once its name is whole, then
+    ``"key": value`` as each value is (ended by its closing tag, the next parameter or the function's end; one
+    newline around it is the format's), ``}`` as the function closes: a stream's fragments join to the object
+    ``json.dumps`` writes. A parameter cut short is left out; a call cut short is a call as far as it came. A block
+    with no function is text. ``schemas``: each tool's ``properties``, which type the values (``typed``)."""
 
-def _parameters(body: str, closed: bool) -> list[tuple[str, str]]:
-    """A function's parameters whose values are whole: ended by a tag, or by the function's end once it is closed."""
-    found = []
-    for opened in _PARAMETER.finditer(body):
-        end = _VALUE_END.search(body, opened.end())
-        if end is None and not closed:
-            break  # still being written
-        value = body[opened.end():end.start()] if end is not None else body[opened.end():].removesuffix("\n")
-        found.append((opened.group(1).strip(), value))
-    return found
+    def __init__(self, schemas: dict[str, dict]) -> None:
+        self.text = ""
+        self.content = ""  # settled content: text outside the blocks
+        self.lead = None  # the content's length where the first block began (content after it waits for the end)
+        self.calls: list[list[str]] = []  # [name, arguments text so far]
+        self._schemas = schemas
+        self._at, self._state, self._block_start = 0, "text", 0  # text | function | skip | parameters | value | after
+        self._key, self._value_start, self._pairs = "", 0, 0
 
+    def feed(self, delta: str) -> None:
+        self.text += delta
+        steps = {"text": self._read_text, "function": self._read_function, "skip": self._read_skip,
+                 "parameters": self._read_parameters, "value": self._read_value, "after": self._read_after}
+        while steps[self._state]():
+            pass
 
-def xml_arguments(parameters: list[tuple[str, str]], closed: bool, schema: dict) -> str:
-    """A call's arguments as JSON text, as ``json.dumps`` writes the object (closed once the function is): each
-    value typed by the tool's schema (``schema``: its ``properties``). Grows by appending as parameters come."""
-    pairs = [f"{json.dumps(key)}: {json.dumps(typed(value, schema.get(key)))}" for key, value in parameters]
-    return "{" + ", ".join(pairs) + ("}" if closed else "")
+    def finish(self) -> tuple[str | None, list[tuple[str, str]]]:
+        """(content, calls) of the whole answer: content stripped where calls were found, as it was otherwise."""
+        rest = self.text[self._at:]
+        if self._state == "text" or (self._state == "after" and not _END.startswith(rest.strip())):
+            self.content += rest
+        elif self._state in ("function", "skip"):
+            self.content += self.text[self._block_start:]
+        self._at, self._state = len(self.text), "text"
+        if not self.calls:
+            return self.text or None, []
+        return self.content.strip() or None, [(name, arguments) for name, arguments in self.calls]
+
+    # ---- one step of the reading each; True where it moved on and may take another -------------------
+    def _read_text(self) -> bool:
+        found = self.text.find(_MARKER, self._at)
+        if found < 0:  # settle the text but what may begin a marker
+            held = next((k for k in range(min(len(_MARKER) - 1, len(self.text)), 0, -1) if self.text.endswith(_MARKER[:k])), 0)
+            upto = max(self._at, len(self.text) - held)
+            self.content, self._at = self.content + self.text[self._at:upto], upto
+            return False
+        self.content += self.text[self._at:found]
+        self.lead = len(self.content) if self.lead is None else self.lead
+        self._block_start, self._at, self._state = found, found + len(_MARKER), "function"
+        return True
+
+    def _read_function(self) -> bool:
+        head = _FUNCTION.match(self.text, self._at, partial=True)
+        if head is not None and head.partial:
+            return False
+        if head is None:  # no function: the block is text, to its end tag
+            self._state = "skip"
+            return True
+        self.calls.append([head.group(1).strip(), "{"])
+        self._at, self._state, self._pairs = head.end(), "parameters", 0
+        return True
+
+    def _read_skip(self) -> bool:
+        """A block with no function is text, to its end tag or the next block's start."""
+        end, following = self.text.find(_END, self._at), self.text.find(_MARKER, self._at)
+        if following >= 0 and (end < 0 or following < end):
+            self.content += self.text[self._block_start:following]
+            self._at, self._state = following, "text"
+            return True
+        if end < 0:
+            self._at = max(self._at, len(self.text) - len(_END))  # what was searched is not searched again
+            return False
+        self.content += self.text[self._block_start:end + len(_END)]
+        self._at, self._state = end + len(_END), "text"
+        return True
+
+    def _read_parameters(self) -> bool:
+        """Between parameters: the next one opens, or the function closes (text between them is skipped)."""
+        opened, closed = self.text.find(_PARAMETER_OPEN, self._at), self.text.find(_FUNCTION_END, self._at)
+        if closed >= 0 and (opened < 0 or closed < opened):
+            self.calls[-1][1] += "}"
+            self._at, self._state = closed + len(_FUNCTION_END), "after"
+            return True
+        if opened < 0:
+            self._at = max(self._at, len(self.text) - len(_FUNCTION_END))  # a tag cut short starts in the last few
+            return False
+        tag = _PARAMETER.match(self.text, opened, partial=True)
+        if tag is not None and (tag.partial or tag.end() == len(self.text)):
+            return False  # its name, or whether a newline follows, is still to come
+        if tag is None:  # not a tag after all ("<parameter=" then a newline)
+            self._at = opened + len(_PARAMETER_OPEN)
+            return True
+        self._key, self._value_start, self._at, self._state = tag.group(1).strip(), tag.end(), tag.end(), "value"
+        return True
+
+    def _read_value(self) -> bool:
+        """A value ends at its closing tag, or where the next parameter or the function's end begins."""
+        ends = [(i, tag) for tag in (_PARAMETER_END, _PARAMETER_OPEN, _FUNCTION_END) if (i := self.text.find(tag, self._at)) >= 0]
+        if not ends:
+            self._at = max(self._at, len(self.text) - len(_PARAMETER_END))
+            return False
+        end, tag = min(ends)
+        value = self.text[self._value_start:end].removesuffix("\n")
+        name = self.calls[-1][0]
+        pair = f"{json.dumps(self._key)}: {json.dumps(typed(value, self._schemas.get(name, {}).get(self._key)))}"
+        self.calls[-1][1] += (", " if self._pairs else "") + pair
+        self._pairs += 1
+        self._at, self._state = (end + len(tag) if tag == _PARAMETER_END else end), "parameters"
+        return True
+
+    def _read_after(self) -> bool:
+        """After a function: its block's end tag, or (where a model left it out) text."""
+        rest = self.text[self._at:].lstrip()
+        if rest.startswith(_END):
+            self._at, self._state = len(self.text) - len(rest) + len(_END), "text"
+            return True
+        if _END.startswith(rest):
+            return False  # nothing yet, or the tag's start
+        self._state = "text"
+        return True
 
 
 def typed(value: str, schema: dict | None) -> Any:

@@ -20,6 +20,9 @@ HERMES = [
     ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", '{"a": 1}')]),
     ('<tool_call>{"name": "f", "arguments": {"a": 1}, "id": 7}</tool_call>', None, [("f", '{"a": 1}')]),  # a key after
     ('<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>', None, [("f", '{"a": 1}')]),  # Llama's key
+    ('<tool_call>{"parameters": {"a": 1}, "name": "f"}</tool_call>', None, [("f", '{"a": 1}')]),  # and reordered
+    ('<tool_call>{"name": "f\\q", "arguments": {}}</tool_call>', '<tool_call>{"name": "f\\q", "arguments": {}}</tool_call>', []),  # no name
+    ('<tool_call>{"name": "f", "arguments": {}}\n</tool_cal', None, [("f", "{}")]),  # cut inside its closing tag
     ("<tool_call>{not json</tool_call> plain", "<tool_call>{not json</tool_call> plain", []),  # unreadable: content
     ("No call here, just <tool text. ", "No call here, just <tool text. ", []),
     ('Sure <tool_call>{"name": "f", "arguments": {"a": [1, 2', "Sure", [("f", '{"a": [1, 2')]),  # cut short: a call
@@ -32,6 +35,9 @@ MISTRAL = [
      [("f", '{"a": 1}'), ("g", '{"b": 2}')]),  # a call in another shape: read from the whole list
     ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1', None, [("f", '{"a": [1')]),  # cut short: a call
     ("[TOOL_CALLS] [oops", "[TOOL_CALLS] [oops", []),
+    ('[TOOL_CALLS] [{"name": "f", "arguments": "{\\"a\\": 1}"}]', None, [("f", '{"a": 1}')]),  # arguments as a string
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {}}]\n\nI called f.', "I called f.", [("f", "{}")]),  # text after: content
+    ('[TOOL_CALLS] [{"name": "f\n", "arguments": {}}]', '[TOOL_CALLS] [{"name": "f\n", "arguments": {}}]', []),  # no name
     ("No calls [TOOL", "No calls [TOOL", []),
 ]
 QWEN3_CODER = [  # no tools given: every value stays text
@@ -41,6 +47,11 @@ QWEN3_CODER = [  # no tools given: every value stays text
      [("f", '{"a": "x", "b": "y"}')]),  # closing tags left out
     ("<tool_call>\n<function=f>\n<parameter=a>\nx\n</parameter>\n<parameter=b>\nyy", None, [("f", '{"a": "x"')]),  # cut short
     ("<tool_call>\n<funct", "<tool_call>\n<funct", []),
+    # a block whose end tag is left out ends with its function: the next block is a call of its own
+    ("<tool_call>\n<function=f>\n</function>\nmid <tool_call>\n<function=g>\n</function>\n</tool_call>", "mid",
+     [("f", "{}"), ("g", "{}")]),
+    ("A <tool_call>\n<function=f>\n</function>\n</tool_call> B", "A  B", [("f", "{}")]),  # content around a call
+    ("<tool_call> no function <tool_call>\n<function=f>\n</function>\n</tool_call>", "<tool_call> no function", [("f", "{}")]),
 ]
 LLAMA3 = [
     ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "t", "parameters": {}}', None,
@@ -48,6 +59,8 @@ LLAMA3 = [
     (' {"parameters": {"a": 1}, "name": "f"}', None, [("f", '{"a": 1}')]),  # another shape: read whole at the end
     ('{"name": "f", "parameters": {"a": "b', None, [("f", '{"a": "b')]),  # cut short: a call
     ('{"answer": 42}', '{"answer": 42}', []),  # JSON that is no call
+    ('{"name": "f", "parameters": {}}\nThe weather is fine.', "The weather is fine.", [("f", "{}")]),  # text after
+    ('{"name": "f", "parameters": {}}; {"parameters": {"b": 2}, "name": "g"}', None, [("f", "{}"), ("g", '{"b": 2}')]),
     ("It is 4 pm.", "It is 4 pm.", []),
 ]
 ANSWERS = ([("hermes", *case) for case in HERMES] + [("mistral", *case) for case in MISTRAL]
