@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncIterator
 
-from app.api.call_readers import ListReader
-from app.api.tools import StreamedCalls, ToolCall
+from app.api.call_readers import PYTHON_TAG, HermesReader, ListReader
+from app.api.tools import MISTRAL_MARKER, TOOL_PARSERS, Tool, ToolCall, parse_calls, schemas_of
+from app.api.xml_calls import XmlReader
 
 
 async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, tools=None) -> AsyncIterator[dict]:
@@ -90,3 +91,77 @@ async def required_call_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dic
             if choice["finish_reason"] is not None:
                 finish = "tool_calls" if sent and choice["finish_reason"] == "stop" else choice["finish_reason"]
                 yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": None, "finish_reason": finish}]}
+
+
+_CALL_MARKERS = {"mistral": MISTRAL_MARKER}  # Hermes, Qwen3-Coder: their readers
+
+
+class StreamedCalls:
+    """A free answer (``tool_choice: auto``) as it streams: content goes out as it comes, up to where a call may
+    begin (the parser's marker, or the start of one at the end of the text so far; for ``llama3_json``, an answer
+    that opens as JSON). Calls go out as they are written (``calls``: read as whole answers are, so a stream
+    assembles to the whole answer)."""
+
+    def __init__(self, parser: str, tools: list[Tool] | None = None) -> None:
+        if parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool parser {parser!r} (known: {', '.join(TOOL_PARSERS)})")
+        self.parser, self.tools = parser, tools
+        self.text = ""
+        self.released = 0  # the text before this has gone out as content
+        # Hermes and Qwen3-Coder: content and calls read in one (content after the first call waits for the end)
+        self._reader = HermesReader() if parser == "hermes" else XmlReader(schemas_of(tools)) if parser == "qwen3_coder" else None
+        self._list = ListReader(llama3=True) if parser == "llama3_json" else None  # Mistral's: from its marker on
+
+    @property
+    def calls(self) -> list[tuple[str, str]]:
+        """The calls written so far, each one's name and arguments as far as they came."""
+        if self._reader is not None:
+            return [(name, arguments) for name, arguments in self._reader.calls]
+        if self._list is not None:
+            return [(name, arguments) for name, arguments in self._list.calls]
+        return []
+
+    def feed(self, delta: str) -> str:
+        """Add the answer's next text; returns the content that can go out now. Trailing whitespace waits for what
+        follows it: before a call it is no content (the whole answer's content is stripped there)."""
+        self.text += delta
+        if self._reader is not None:  # content before the first call (text after it waits for the end)
+            self._reader.feed(delta)
+            settled = self._reader.content[:self._reader.lead] if self._reader.lead is not None else self._reader.content
+        else:
+            self._feed_list(delta)
+            settled = self.text[:self._releasable()]
+        upto = max(len(settled.rstrip()), self.released)
+        out, self.released = self.text[self.released:upto], upto
+        return out
+
+    def finish(self) -> tuple[str | None, list[ToolCall]]:
+        """The content not sent yet (None if none) and every call: the whole answer's, less what went out."""
+        if self._reader is not None:
+            content, found = self._reader.finish()
+            calls = [ToolCall(name, arguments) for name, arguments in found]
+        else:
+            content, calls = parse_calls(self.text, self.parser, self.tools)
+        sent = self.text[:self.released]  # the content stripped where calls were found: so is what went out of it
+        rest = content[len(sent) if content.startswith(sent) else len(sent.lstrip()):] if content is not None else None
+        return rest or None, calls
+
+    def _feed_list(self, delta: str) -> None:
+        if self._list is not None:
+            self._list.feed(delta)
+        elif self.parser == "mistral" and MISTRAL_MARKER in self.text:
+            self._list = ListReader()
+            self._list.feed(self.text.partition(MISTRAL_MARKER)[2])
+
+    def _releasable(self) -> int:
+        text = self.text
+        if self.parser == "llama3_json":  # calls only where the answer opens with one: JSON or the tag
+            body = text.lstrip()
+            opens_as_call = body.startswith("{") or body.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(body)
+            return 0 if not body or opens_as_call else len(text)
+        marker = _CALL_MARKERS[self.parser]
+        found = text.find(marker, self.released)
+        if found >= 0:
+            return found
+        held = next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
+        return len(text) - held

@@ -19,7 +19,6 @@ system message and earlier calls and results as text, in the Hermes format the d
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from app.config.model import TOOL_PARSERS
 _TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
                    "To call one, answer with <tool_call>{{\"name\": <function name>, \"arguments\": <arguments object>}}"
                    "</tool_call>, one block per call.")
-_MISTRAL_MARKER = "[TOOL_CALLS]"
+MISTRAL_MARKER = "[TOOL_CALLS]"
 
 
 @dataclass(frozen=True)
@@ -132,11 +131,11 @@ def parse_calls(text: str, parser: str, tools: list[Tool] | None = None) -> tupl
         found, after = llama3_calls(text)
         return ((after.strip() or None), [ToolCall(*call) for call in found]) if found else (text, [])
     if parser == "mistral":
-        head, marker, body = text.partition(_MISTRAL_MARKER)
+        head, marker, body = text.partition(MISTRAL_MARKER)
         found, after = mistral_calls(body) if marker else ([], "")
         return ((head + after).strip() or None, [ToolCall(*call) for call in found]) if found else (text, [])
     if parser == "qwen3_coder":
-        reader = XmlReader(_schemas(tools))  # read as a stream reads it
+        reader = XmlReader(schemas_of(tools))  # read as a stream reads it
         reader.feed(text)
         content, calls = reader.finish()
         return content, [ToolCall(name, arguments) for name, arguments in calls]
@@ -179,7 +178,7 @@ def llama3_calls(text: str) -> tuple[list[tuple[str, str]], str]:
     return found + [(c.name, c.arguments) for c in others], ""
 
 
-def _schemas(tools: list[Tool] | None) -> dict[str, dict]:
+def schemas_of(tools: list[Tool] | None) -> dict[str, dict]:
     """Each tool's ``properties`` by its name: what types Qwen3-Coder's raw parameter values."""
     return {tool.name: tool.parameters.get("properties") or {} for tool in tools or []}
 
@@ -271,77 +270,3 @@ def with_loaded_arguments(message: dict) -> dict:
     calls = [{**c, "function": {**c["function"], "arguments": loaded_arguments(c["function"].get("arguments"))}}
              for c in message["tool_calls"]]
     return {**message, "tool_calls": calls}
-
-
-_CALL_MARKERS = {"mistral": _MISTRAL_MARKER}  # Hermes, Qwen3-Coder: their readers
-
-
-class StreamedCalls:
-    """A free answer (``tool_choice: auto``) as it streams: content goes out as it comes, up to where a call may
-    begin (the parser's marker, or the start of one at the end of the text so far; for ``llama3_json``, an answer
-    that opens as JSON). Calls go out as they are written (``calls``: read as whole answers are, so a stream
-    assembles to the whole answer)."""
-
-    def __init__(self, parser: str, tools: list[Tool] | None = None) -> None:
-        if parser not in TOOL_PARSERS:
-            raise ValueError(f"unknown tool parser {parser!r} (known: {', '.join(TOOL_PARSERS)})")
-        self.parser, self.tools = parser, tools
-        self.text = ""
-        self.released = 0  # the text before this has gone out as content
-        # Hermes and Qwen3-Coder: content and calls read in one (content after the first call waits for the end)
-        self._reader = HermesReader() if parser == "hermes" else XmlReader(_schemas(tools)) if parser == "qwen3_coder" else None
-        self._list = ListReader(llama3=True) if parser == "llama3_json" else None  # Mistral's: from its marker on
-
-    @property
-    def calls(self) -> list[tuple[str, str]]:
-        """The calls written so far, each one's name and arguments as far as they came."""
-        if self._reader is not None:
-            return [(name, arguments) for name, arguments in self._reader.calls]
-        if self._list is not None:
-            return [(name, arguments) for name, arguments in self._list.calls]
-        return []
-
-    def feed(self, delta: str) -> str:
-        """Add the answer's next text; returns the content that can go out now. Trailing whitespace waits for what
-        follows it: before a call it is no content (the whole answer's content is stripped there)."""
-        self.text += delta
-        if self._reader is not None:  # content before the first call (text after it waits for the end)
-            self._reader.feed(delta)
-            settled = self._reader.content[:self._reader.lead] if self._reader.lead is not None else self._reader.content
-        else:
-            self._feed_list(delta)
-            settled = self.text[:self._releasable()]
-        upto = max(len(settled.rstrip()), self.released)
-        out, self.released = self.text[self.released:upto], upto
-        return out
-
-    def finish(self) -> tuple[str | None, list[ToolCall]]:
-        """The content not sent yet (None if none) and every call: the whole answer's, less what went out."""
-        if self._reader is not None:
-            content, found = self._reader.finish()
-            calls = [ToolCall(name, arguments) for name, arguments in found]
-        else:
-            content, calls = parse_calls(self.text, self.parser, self.tools)
-        sent = self.text[:self.released]  # the content stripped where calls were found: so is what went out of it
-        rest = content[len(sent) if content.startswith(sent) else len(sent.lstrip()):] if content is not None else None
-        return rest or None, calls
-
-    def _feed_list(self, delta: str) -> None:
-        if self._list is not None:
-            self._list.feed(delta)
-        elif self.parser == "mistral" and _MISTRAL_MARKER in self.text:
-            self._list = ListReader()
-            self._list.feed(self.text.partition(_MISTRAL_MARKER)[2])
-
-    def _releasable(self) -> int:
-        text = self.text
-        if self.parser == "llama3_json":  # calls only where the answer opens with one: JSON or the tag
-            body = text.lstrip()
-            opens_as_call = body.startswith("{") or body.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(body)
-            return 0 if not body or opens_as_call else len(text)
-        marker = _CALL_MARKERS[self.parser]
-        found = text.find(marker, self.released)
-        if found >= 0:
-            return found
-        held = next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
-        return len(text) - held

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from app.api.tools import StreamedCalls, parse_calls
+from app.api.tool_streams import StreamedCalls
+from app.api.tools import parse_calls
 
 # (parser, answer, its content and calls read whole). A call's arguments are the model's own JSON text.
 HERMES = [

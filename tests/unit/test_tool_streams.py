@@ -8,7 +8,7 @@ import json
 import pytest
 
 from app.api.protocol import ChatCompletionRequest, parse_body
-from app.api.tools import StreamedCalls
+from app.api.tool_streams import StreamedCalls
 from app.config import AppConfig
 from tests.serve.fake_model import REPLAY, fake_model_server
 
