@@ -134,6 +134,7 @@ ENGINE_COUNTERS = {
     "prefix_cache_hit_tokens": "prefix_cache_hits",
     "num_preemptions": "num_preemptions",
     "num_steps": "engine_steps",
+    "num_steps_run_apart": "engine_steps_run_apart",
     "spec_num_drafts": "spec_decode_num_drafts",
     "spec_num_draft_tokens": "spec_decode_num_draft_tokens",
     "spec_num_accepted_tokens": "spec_decode_num_accepted_tokens",

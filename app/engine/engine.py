@@ -39,6 +39,7 @@ _DEVICE_LOST = getattr(torch, "AcceleratorError", ())
 @dataclass
 class StepCounters:
     num_steps: int = 0
+    num_steps_run_apart: int = 0  # steps whose forward pass raised, run again in parts (``_execute_apart``)
     num_batched_tokens: int = 0  # over all steps
     num_generated_tokens: int = 0
     last_step_tokens: int = 0
@@ -209,6 +210,7 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - the step's requests run apart: only what fails alone fails
             logger.exception("a step of %d requests failed; running them apart", len(scheduled.scheduled))
             (result, failed), apart = self._execute_apart(scheduled.scheduled, exc), True
+            self.counters.num_steps_run_apart += 1
         if failed:  # their KV released, their streams ended with the error; the rest go on as if nothing happened
             outputs = refused + [self._fail_one(request, error) for request, error in failed]
             for request, _ in failed:
@@ -276,6 +278,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens": prefix.hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": c.num_steps,
+            "num_steps_run_apart": c.num_steps_run_apart,
             "num_generated_tokens": c.num_generated_tokens,
             "last_step_tokens": c.last_step_tokens,
             "last_step_seqs": c.last_step_seqs,

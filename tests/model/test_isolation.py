@@ -133,6 +133,7 @@ def test_a_forward_pass_failing_on_one_request_fails_it_alone_and_its_batch_mate
     finals = _run(engine, requests)
     assert finals["bad"].finish_reason == "error" and "injected failure" in finals["bad"].error
     assert finals["bad"].num_output_tokens == 0 and sizes[:5] == [4, 2, 2, 1, 1]  # the step, its halves, its last half apart
+    assert engine.stats()["num_steps_run_apart"] == 1
     for request, reference in zip(requests, alone):
         if request.request_id != "bad":
             assert finals[request.request_id].finish_reason == "length"
