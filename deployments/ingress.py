@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from app.api import responses
 from app.api.errors import APIError, to_api_error
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse_body
 from app.config import ServedModelConfig
@@ -137,24 +138,33 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"request body exceeds {limit} bytes (max_request_bytes)", code="request_too_large")
 
 
-async def _sse_response(chunks: AsyncIterator[dict], request_id: str) -> StreamingResponse:
-    """Wait for the first chunk first, so that a bad request still gets its HTTP error status."""
+async def _sse_response(chunks: AsyncIterator[dict], request_id: str, named: bool = False) -> StreamingResponse:
+    """Wait for the first chunk first, so that a bad request still gets its HTTP error status. ``named``: the
+    Responses API's events, each under its type's name, with no ``[DONE]``."""
     first = await chunks.__anext__()
-    return StreamingResponse(_sse_events(first, chunks, request_id), media_type="text/event-stream")
+    return StreamingResponse(_sse_events(first, chunks, request_id, named), media_type="text/event-stream")
 
 
-async def _sse_events(first: dict, rest: AsyncIterator[dict], request_id: str) -> AsyncIterator[str]:
-    yield _sse(first)
+async def _sse_events(first: dict, rest: AsyncIterator[dict], request_id: str, named: bool) -> AsyncIterator[str]:
+    yield _sse(first, named)
+    last = first
     try:
-        async for chunk in rest:
-            yield _sse(chunk)
+        async for last in rest:
+            yield _sse(last, named)
     except Exception as exc:  # headers are sent: report the error in-band, then end the stream
-        yield _sse(_reported(exc, request_id).to_dict())
-    yield "data: [DONE]\n\n"
+        error = _reported(exc, request_id)
+        if named:
+            yield _sse({"type": "error", "code": error.code or error.type, "message": error.message, "param": error.param,
+                        "sequence_number": last.get("sequence_number", -1) + 1}, named)
+            return
+        yield _sse(error.to_dict())
+    if not named:
+        yield "data: [DONE]\n\n"
 
 
-def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+def _sse(data: dict, named: bool = False) -> str:
+    event = f"event: {data['type']}\n" if named else ""
+    return f"{event}data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 async def _as_generate_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
@@ -239,6 +249,11 @@ class OpenAIIngress:
     async def http_chat(self, raw: Request):
         request_id = _request_id(raw)
         return await _guarded(self._respond(raw, ChatCompletionRequest, "chat", request_id), request_id)
+
+    @api.post("/v1/responses")
+    async def http_responses(self, raw: Request):
+        request_id = _request_id(raw)
+        return await _guarded(self._respond_responses(raw, request_id), request_id)
 
     @api.post("/v1/generate")
     async def http_generate(self, raw: Request):
@@ -378,6 +393,15 @@ class OpenAIIngress:
         if request.stream:
             return await _sse_response(self._stream(request, kind), request_id)
         return JSONResponse(await self._call(request, kind))
+
+    async def _respond_responses(self, raw: Request, request_id: str):
+        """The Responses API over the chat path (app/api/responses.py)."""
+        body, request = await asyncio.to_thread(responses.parse_request, await self._read_body(raw))
+        response_id, created = responses.new_ids()
+        if request.stream:
+            events = responses.response_events(body, self._stream(request, "chat"), response_id, created)
+            return await _sse_response(events, request_id, named=True)
+        return JSONResponse(responses.response_object(body, await self._call(request, "chat"), response_id, created))
 
     async def _respond_generate(self, raw: Request, request_id: str):
         request = parse_body(await self._read_body(raw), GenerateRequest)

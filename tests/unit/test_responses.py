@@ -1,0 +1,115 @@
+"""The Responses API over the chat path: requests translated (or refused, naming what), answers and streams in
+the Responses shape on the real serving layer over the fake model; a stream's events assemble to the response."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.api import responses
+from app.api.errors import APIError
+from app.api.protocol import ChatCompletionRequest, parse_body
+from app.config import AppConfig
+from tests.serve.fake_model import REPLAY, fake_model_server
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def test_input_items_become_the_chat_messages_with_instructions_first():
+    body = {"model": "m", "instructions": "Be brief.", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+            "max_output_tokens": 20,
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "in Oslo?"}]},
+                      {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                      {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Bergen"}'},
+                      {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                      {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]}]}
+    chat = responses.chat_body(body)
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
+    assert chat["messages"][1]["content"] == "Weather in Oslo?"
+    assert [c["id"] for c in chat["messages"][2]["tool_calls"]] == ["c1", "c2"]  # consecutive calls: one message
+    assert chat["messages"][3] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    assert chat["tools"] == [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}} and chat["max_tokens"] == 20
+    parse_body(chat, ChatCompletionRequest)  # a chat request the chat endpoint takes as it is
+    formatted = responses.chat_body({"model": "m", "input": "Hi", "text": {"format": {"type": "json_schema", "name": "w",
+                                                                                   "schema": {"type": "object"}}}})
+    assert formatted["response_format"] == {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
+    parse_body(formatted, ChatCompletionRequest)
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"previous_response_id": "resp_1"}, "keeps no responses"),
+    ({"tools": [{"type": "web_search"}]}, "function tools only"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "text parts only"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"background": True}, "background"),
+    ({"modalities": ["text"]}, "modalities"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "reasoning"),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
+])
+def test_what_the_chat_path_cannot_do_is_a_400_naming_it(extra, named):
+    with pytest.raises(APIError) as refused:
+        responses.chat_body({"model": "m", "input": "Hi", **extra})
+    assert refused.value.status == 400 and named in refused.value.message
+
+
+@pytest.fixture
+def server():
+    served = {"model": {"source": "fake-tools"}, "engine": {"separate_process": False}}
+    server = fake_model_server(AppConfig.from_dict({"models": [served]}).models[0])
+    yield server
+    server.shutdown(timeout_s=1)
+
+
+@pytest.fixture(autouse=True)
+def quick_steps(monkeypatch):
+    from tests.serve import fake_model
+
+    monkeypatch.setattr(fake_model, "STEP_S", 0.002)
+
+
+def _replayed(answer: str, **extra) -> dict:
+    """A response request the fake model answers with ``answer``."""
+    return {"model": "fake-tools", "input": f"Weather? {REPLAY[0].decode()}{answer}{REPLAY[1].decode()}", "tools": [WEATHER],
+            "max_output_tokens": 400, **extra}
+
+
+async def _whole_and_events(server, body: dict) -> tuple[dict, list[dict]]:
+    whole_body, request = responses.parse_request(json.dumps(body).encode())
+    whole = responses.response_object(whole_body, await server.serving.chat(request), "resp_1", 0)
+    stream_body, streamed = responses.parse_request(json.dumps({**body, "stream": True}).encode())
+    events = [e async for e in responses.response_events(stream_body, server.serving.chat_stream(streamed), "resp_2", 0)]
+    return whole, events
+
+
+ANSWER = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+
+async def test_an_answer_with_text_and_a_call_is_a_message_item_and_a_function_call_item_streamed_or_not(server):
+    whole, events = await _whole_and_events(server, _replayed(ANSWER))
+    assert whole["status"] == "completed" and [item["type"] for item in whole["output"]] == ["message", "function_call"]
+    assert whole["output"][0]["content"][0]["text"] == "Let me check."
+    call = whole["output"][1]
+    assert (call["name"], call["arguments"], call["call_id"].startswith("call_")) == ("get_weather", '{"city": "Oslo"}', True)
+    assert whole["usage"]["input_tokens"] > 0 and whole["usage"]["output_tokens"] == len(ANSWER.encode())
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    arguments = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert kinds.count("response.output_text.delta") > 5 and kinds.count("response.function_call_arguments.delta") > 3
+    final = events[-1]["response"]
+    assert (text, arguments) == ("Let me check.", '{"city": "Oslo"}')  # the deltas join to the items
+    assert [(i["type"], i.get("name"), i.get("arguments")) for i in final["output"]] == \
+           [(i["type"], i.get("name"), i.get("arguments")) for i in whole["output"]]
+    assert final["output"][0]["content"][0]["text"] == text and final["usage"] == whole["usage"]
+    assert events[0]["response"]["output"] == [] and events[0]["response"]["status"] == "in_progress"
+
+
+async def test_an_answer_cut_by_max_output_tokens_is_incomplete_streamed_or_not(server):
+    whole, events = await _whole_and_events(server, _replayed("It is sunny in Oslo today.", max_output_tokens=5))
+    assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert whole["output"][0]["content"][0]["text"] == "It is"
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["output"][0]["content"][0]["text"] == "It is"
