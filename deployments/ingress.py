@@ -399,7 +399,7 @@ class OpenAIIngress:
         body, request = await asyncio.to_thread(responses.parse_request, await self._read_body(raw))
         response_id, created = responses.new_ids()
         if request.stream:
-            events = responses.response_events(body, self._stream(request, "chat"), response_id, created)
+            events = responses.response_events(body, self._stream(request, "chat"), response_id, created, request_id)
             return await _sse_response(events, request_id, named=True)
         return JSONResponse(responses.response_object(body, await self._call(request, "chat"), response_id, created))
 

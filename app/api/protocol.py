@@ -308,7 +308,7 @@ def parse_body(raw: bytes | str | dict, model_cls: type[_Strict]) -> Any:
             raise APIError(400, f"request body cannot be read: {str(exc) or 'nested too deeply'}", code="invalid_json") from None
         if not isinstance(raw, dict):
             raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    _require_plain_text(raw)
+    require_plain_text(raw)
     try:
         request = model_cls.model_validate(raw)
     except pydantic.ValidationError as exc:
@@ -321,7 +321,7 @@ def parse_body(raw: bytes | str | dict, model_cls: type[_Strict]) -> Any:
 MAX_NESTING = 64  # levels of objects and lists in a body: a schema deeper than this is no schema a model follows
 
 
-def _require_plain_text(body: dict) -> None:
+def require_plain_text(body: dict) -> None:
     """Every string is text the tokenizer can encode (JSON's "\\ud800" escape decodes to a lone UTF-16 surrogate,
     which is not), and the body is nested at most MAX_NESTING deep (later steps re-serialize parts of it)."""
     pending: list[tuple[Any, str, int]] = [(body, "", 0)]

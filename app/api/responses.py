@@ -12,20 +12,29 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
 
-from app.api.errors import APIError
+from app.api.errors import APIError, to_api_error
 
-# Fields taken as they are or translated below; taken unset (null, empty) and ignored otherwise
-_PASSED = ("model", "temperature", "top_p", "user", "parallel_tool_calls", "stream")
-_IGNORED = ("metadata", "store", "truncation", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options")
-_UNSET_ONLY = ("previous_response_id", "conversation", "background", "include", "reasoning", "prompt", "max_tool_calls",
-               "top_logprobs")
-_TRANSLATED = ("input", "instructions", "max_output_tokens", "tools", "tool_choice", "text")
+logger = logging.getLogger(__name__)
+
+# Fields taken as they are or translated below; accepted and left without effect; taken unset (null, empty) only
+_PASSED = ("model", "temperature", "top_p", "user", "parallel_tool_calls", "stream", "top_k", "min_p", "seed", "stop",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos")
+_IGNORED = ("metadata", "store", "truncation", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+            "prompt_cache_options", "safety_identifier", "stream_options")
+_UNSET_ONLY = ("previous_response_id", "conversation", "background", "prompt", "max_tool_calls", "context_management")
+_TRANSLATED = ("input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "include", "top_logprobs",
+               "reasoning")
 _WHY_UNSET = {"previous_response_id": "this server keeps no responses: send the conversation as input",
               "conversation": "this server keeps no conversations: send the conversation as input"}
+_LOGPROBS = "message.output_text.logprobs"
+_INCLUDABLE = (_LOGPROBS, "reasoning.encrypted_content")  # no reasoning items are made: nothing to include
+# The chat request's names in its 400s, as the response request names them
+_NAMES = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"), ("messages", "input"))
 
 
 def chat_body(body: Any) -> dict:
@@ -36,8 +45,14 @@ def chat_body(body: Any) -> dict:
         if key not in _PASSED + _IGNORED + _UNSET_ONLY + _TRANSLATED:
             raise APIError(400, f"unknown field {key!r}", param=key)
     for key in _UNSET_ONLY:
-        if body.get(key) not in (None, False, [], {}) and not (key == "top_logprobs" and body[key] == 0):
+        if body.get(key) not in (None, False, [], {}):
             raise APIError(400, f"{key} is not supported: {_WHY_UNSET.get(key, 'leave it unset')}", param=key)
+    reasoning = body.get("reasoning")
+    if reasoning is not None and (not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())):
+        raise APIError(400, "reasoning is not supported: these models do not reason apart (leave it unset)", param="reasoning")
+    if body.get("metadata") is not None and not (isinstance(body["metadata"], dict)
+                                                 and all(isinstance(v, str) for v in body["metadata"].values())):
+        raise APIError(400, "metadata must map keys to strings", param="metadata")
     chat = {key: body[key] for key in _PASSED if body.get(key) is not None}
     chat["messages"] = _messages(body.get("instructions"), body.get("input"))
     if body.get("max_output_tokens") is not None:
@@ -49,9 +64,23 @@ def chat_body(body: Any) -> dict:
     response_format = _response_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
+    chat.update(_logprobs(body.get("include"), body.get("top_logprobs")))
     if chat.get("stream"):
         chat["stream_options"] = {"include_usage": True}  # response.completed carries the usage
     return chat
+
+
+def _logprobs(include: Any, top: Any) -> dict:
+    """The chat request's logprob fields: ``include`` asking for the output text's logprobs, ``top_logprobs``."""
+    included = _listed(include, "include") if include is not None else []
+    for i, name in enumerate(included):
+        if name not in _INCLUDABLE:
+            raise APIError(400, f"include[{i}] {name!r} is not supported ({', '.join(_INCLUDABLE)})", param=f"include[{i}]")
+    if _LOGPROBS not in included:
+        if top:
+            raise APIError(400, f"top_logprobs needs include: [{_LOGPROBS!r}]", param="top_logprobs")
+        return {}
+    return {"logprobs": True, "top_logprobs": top or 0}
 
 
 def _listed(value: Any, param: str) -> list:
@@ -66,6 +95,8 @@ def _messages(instructions: Any, given: Any) -> list[dict]:
     messages = [{"role": "system", "content": instructions}] if instructions else []
     if isinstance(given, str):
         return messages + [{"role": "user", "content": given}]
+    if given is None:
+        raise APIError(400, "input is required: a string or a list of items", param="input")
     for i, item in enumerate(_listed(given, "input")):
         message = _message(item, f"input[{i}]", messages)
         if message is not None:
@@ -76,25 +107,32 @@ def _messages(instructions: Any, given: Any) -> list[dict]:
 
 
 def _message(item: Any, param: str, messages: list[dict]) -> dict | None:
-    """The chat message of one input item (None where it joins the message before it: consecutive calls)."""
+    """The chat message of one input item; None where it joins the assistant message before it (its calls and its
+    text are one turn, however the items split them) or is dropped (a reasoning item: the models here make none)."""
     if not isinstance(item, dict):
         raise APIError(400, f"{param} must be an object (a message or a function call item)", param=param)
     kind = item.get("type", "message")
+    previous = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
     if kind == "message":
         if item.get("role") not in ("user", "system", "developer", "assistant"):
             raise APIError(400, f"{param}.role must be user, system, developer or assistant", param=f"{param}.role")
-        return {"role": item["role"], "content": _text(item.get("content"), f"{param}.content")}
+        text = _text(item.get("content"), f"{param}.content")
+        if item["role"] == "assistant" and previous is not None and previous.get("tool_calls") and not previous["content"]:
+            previous["content"] = text
+            return None
+        return {"role": item["role"], "content": text}
     if kind == "function_call":
         call = {"id": item.get("call_id"), "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-        previous = messages[-1] if messages else None
-        if previous is not None and previous["role"] == "assistant" and previous.get("tool_calls") and not previous["content"]:
-            previous["tool_calls"].append(call)
+        if previous is not None:
+            previous.setdefault("tool_calls", []).append(call)
             return None
         return {"role": "assistant", "content": None, "tool_calls": [call]}
     if kind == "function_call_output":
         output = item.get("output")
         return {"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(output, f"{param}.output")}
+    if kind == "reasoning":
+        return None
     raise APIError(400, f"{param}.type {kind!r} is not supported (message, function_call, function_call_output)",
                    param=f"{param}.type")
 
@@ -105,10 +143,13 @@ def _text(content: Any, param: str) -> str:
         return content
     parts = []
     for i, part in enumerate(_listed(content, param)):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text", "refusal"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise APIError(400, f"{param}[{i}] of type {kind!r} is not supported: text parts only", param=f"{param}[{i}]")
-        parts.append(part.get("text") or "")
+        text = part.get("refusal" if part["type"] == "refusal" else "text")
+        if not isinstance(text, str):
+            raise APIError(400, f"{param}[{i}] needs its text as a string", param=f"{param}[{i}]")
+        parts.append(text)
     return "".join(parts)
 
 
@@ -116,13 +157,17 @@ def _chat_tool(tool: Any, index: int) -> dict:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else None
         raise APIError(400, f"tools[{index}] of type {kind!r} is not supported: function tools only", param=f"tools[{index}]")
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise APIError(400, f"tools[{index}].name is required: the function's name", param=f"tools[{index}].name")
     function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}
     return {"type": "function", "function": function}
 
 
 def _chat_tool_choice(choice: Any) -> Any:
     if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):
+            raise APIError(400, "tool_choice must name its function: {\"type\": \"function\", \"name\": ...}", param="tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
     return choice  # "auto", "none", "required"; anything else the chat request refuses, naming it
 
 
@@ -154,68 +199,87 @@ def response_object(body: dict, chat: dict, response_id: str, created: int) -> d
     message, items = choice["message"], []
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
     if message.get("content"):
-        items.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], status))
+        logprobs = _logprobs_of(choice.get("logprobs"))
+        items.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], status, logprobs))
     for call in message.get("tool_calls") or []:
         items.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"], call["function"]["arguments"]))
     return _response(body, response_id, created, chat["model"], status, items, _usage(chat.get("usage")))
 
 
-def _response(body: dict, response_id: str, created: int, model: str, status: str, output: list, usage: dict | None) -> dict:
+def _response(body: dict, response_id: str, created: int, model: str, status: str, output: list, usage: dict | None,
+              error: dict | None = None) -> dict:
+    def given(key: str, default: Any = None) -> Any:
+        return body[key] if body.get(key) is not None else default
+
     return {
         "id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
-        "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-        "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": None,
-        "reasoning": None, "store": False, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-        "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
-        "tools": body.get("tools") or [], "truncation": "disabled", "metadata": body.get("metadata") or {},
-        "user": body.get("user"), "usage": usage,
+        "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": given("instructions"), "max_output_tokens": given("max_output_tokens"), "output": output,
+        "parallel_tool_calls": given("parallel_tool_calls", True), "previous_response_id": None, "reasoning": None,
+        "store": False, "temperature": given("temperature"), "top_p": given("top_p"),
+        "text": given("text", {"format": {"type": "text"}}), "tool_choice": given("tool_choice", "auto"),
+        "tools": given("tools", []), "truncation": given("truncation", "disabled"), "metadata": given("metadata", {}),
+        "user": given("user"), "usage": usage,
     }
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict:
+def _message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments, "status": status}
 
 
+def _logprobs_of(chat_logprobs: dict | None) -> list:
+    """The chat answer's content logprobs as the Responses API lists them (the same token, logprob, bytes and top)."""
+    return [{"token": e["token"], "logprob": e["logprob"], "bytes": e.get("bytes"),
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")} for t in e.get("top_logprobs") or []]}
+            for e in (chat_logprobs or {}).get("content") or []]
+
+
 def _usage(usage: dict | None) -> dict | None:
     if not usage:
         return None
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}
 
 
 # ---- the stream -----------------------------------------------------------------------------------
-async def response_events(body: dict, chunks: AsyncIterator[dict], response_id: str, created: int) -> AsyncIterator[dict]:
+async def response_events(body: dict, chunks: AsyncIterator[dict], response_id: str, created: int,
+                          request_id: str | None = None) -> AsyncIterator[dict]:
     """The Responses stream's events for a chat stream's chunks: the response created, each output item added, its
-    text or arguments as deltas, each item done, then the response completed (``incomplete`` when cut short by
-    ``max_output_tokens``) with every item and the usage."""
+    text or arguments as deltas and the item done before the next begins, then the response completed
+    (``incomplete`` when cut short by ``max_output_tokens``) with every item and the usage. A failure after the
+    first event is an ``error`` event, then ``response.failed``."""
     stream = _ResponseStream(body, response_id, created)
-    first = True
-    async for chunk in chunks:
-        if first:
-            first = False
-            for event in stream.begin(chunk["model"]):
+    try:
+        async for chunk in chunks:
+            for event in stream.take(chunk):
                 yield event
-        for event in stream.take(chunk):
+    except Exception as exc:  # noqa: BLE001 - told in the stream: its headers are sent
+        if not stream.sequence:
+            raise  # nothing sent yet: the request's own HTTP error
+        error = to_api_error(exc, request_id)
+        if error.status >= 500:
+            logger.error("request %s failed: %d %s", request_id, error.status, error.code, exc_info=exc)
+        for event in stream.fail(error):
             yield event
+        return
     for event in stream.end():
         yield event
 
 
 class _ResponseStream:
-    """The state of one streamed response: its output items in the order they began."""
+    """The state of one streamed response: its output items in the order they began, the last one open."""
 
     def __init__(self, body: dict, response_id: str, created: int) -> None:
         self.body, self.id, self.created = body, response_id, created
-        self.model, self.items, self.usage, self.finish = "", [], None, None
-        self.text_item: dict | None = None  # the message item taking text, once text came
+        self.model, self.items, self.usage, self.finish = body.get("model") or "", [], None, None
+        self.open: dict | None = None  # the item taking text or arguments now
         self.calls: dict[int, dict] = {}  # chat tool-call index -> its output item
         self.sequence = 0
 
@@ -223,40 +287,68 @@ class _ResponseStream:
         self.sequence += 1
         return {"type": kind, "sequence_number": self.sequence - 1, **fields}
 
-    def _snapshot(self, status: str) -> dict:
-        return _response(self.body, self.id, self.created, self.model, status, copy.deepcopy(self.items), self.usage)
+    def _snapshot(self, status: str, error: dict | None = None) -> dict:
+        return _response(self.body, self.id, self.created, self.model, status, copy.deepcopy(self.items), self.usage, error)
 
-    def begin(self, model: str) -> list[dict]:
-        self.model = model
+    def _begin(self) -> list[dict]:
+        if self.sequence:
+            return []
         return [self._event("response.created", response=self._snapshot("in_progress")),
                 self._event("response.in_progress", response=self._snapshot("in_progress"))]
 
     def take(self, chunk: dict) -> list[dict]:
-        events = []
+        self.model = chunk.get("model") or self.model
+        events = self._begin()
         if chunk.get("usage"):
             self.usage = _usage(chunk["usage"])
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("content"):
-                events += self._text(delta["content"])
+                events += self._text(delta["content"], _logprobs_of(choice.get("logprobs")))
             for entry in delta.get("tool_calls") or []:
                 events += self._call(entry)
             if choice.get("finish_reason") is not None:
                 self.finish = choice["finish_reason"]
         return events
 
-    def _text(self, text: str) -> list[dict]:
+    def _open(self, item: dict) -> list[dict]:
+        """``item`` begins (the open one is done first)."""
+        events = self._close("completed")
+        self.items.append(item)
+        self.open = item
+        added = {**item, "content": []} if item["type"] == "message" else dict(item)  # copies: the item grows
+        events.append(self._event("response.output_item.added", output_index=len(self.items) - 1, item=added))
+        if item["type"] == "message":
+            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
+                                      content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        return events
+
+    def _close(self, status: str) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index, events = len(self.items) - 1, []
+        item["status"] = status if item["type"] == "message" else "completed"
+        if item["type"] == "message":
+            part = item["content"][0]
+            events += [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                                   text=part["text"], logprobs=part["logprobs"]),
+                       self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                                   part=copy.deepcopy(part))]
+        else:
+            events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                      name=item["name"], arguments=item["arguments"]))
+        return events + [self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
+
+    def _text(self, text: str, logprobs: list) -> list[dict]:
         events = []
-        if self.text_item is None:
-            self.text_item = _message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress")
-            self.items.append(self.text_item)
-            added = {**self.text_item, "content": []}  # a copy: the item grows as text comes
-            events += [self._event("response.output_item.added", output_index=len(self.items) - 1, item=added),
-                       self._event("response.content_part.added", item_id=self.text_item["id"], output_index=len(self.items) - 1,
-                                   content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
-        self.text_item["content"][0]["text"] += text
-        return events + [self._event("response.output_text.delta", item_id=self.text_item["id"], output_index=self._index(self.text_item),
-                                     content_index=0, delta=text, logprobs=[])]
+        if self.open is None or self.open["type"] != "message":
+            events += self._open(_message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress"))
+        part = self.open["content"][0]
+        part["text"] += text
+        part["logprobs"] += logprobs
+        return events + [self._event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items) - 1,
+                                     content_index=0, delta=text, logprobs=logprobs)]
 
     def _call(self, entry: dict) -> list[dict]:
         events, function = [], entry.get("function") or {}
@@ -265,42 +357,41 @@ class _ResponseStream:
             item = _call_item(f"fc_{uuid.uuid4().hex}", entry.get("id") or f"call_{uuid.uuid4().hex[:24]}",
                               function.get("name") or "", "", status="in_progress")
             self.calls[entry["index"]] = item
-            self.items.append(item)
-            events.append(self._event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item)))
+            events += self._open(item)
+        elif function.get("name"):
+            item["name"] = function["name"]
         if function.get("arguments"):
             item["arguments"] += function["arguments"]
             events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                      output_index=self._index(item), delta=function["arguments"]))
+                                      output_index=self.items.index(item), delta=function["arguments"]))
         return events
-
-    def _index(self, item: dict) -> int:
-        return next(i for i, known in enumerate(self.items) if known is item)
 
     def end(self) -> list[dict]:
         status = "incomplete" if self.finish == "length" else "completed"
-        events = []
-        for index, item in enumerate(self.items):
-            item["status"] = status if item["type"] == "message" else "completed"
-            if item["type"] == "message":
-                part = item["content"][0]
-                events += [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                                       text=part["text"], logprobs=[]),
-                           self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                                       part=dict(part))]
-            else:
-                events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                          name=item["name"], arguments=item["arguments"]))
-            events.append(self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item)))
+        events = self._begin() + self._close(status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return events + [self._event(kind, response=self._snapshot(status))]
+
+    def fail(self, error: APIError) -> list[dict]:
+        told = {"code": error.code or "server_error", "message": error.message}
+        return [self._event("error", code=told["code"], message=error.message, param=error.param),
+                self._event("response.failed", response=self._snapshot("failed", told))]
 
 
 def parse_request(raw: bytes) -> tuple[dict, Any]:
     """A response request's body and the chat request it asks for (400s as the chat endpoints give them)."""
-    from app.api.protocol import ChatCompletionRequest, parse_body
+    from app.api.protocol import ChatCompletionRequest, parse_body, require_plain_text
 
     try:
         body = json.loads(raw or b"")
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    return body, parse_body(chat_body(body), ChatCompletionRequest)
+    if isinstance(body, dict):
+        require_plain_text(body)  # what is only echoed back too: a lone surrogate would fail the answer's encoding
+    try:
+        return body, parse_body(chat_body(body), ChatCompletionRequest)
+    except APIError as error:  # named as the response request names it
+        for chat_name, name in _NAMES:
+            error.message = error.message.replace(chat_name, name)
+            error.param = error.param.replace(chat_name, name, 1) if error.param else error.param
+        raise

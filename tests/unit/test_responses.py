@@ -46,13 +46,36 @@ def test_input_items_become_the_chat_messages_with_instructions_first():
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"background": True}, "background"),
     ({"modalities": ["text"]}, "modalities"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "reasoning"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
+    ({"include": ["file_search_call.results"]}, "file_search_call.results"),
+    ({"top_logprobs": 2}, "include"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),  # the chat request's check, named as asked
+    ({"tools": [{"type": "function", "parameters": {}}]}, "tools[0].name"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "as a string"),
+    ({"input": None}, "input is required"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
 ])
 def test_what_the_chat_path_cannot_do_is_a_400_naming_it(extra, named):
     with pytest.raises(APIError) as refused:
-        responses.chat_body({"model": "m", "input": "Hi", **extra})
+        responses.parse_request(json.dumps({"model": "m", "input": "Hi", **extra}).encode())
     assert refused.value.status == 400 and named in refused.value.message
+
+
+def test_our_own_output_sent_back_as_input_is_one_assistant_turn_and_common_fields_are_taken():
+    """An answer's message and call items, replayed as input (the Agents SDK does), are the one assistant turn they
+    were; a reasoning item is dropped; an all-null reasoning, the no-op include and sampling extras are taken."""
+    body = {"model": "m", "reasoning": {"effort": None, "summary": None}, "include": ["reasoning.encrypted_content"],
+            "seed": 7, "stop": ["\n\n"], "prompt_cache_retention": "24h",
+            "input": [{"role": "user", "content": "Weather in Oslo?"}, {"type": "reasoning", "summary": []},
+                      {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+                      {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]}
+    _, chat = responses.parse_request(json.dumps(body).encode())
+    assert [(m.role, m.content) for m in chat.messages] == [("user", "Weather in Oslo?"), ("assistant", "Let me check."), ("tool", "sunny")]
+    assert [c["id"] for c in chat.messages[1].tool_calls] == ["c1"] and chat.seed == 7 and chat.stop == ["\n\n"]
+    _, logged = responses.parse_request(json.dumps({"model": "m", "input": "Hi", "include": ["message.output_text.logprobs"],
+                                                    "top_logprobs": 2}).encode())
+    assert (logged.logprobs, logged.top_logprobs) == (True, 2)
 
 
 @pytest.fixture
@@ -77,10 +100,17 @@ def _replayed(answer: str, **extra) -> dict:
 
 
 async def _whole_and_events(server, body: dict) -> tuple[dict, list[dict]]:
+    """The response and the stream's events, each as the openai SDK's own models read them, strictly."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
     whole_body, request = responses.parse_request(json.dumps(body).encode())
     whole = responses.response_object(whole_body, await server.serving.chat(request), "resp_1", 0)
     stream_body, streamed = responses.parse_request(json.dumps({**body, "stream": True}).encode())
     events = [e async for e in responses.response_events(stream_body, server.serving.chat_stream(streamed), "resp_2", 0)]
+    Response.model_validate(whole, strict=True)
+    for event in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(event, strict=True)
     return whole, events
 
 
@@ -106,6 +136,28 @@ async def test_an_answer_with_text_and_a_call_is_a_message_item_and_a_function_c
            [(i["type"], i.get("name"), i.get("arguments")) for i in whole["output"]]
     assert final["output"][0]["content"][0]["text"] == text and final["usage"] == whole["usage"]
     assert events[0]["response"]["output"] == [] and events[0]["response"]["status"] == "in_progress"
+    # each item is done before the next is added, and its id stays from added to done
+    message_done = kinds.index("response.output_item.done")
+    call_added = [i for i, e in enumerate(events) if e["type"] == "response.output_item.added"][1]
+    assert message_done < call_added and events[call_added]["item"]["id"] == final["output"][1]["id"]
+
+
+async def test_a_failure_after_the_stream_began_is_an_error_event_then_response_failed():
+    async def chunks():
+        yield {"model": "m", "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None, "logprobs": None}]}
+        raise RuntimeError("engine gone")
+
+    events = [e async for e in responses.response_events({"model": "m"}, chunks(), "resp_1", 0, "req-1")]
+    assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
+    assert events[-1]["response"]["status"] == "failed" and "engine gone" not in json.dumps(events)  # no internals
+
+
+async def test_logprobs_asked_by_include_come_with_the_text_streamed_or_not(server):
+    whole, events = await _whole_and_events(server, _replayed("Sunny.", include=["message.output_text.logprobs"], top_logprobs=1))
+    logprobs = whole["output"][0]["content"][0]["logprobs"]
+    assert [lp["token"] for lp in logprobs] == list("Sunny.") and all(lp["logprob"] < 0 for lp in logprobs)  # a byte a token
+    streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    assert [lp["token"] for lp in streamed] == [lp["token"] for lp in logprobs]
 
 
 async def test_an_answer_cut_by_max_output_tokens_is_incomplete_streamed_or_not(server):
