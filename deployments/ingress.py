@@ -91,6 +91,8 @@ async def _no_such_route(raw: Request, exc: HTTPException) -> JSONResponse:
     """A path or method the server has not: an OpenAI-style error (FastAPI's own is ``{"detail": ...}``)."""
     hint = exc.status_code == 404 and not raw.url.path.startswith("/v1/")
     message = f"{raw.method} {raw.url.path}: {exc.detail}" + (" (the OpenAI API is under /v1)" if hint else "")
+    if raw.url.path.startswith("/v1/responses/"):  # a stored response's retrieval, cancel or input items
+        message += " (this server keeps no responses: each one is answered whole, or streamed, when it is created)"
     return JSONResponse(APIError(exc.status_code, message).to_dict(), status_code=exc.status_code, headers=exc.headers)
 
 

@@ -36,3 +36,5 @@ def test_the_embedded_model_answers_and_what_cannot_be_done_is_a_400(serve_app):
     assert "Paris" in answer.output_text and answer.usage.output_tokens <= 12
     with pytest.raises(openai.BadRequestError, match="keeps no responses"):
         client.responses.create(model=MODEL, input="And of Italy?", previous_response_id=answer.id)
+    with pytest.raises(openai.NotFoundError, match="keeps no responses"):
+        client.responses.retrieve(answer.id)
