@@ -29,7 +29,8 @@ from ray.serve.handle import DeploymentHandle
 
 from app.api import responses
 from app.api.errors import APIError, to_api_error
-from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse_body
+from app.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest,
+                              parse_body)
 from app.config import ServedModelConfig
 from app.engine.errors import EngineOverloadedError
 from app.metrics import render
@@ -257,6 +258,16 @@ class OpenAIIngress:
         request_id = _request_id(raw)
         return await _guarded(self._respond_responses(raw, request_id), request_id)
 
+    @api.post("/tokenize")
+    async def http_tokenize(self, raw: Request):
+        request_id = _request_id(raw)
+        return await _guarded(self._respond_plain(raw, TokenizeRequest, "tokenize"), request_id)
+
+    @api.post("/detokenize")
+    async def http_detokenize(self, raw: Request):
+        request_id = _request_id(raw)
+        return await _guarded(self._respond_plain(raw, DetokenizeRequest, "detokenize"), request_id)
+
     @api.post("/v1/generate")
     async def http_generate(self, raw: Request):
         request_id = _request_id(raw)
@@ -395,6 +406,10 @@ class OpenAIIngress:
         if request.stream:
             return await _sse_response(self._stream(request, kind), request_id)
         return JSONResponse(await self._call(request, kind))
+
+    async def _respond_plain(self, raw: Request, request_cls: type, kind: str):
+        """A request answered in one piece by the model it names (vLLM's /tokenize, /detokenize)."""
+        return JSONResponse(await self._call(await _parsed(await self._read_body(raw), request_cls), kind))
 
     async def _respond_responses(self, raw: Request, request_id: str):
         """The Responses API over the chat path (app/api/responses.py)."""

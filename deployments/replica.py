@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 from ray import serve
 
-from app.api.protocol import ChatCompletionRequest, CompletionRequest
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.config import ServedModelConfig
 from app.server import ModelServer
 from app.spec.remote import DraftCall, DraftResult
@@ -63,6 +63,12 @@ class LLMServer:
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
         async for chunk in self._server.serving.chat_stream(request):
             yield chunk
+
+    async def tokenize(self, request: TokenizeRequest) -> dict:
+        return await self._server.serving.tokenize(request)
+
+    async def detokenize(self, request: DetokenizeRequest) -> dict:
+        return await self._server.serving.detokenize(request)
 
     async def propose(self, call: DraftCall) -> DraftResult:
         """Draft for a sequence of a model that uses this one as its draft model (app/spec/remote.py)."""

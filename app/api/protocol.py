@@ -297,6 +297,37 @@ class GenerateRequest(_Strict):
         return CompletionRequest(max_tokens=self.max_new_tokens, **fields)
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's ``POST /tokenize``: the token ids a completion's ``prompt`` or a chat's ``messages`` (with ``tools``)
+    would send to the model."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True  # a prompt's: the tokenizer's BOS (a chat's template writes its own)
+    add_generation_prompt: bool = True  # messages': the template's opening of the assistant's turn
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        return self
+
+    def chat_request(self) -> "ChatCompletionRequest":
+        """The chat request whose prompt ``messages`` and ``tools`` make."""
+        messages = [m.model_dump(exclude_none=True) for m in self.messages or []]
+        return ChatCompletionRequest.model_validate({"messages": messages, **({"tools": self.tools} if self.tools else {})})
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``POST /detokenize``: the text of token ids."""
+
+    model: str | None = None
+    tokens: list[int] = Field(min_length=1)
+
+
 def parse_body(raw: bytes | str | dict, model_cls: type[_Strict]) -> Any:
     """Parse a request body into ``model_cls``, turning every problem into a 400 naming the field."""
     if not isinstance(raw, dict):

@@ -22,7 +22,7 @@ from app.api.errors import APIError, rejection_reason
 from app.api.fim import fim_prompt
 from app.api.fanout import MAX_CHOICES, best_candidates, choice_seed, gather_or_cancel, merged, num_prompts
 from app.api.logprobs import LogprobFormatter, next_text_offset
-from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _SamplingFields
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
 from app.engine.request import TokenLogprob
 from app.engine.async_engine import Admit
@@ -358,7 +358,26 @@ class OpenAIServing:
             raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size}); got {bad[0]}", param="prompt")
         return list(prompt)
 
-    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+    # ---- tokens (vLLM's /tokenize and /detokenize) ------------------------------------------------
+    async def tokenize(self, request: TokenizeRequest) -> dict:
+        ids = await asyncio.to_thread(self._tokenized, request)  # a template and a long prompt: off the loop
+        answer = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if request.return_token_strs:
+            answer["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return answer
+
+    def _tokenized(self, request: TokenizeRequest) -> list[int]:
+        if request.messages is not None:
+            return self._chat_prompt(request.chat_request(), request.add_generation_prompt)
+        return self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+
+    async def detokenize(self, request: DetokenizeRequest) -> dict:
+        bad = [t for t in request.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {self.vocab_size}); got {bad[0]}", param="tokens")
+        return {"prompt": self.tokenizer.decode(request.tokens)}
+
+    def _chat_prompt(self, request: ChatCompletionRequest, generation_prompt: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
         messages = [m.as_template_message() for m in request.messages]
@@ -370,7 +389,7 @@ class OpenAIServing:
         else:  # a template without tools: tools, calls and results as Hermes-style text
             messages = tools.render_for_template(messages, shown)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **extra)
         except Exception as exc:  # template errors (e.g. role order) come from the model's own template
             raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
         # The template already wrote the special tokens it wants; do not add a second BOS.

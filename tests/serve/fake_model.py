@@ -76,6 +76,9 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return bytes(token_ids).decode("utf-8", errors="replace")
 
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        return [bytes([token]).decode("latin-1") for token in token_ids]
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool) -> str:
         lines = [f"{message['role']}: {message['content']}" for message in messages]
         return "\n".join(lines + (["assistant:"] if add_generation_prompt else []))

@@ -1,0 +1,40 @@
+"""vLLM's /tokenize and /detokenize on the real serving layer over the fake model: a prompt's and a chat's token ids
+are the ones generation would send, and token ids read back as their text."""
+
+import pytest
+
+from app.api.errors import APIError
+from app.api.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body
+from app.config import AppConfig
+from tests.serve.fake_model import fake_model_server
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture(scope="module")
+def serving():
+    served = {"model": {"source": "fake-tools"}, "engine": {"separate_process": False}}
+    server = fake_model_server(AppConfig.from_dict({"models": [served]}).models[0])
+    yield server.serving
+    server.shutdown(timeout_s=1)
+
+
+async def test_a_prompt_and_a_chat_tokenize_as_generation_sends_them(serving):
+    answer = await serving.tokenize(parse_body({"prompt": "Hi there", "return_token_strs": True}, TokenizeRequest))
+    assert answer["tokens"] == serving.tokenizer.encode("Hi there", add_special_tokens=True) and answer["count"] == len(answer["tokens"])
+    assert answer["max_model_len"] == serving.max_model_len and len(answer["token_strs"]) == answer["count"]
+    chat = await serving.tokenize(parse_body({"messages": CHAT, "tools": [WEATHER]}, TokenizeRequest))
+    assert chat["tokens"] == serving._chat_prompt(parse_body({"messages": CHAT, "tools": [WEATHER]}, ChatCompletionRequest))
+    bare = await serving.tokenize(parse_body({"messages": CHAT, "add_generation_prompt": False}, TokenizeRequest))
+    assert bare["count"] < (await serving.tokenize(parse_body({"messages": CHAT}, TokenizeRequest)))["count"]
+
+
+async def test_token_ids_read_back_as_their_text_and_bad_ones_are_a_400(serving):
+    ids = serving.tokenizer.encode("Oslo is sunny", add_special_tokens=False)
+    assert (await serving.detokenize(parse_body({"tokens": ids}, DetokenizeRequest)))["prompt"] == "Oslo is sunny"
+    with pytest.raises(APIError, match="token ids must be in"):
+        await serving.detokenize(parse_body({"tokens": [serving.vocab_size]}, DetokenizeRequest))
+    for body in ({"prompt": "a", "messages": CHAT}, {}):
+        with pytest.raises(APIError, match="either prompt or messages"):
+            parse_body(body, TokenizeRequest)
