@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -203,16 +204,13 @@ class LLMEngine:
             return refused
         keys = attended_keys(scheduled)  # read before the update advances the requests' positions
         executed = time.perf_counter()
-        try:
-            result, failed, apart = self.runner.execute(scheduled, self.blocks), [], False
-        except _DEVICE_LOST:
-            raise  # the GPU's context is broken for every later step too: the core dies, Serve replaces the replica
-        except Exception as exc:  # noqa: BLE001 - the step's requests run apart: only what fails alone fails
-            logger.exception("a step of %d requests failed; running them apart", len(scheduled.scheduled))
-            (result, failed), apart = self._execute_apart(scheduled.scheduled, exc), True
+        result, error = self._execute(scheduled.scheduled, whole_step=True)
+        failed, apart = [], error is not None
+        if apart:  # after the except block: the failed pass's tensors are freed before its parts run (out of memory)
+            result, failed = self._execute_apart(scheduled.scheduled, error)
             self.counters.num_steps_run_apart += 1
         if failed:  # their KV released, their streams ended with the error; the rest go on as if nothing happened
-            outputs = refused + [self._fail_one(request, error) for request, error in failed]
+            outputs = refused + [self._fail_one(request, why) for request, why in failed]
             for request, _ in failed:
                 self._release(request)
             gone = {request.request_id for request, _ in failed}
@@ -340,22 +338,32 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.forget(request.request_id)
 
-    def _execute_apart(self, items: list, error: Exception) -> tuple[RunnerOutput, list[tuple[Request, str]]]:
+    def _execute(self, items: list, whole_step: bool = False) -> tuple[RunnerOutput, str | None]:
+        """One forward pass of ``items``, or what made it fail (only its text: the exception's traceback would keep
+        the failed pass's tensors alive while its parts run). A whole step's failure is logged with its traceback."""
+        try:
+            return self.runner.execute(SchedulerOutput(items), self.blocks), None
+        except _DEVICE_LOST:
+            raise  # the GPU's context is broken for every later step too: the core dies, Serve replaces the replica
+        except Exception as exc:  # noqa: BLE001 - the step's requests run apart: only what fails alone fails
+            if whole_step:  # the traceback as text: a log record holding it (a handler that keeps records) would not
+                logger.error("a step of %d requests failed; running them apart\n%s", len(items), traceback.format_exc())
+            return RunnerOutput(), f"{type(exc).__name__}: {exc}"
+
+    def _execute_apart(self, items: list, error: str) -> tuple[RunnerOutput, list[tuple[Request, str]]]:
         """After a step of ``items`` failed with ``error``: its halves run as steps of their own, and so on down to
         single requests. What failed on a batch-mate (a bad request's shapes) or on the step's size (out of memory)
         completes, with the tokens it gets alone (the KV it wrote is written again, and nothing was sampled: a
         sampling error is one request's already, ``RunnerOutput.errors``); a request failing alone fails."""
         if len(items) == 1:
-            logger.error("request %s failed alone: %s: %s", items[0].request.request_id, type(error).__name__, error)
-            return RunnerOutput(), [(items[0].request, f"{type(error).__name__}: {error}")]
+            logger.error("request %s failed alone: %s", items[0].request.request_id, error)
+            return RunnerOutput(), [(items[0].request, error)]
         merged, failed = RunnerOutput(), []
         for part in (items[:len(items) // 2], items[len(items) // 2:]):
-            try:
-                result, part_failed = self.runner.execute(SchedulerOutput(part), self.blocks), []
-            except _DEVICE_LOST:
-                raise
-            except Exception as exc:  # noqa: BLE001 - halved again
-                result, part_failed = self._execute_apart(part, exc)
+            result, part_error = self._execute(part)
+            part_failed = []
+            if part_error is not None:  # halved again
+                result, part_failed = self._execute_apart(part, part_error)
             for name in RunnerOutput.__dataclass_fields__:
                 getattr(merged, name).extend(getattr(result, name))
             failed += part_failed

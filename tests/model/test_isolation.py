@@ -109,14 +109,22 @@ def test_a_broken_gpu_context_stops_the_engine_instead_of_failing_every_step(loa
 
 
 def _failing_steps(engine, monkeypatch, fails, error=RuntimeError) -> list[int]:
-    """The engine's forward passes raise ``error`` where ``fails(the step's request ids)``; returns each pass's size."""
-    original, sizes = engine.runner.execute, []
+    """The engine's forward passes raise ``error`` where ``fails(the step's request ids)``; returns each pass's size.
+    A failing pass holds a tensor as it raises (its activations): no later pass may start while it is alive."""
+    import weakref
+
+    import torch
+
+    original, sizes, held = engine.runner.execute, [], []
 
     def execute(output, blocks):
+        assert all(ref() is None for ref in held), "a pass ran while a failed one's tensors were alive"
         ids = {item.request.request_id for item in output.scheduled}
         sizes.append(len(ids))
         if fails(ids):
-            raise error("injected failure")
+            activations = torch.empty(1024)
+            held.append(weakref.ref(activations))
+            raise error(f"injected failure ({activations.numel()} floats held)")
         return original(output, blocks)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
