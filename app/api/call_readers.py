@@ -71,6 +71,36 @@ def _name(head) -> str | None:
     return name if _is_text(name) else None
 
 
+def marker_start_held(text: str, marker: str) -> int:
+    """How many characters at the text's end may begin ``marker``: they wait for what follows them."""
+    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
+
+
+class ContentAndBlocks:
+    """Content with blocks that open with ``<tool_call>`` (Hermes', Qwen3-Coder's): the text settles as content up
+    to a block, or to what may begin one; ``lead``: the content's length where the first block began (content after
+    it waits for the end). A subclass reads the block from state ``OPENED`` on."""
+
+    OPENED = ""
+    text: str
+    _at: int
+    _state: str
+
+    def _init_content(self) -> None:
+        self.content, self.lead, self._block_start = "", None, 0
+
+    def _read_text(self) -> bool:
+        found = self.text.find(MARKER, self._at)
+        if found < 0:
+            upto = max(self._at, len(self.text) - marker_start_held(self.text, MARKER))
+            self.content, self._at = self.content + self.text[self._at:upto], upto
+            return False
+        self.content += self.text[self._at:found]
+        self.lead = len(self.content) if self.lead is None else self.lead
+        self._block_start, self._at, self._state = found, found + len(MARKER), self.OPENED
+        return True
+
+
 class _CallsReading:
     """What both readers share: the text so far, the calls found (``[name, arguments text so far]``, in order), and
     a call's arguments read as they come."""
@@ -96,14 +126,14 @@ class _CallsReading:
         return True
 
 
-class HermesReader(_CallsReading):
+class HermesReader(_CallsReading, ContentAndBlocks):
     """The content and calls of a Hermes answer as far as it has come (``feed``), then whole (``finish``)."""
+
+    OPENED = "head"
 
     def __init__(self) -> None:
         super().__init__("text")  # text | head | arguments | tail | block
-        self.content = ""  # settled content: text outside the blocks, up to the first unsettled character
-        self.lead = None  # the content's length where the first block began (content after it waits for the end)
-        self._block_start = 0
+        self._init_content()
 
     def feed(self, delta: str) -> None:
         self.text += delta
@@ -132,18 +162,6 @@ class HermesReader(_CallsReading):
         return self.content.strip() or None, calls
 
     # ---- one step of the reading each; True where it moved on and may take another -------------------
-    def _read_text(self) -> bool:
-        found = self.text.find(MARKER, self._at)
-        if found < 0:  # settle the text but what may begin a marker
-            held = next((k for k in range(min(len(MARKER) - 1, len(self.text)), 0, -1) if self.text.endswith(MARKER[:k])), 0)
-            upto = max(self._at, len(self.text) - held)
-            self.content, self._at = self.content + self.text[self._at:upto], upto
-            return False
-        self.content += self.text[self._at:found]
-        self.lead = len(self.content) if self.lead is None else self.lead
-        self._block_start, self._at, self._state = found, found + len(MARKER), "head"
-        return True
-
     def _read_head(self) -> bool:
         head = _HEAD.match(self.text, self._at, partial=True)
         if head is not None and (head.partial or head.end() == len(self.text)):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncIterator
 
-from app.api.call_readers import PYTHON_TAG, HermesReader, ListReader
+from app.api.call_readers import PYTHON_TAG, HermesReader, ListReader, marker_start_held
 from app.api.tools import MISTRAL_MARKER, TOOL_PARSERS, Tool, ToolCall, parse_calls, schemas_of
 from app.api.xml_calls import XmlReader
 
@@ -163,5 +163,4 @@ class StreamedCalls:
         found = text.find(marker, self.released)
         if found >= 0:
             return found
-        held = next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
-        return len(text) - held
+        return len(text) - marker_start_held(text, marker)

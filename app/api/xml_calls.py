@@ -17,6 +17,8 @@ from typing import Any
 
 import regex
 
+from app.api.call_readers import ContentAndBlocks
+
 _MARKER, _END, _FUNCTION_END, _PARAMETER_END = "<tool_call>", "</tool_call>", "</function>", "</parameter>"
 _FUNCTION = regex.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER = regex.compile(r"<parameter=([^>\n]+)>\n?")
@@ -24,7 +26,7 @@ _PARAMETER_OPEN = "<parameter="
 _TEXT_TYPES = ("string", "str", "text")
 
 
-class XmlReader:
+class XmlReader(ContentAndBlocks):
     """Qwen3-Coder's content and calls as far as they have come (``feed``), then whole (``finish``), in one pass.
 
     Each call's arguments are the JSON text of its typed parameters so far: ``{`` once its name is whole, then
@@ -33,13 +35,14 @@ class XmlReader:
     ``json.dumps`` writes. A parameter cut short is left out; a call cut short is a call as far as it came. A block
     with no function is text. ``schemas``: each tool's ``properties``, which type the values (``typed``)."""
 
+    OPENED = "function"
+
     def __init__(self, schemas: dict[str, dict]) -> None:
         self.text = ""
-        self.content = ""  # settled content: text outside the blocks
-        self.lead = None  # the content's length where the first block began (content after it waits for the end)
+        self._init_content()
         self.calls: list[list[str]] = []  # [name, arguments text so far]
         self._schemas = schemas
-        self._at, self._state, self._block_start = 0, "text", 0  # text | function | skip | parameters | value | after
+        self._at, self._state = 0, "text"  # text | function | skip | parameters | value | after
         self._key, self._value_start, self._pairs = "", 0, 0
 
     def feed(self, delta: str) -> None:
@@ -62,18 +65,6 @@ class XmlReader:
         return self.content.strip() or None, [(name, arguments) for name, arguments in self.calls]
 
     # ---- one step of the reading each; True where it moved on and may take another -------------------
-    def _read_text(self) -> bool:
-        found = self.text.find(_MARKER, self._at)
-        if found < 0:  # settle the text but what may begin a marker
-            held = next((k for k in range(min(len(_MARKER) - 1, len(self.text)), 0, -1) if self.text.endswith(_MARKER[:k])), 0)
-            upto = max(self._at, len(self.text) - held)
-            self.content, self._at = self.content + self.text[self._at:upto], upto
-            return False
-        self.content += self.text[self._at:found]
-        self.lead = len(self.content) if self.lead is None else self.lead
-        self._block_start, self._at, self._state = found, found + len(_MARKER), "function"
-        return True
-
     def _read_function(self) -> bool:
         head = _FUNCTION.match(self.text, self._at, partial=True)
         if head is not None and head.partial:
