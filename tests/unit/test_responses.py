@@ -10,8 +10,7 @@ import pytest
 from app.api import responses
 from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest, parse_body
-from app.config import AppConfig
-from tests.serve.fake_model import REPLAY, fake_model_server
+from tests.serve.fake_model import REPLAY
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -78,21 +77,6 @@ def test_our_own_output_sent_back_as_input_is_one_assistant_turn_and_common_fiel
     assert (logged.logprobs, logged.top_logprobs) == (True, 2)
 
 
-@pytest.fixture
-def server():
-    served = {"model": {"source": "fake-tools"}, "engine": {"separate_process": False}}
-    server = fake_model_server(AppConfig.from_dict({"models": [served]}).models[0])
-    yield server
-    server.shutdown(timeout_s=1)
-
-
-@pytest.fixture(autouse=True)
-def quick_steps(monkeypatch):
-    from tests.serve import fake_model
-
-    monkeypatch.setattr(fake_model, "STEP_S", 0.002)
-
-
 def _replayed(answer: str, **extra) -> dict:
     """A response request the fake model answers with ``answer``."""
     return {"model": "fake-tools", "input": f"Weather? {REPLAY[0].decode()}{answer}{REPLAY[1].decode()}", "tools": [WEATHER],
@@ -117,8 +101,8 @@ async def _whole_and_events(server, body: dict) -> tuple[dict, list[dict]]:
 ANSWER = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
 
 
-async def test_an_answer_with_text_and_a_call_is_a_message_item_and_a_function_call_item_streamed_or_not(server):
-    whole, events = await _whole_and_events(server, _replayed(ANSWER))
+async def test_an_answer_with_text_and_a_call_is_a_message_item_and_a_function_call_item_streamed_or_not(tools_server):
+    whole, events = await _whole_and_events(tools_server, _replayed(ANSWER))
     assert whole["status"] == "completed" and [item["type"] for item in whole["output"]] == ["message", "function_call"]
     assert whole["output"][0]["content"][0]["text"] == "Let me check."
     call = whole["output"][1]
@@ -152,16 +136,16 @@ async def test_a_failure_after_the_stream_began_is_an_error_event_then_response_
     assert events[-1]["response"]["status"] == "failed" and "engine gone" not in json.dumps(events)  # no internals
 
 
-async def test_logprobs_asked_by_include_come_with_the_text_streamed_or_not(server):
-    whole, events = await _whole_and_events(server, _replayed("Sunny.", include=["message.output_text.logprobs"], top_logprobs=1))
+async def test_logprobs_asked_by_include_come_with_the_text_streamed_or_not(tools_server):
+    whole, events = await _whole_and_events(tools_server, _replayed("Sunny.", include=["message.output_text.logprobs"], top_logprobs=1))
     logprobs = whole["output"][0]["content"][0]["logprobs"]
     assert [lp["token"] for lp in logprobs] == list("Sunny.") and all(lp["logprob"] < 0 for lp in logprobs)  # a byte a token
     streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
     assert [lp["token"] for lp in streamed] == [lp["token"] for lp in logprobs]
 
 
-async def test_an_answer_cut_by_max_output_tokens_is_incomplete_streamed_or_not(server):
-    whole, events = await _whole_and_events(server, _replayed("It is sunny in Oslo today.", max_output_tokens=5))
+async def test_an_answer_cut_by_max_output_tokens_is_incomplete_streamed_or_not(tools_server):
+    whole, events = await _whole_and_events(tools_server, _replayed("It is sunny in Oslo today.", max_output_tokens=5))
     assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
     assert whole["output"][0]["content"][0]["text"] == "It is"
     assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["output"][0]["content"][0]["text"] == "It is"

@@ -1,5 +1,5 @@
-"""A streamed chat with tools (tool_choice auto) on the real serving layer over the fake model (no Ray): content
-goes out as it comes, the calls once their text is whole, and it all assembles to the non-streamed answer."""
+"""A streamed chat with tools on the real serving layer over the fake model (no Ray, tests/unit/conftest.py): content
+goes out as it comes, each call as it is written, and it all assembles to the non-streamed answer."""
 
 from __future__ import annotations
 
@@ -14,22 +14,6 @@ from tests.serve.fake_model import REPLAY, fake_model_server
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 ANSWER = 'Let me check the weather. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
-
-
-@pytest.fixture(autouse=True)
-def quick_steps(monkeypatch):
-    """The fake model's steps at 2 ms: these tests read what is streamed, not when (a byte a step)."""
-    from tests.serve import fake_model
-
-    monkeypatch.setattr(fake_model, "STEP_S", 0.002)
-
-
-@pytest.fixture
-def server():
-    served = {"model": {"source": "fake-tools"}, "engine": {"separate_process": False}}
-    server = fake_model_server(AppConfig.from_dict({"models": [served]}).models[0])
-    yield server
-    server.shutdown(timeout_s=1)
 
 
 async def _whole_and_streamed(server, body: dict) -> tuple[dict, list[dict]]:
@@ -58,8 +42,8 @@ def _assembled(entries: list[dict]) -> list[tuple[str, str]]:
     return [(c["name"], c["arguments"]) for c in calls.values()]
 
 
-async def test_content_streams_before_the_call_and_the_call_as_it_is_written_and_all_assembles_to_the_whole_answer(server):
-    whole, chunks = await _whole_and_streamed(server, _body())
+async def test_content_streams_before_the_call_and_the_call_as_it_is_written_and_all_assembles_to_the_whole_answer(tools_server):
+    whole, chunks = await _whole_and_streamed(tools_server, _body())
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     content_chunks = [d["delta"]["content"] for d in deltas if d["delta"].get("content")]
     assert len(content_chunks) > 10  # token by token, not one piece at the end
@@ -73,10 +57,10 @@ async def test_content_streams_before_the_call_and_the_call_as_it_is_written_and
 
 
 @pytest.mark.parametrize("max_tokens, arguments", [(60, None), (80, '{"city'), (88, '{"city": "Oslo')])
-async def test_a_call_cut_short_is_a_call_as_far_as_it_came_streamed_or_not(server, max_tokens, arguments):
+async def test_a_call_cut_short_is_a_call_as_far_as_it_came_streamed_or_not(tools_server, max_tokens, arguments):
     """Cut by max_tokens (the fake model writes a byte a token) inside its arguments, a call is one in both forms,
     its arguments as far as they came (as OpenAI answers); cut before them, the text is content in both."""
-    whole, chunks = await _whole_and_streamed(server, _body(max_tokens=max_tokens))
+    whole, chunks = await _whole_and_streamed(tools_server, _body(max_tokens=max_tokens))
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     entries = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in whole["message"].get("tool_calls", [])]
@@ -104,12 +88,12 @@ ARGUMENTS = '\n {"city": "Oslo",  "unit": "celsius"} \n'  # the model's own spac
 
 
 @pytest.mark.parametrize("extra", [{}, {"logprobs": True}, {"max_tokens": 9}])
-async def test_a_named_functions_arguments_stream_as_they_come_and_assemble_to_the_whole_call(server, extra):
+async def test_a_named_functions_arguments_stream_as_they_come_and_assemble_to_the_whole_call(tools_server, extra):
     """As vLLM streams a named tool_choice: the call's id and name with its first fragment, then fragment by fragment;
     the fragments join to the non-streamed call's arguments (the model's text, whitespace around it left out; cut
     short by max_tokens, as far as it got, finishing "length" either way)."""
     body = _body(ARGUMENTS, tool_choice=NAMED, **extra)
-    whole, chunks = await _whole_and_streamed(server, body)
+    whole, chunks = await _whole_and_streamed(tools_server, body)
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     entries = [entry for d in deltas for entry in d["delta"].get("tool_calls", [])]
     assert len(entries) > 5 and not any(d["delta"].get("content") for d in deltas)
@@ -124,18 +108,18 @@ async def test_a_named_functions_arguments_stream_as_they_come_and_assemble_to_t
 
 @pytest.mark.parametrize("tool_choice, answer", [
     ("auto", ANSWER), ("required", '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'), (NAMED, ARGUMENTS)])
-async def test_a_streamed_tool_answer_carries_every_tokens_logprob_as_the_whole_answer(server, tool_choice, answer):
+async def test_a_streamed_tool_answer_carries_every_tokens_logprob_as_the_whole_answer(tools_server, tool_choice, answer):
     """The call's tokens keep their logprobs in the stream (on the calls' chunk), as the non-streamed answer gives
     them: a client summing a stream's logprobs gets the answer's."""
     body = _body(answer, logprobs=True, top_logprobs=1, tool_choice=tool_choice)
-    whole, chunks = await _whole_and_streamed(server, body)
+    whole, chunks = await _whole_and_streamed(tools_server, body)
     streamed = [entry for c in chunks if c["choices"] for entry in (c["choices"][0]["logprobs"] or {}).get("content") or []]
     assert len(whole["logprobs"]["content"]) > 20 and streamed == whole["logprobs"]["content"]
     assert whole["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks if c["choices"]) == 1
 
 
-async def test_qwen3_coder_calls_stream_and_assemble_to_the_whole_answer_typed_by_the_schema():
+async def test_qwen3_coder_calls_stream_and_assemble_to_the_whole_answer_typed_by_the_schema(quick_fake_steps):
     served = {"model": {"source": "fake-tools", "tool_parser": "qwen3_coder"}, "engine": {"separate_process": False}}
     coder = fake_model_server(AppConfig.from_dict({"models": [served]}).models[0])
     try:
@@ -158,11 +142,11 @@ REQUIRED = '[{"name": "get_weather", "arguments": {"city": "Oslo",  "note": "a \
 
 
 @pytest.mark.parametrize("max_tokens", [400, 60])
-async def test_required_calls_stream_as_they_come_and_assemble_to_the_whole_answer(server, max_tokens):
+async def test_required_calls_stream_as_they_come_and_assemble_to_the_whole_answer(tools_server, max_tokens):
     """As vLLM streams tool_choice required: each call once its name is whole (index, id, name), then its arguments'
     fragments; the model's text as written (a brace inside a string is no end); cut short, as far as it came."""
     body = _body(REQUIRED, tool_choice="required", max_tokens=max_tokens)
-    whole, chunks = await _whole_and_streamed(server, body)
+    whole, chunks = await _whole_and_streamed(tools_server, body)
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     entries = [entry for d in deltas for entry in d["delta"].get("tool_calls", [])]
     assert len(entries) > 10 and not any(d["delta"].get("content") for d in deltas)
