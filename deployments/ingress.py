@@ -15,15 +15,13 @@ and its traceback in this deployment's log under that id.
 # No `from __future__ import annotations`: FastAPI must see real types (e.g. Request) when
 # Serve ships this class to its replica by value.
 import asyncio
-import functools
-import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -38,8 +36,9 @@ from app.server import ModelServer
 from app.spec.remote import DraftCall, DraftResult
 from deployments.admission import HostedModel, ServerFactory
 from deployments.autoscaling import engine_queue_depth
+from deployments.http_answers import (RETRY_AFTER_S, as_generate_chunks, guarded, parsed, raises_api_errors,
+                                      request_id_of, sse_response, streams_api_errors, too_large)
 from deployments.lifecycle import GracefulShutdown
-from deployments.ray_compat import serve_request_id
 from deployments.ray_metrics import RAY_METRICS_INTERVAL_S, RayMetricsExporter
 from deployments.replica import MODEL_REPLICA_OPTIONS
 from deployments.routes import LocalModel, Relayed, RemoteModel
@@ -51,42 +50,10 @@ api = FastAPI(title="llm-serve", description="OpenAI-compatible LLM serving on R
 _PROBE_TIMEOUT_S = 10
 _METRICS_TIMEOUT_S = 5  # within Prometheus' default scrape timeout (10 s): the others' figures still arrive
 _READY_TIMEOUT_S = 5  # a readiness probe answers within this (Kubernetes: timeoutSeconds above it)
-RETRY_AFTER_S = 1  # the Retry-After of 429 and 503 answers
 
 
 # Helpers come before the deployment class: Serve pickles the class by value when it is decorated,
 # and names defined after that point would be missing on the replica.
-def _request_id(raw: Request | None = None) -> str:
-    """Serve's id for the request being served: its proxy returns it to HTTP clients as the x-request-id header
-    and its log lines carry it (else the request's own header, else a fresh id: ``ray_compat.py``)."""
-    return serve_request_id(raw.headers if raw is not None else None)
-
-
-async def _parsed(body: Any, request_cls: type):
-    """The request, parsed off the event loop, where the streams of the model this replica hosts wait: a large body's
-    validation, and a structured output's grammar where a check needs it (tens of ms for a large schema)."""
-    return await asyncio.to_thread(parse_body, body, request_cls)
-
-
-def _reported(exc: BaseException, request_id: str) -> APIError:
-    """What the caller gets for ``exc``; a failure on our side goes to the log, traceback and all, under the same id."""
-    error = to_api_error(exc, request_id)
-    if error.status >= 500:
-        logger.error("request %s failed: %d %s", request_id, error.status, error.code, exc_info=exc)
-    return error
-
-
-async def _guarded(response: Awaitable[Any], request_id: str) -> Any:
-    """Await a route's work; any failure becomes an OpenAI-style error response."""
-    try:
-        return await response
-    except Exception as exc:  # every error, expected or not, reaches the client in one shape
-        error = _reported(exc, request_id)
-        # A full queue or a replica being replaced clears within seconds: tell clients when to come back.
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
-        return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
-
-
 @api.exception_handler(HTTPException)
 async def _no_such_route(raw: Request, exc: HTTPException) -> JSONResponse:
     """A path or method the server has not: an OpenAI-style error (FastAPI's own is ``{"detail": ...}``)."""
@@ -95,35 +62,6 @@ async def _no_such_route(raw: Request, exc: HTTPException) -> JSONResponse:
     if raw.url.path.startswith("/v1/responses/"):  # a stored response's retrieval, cancel or input items
         message += " (this server keeps no responses: each one is answered whole, or streamed, when it is created)"
     return JSONResponse(APIError(exc.status_code, message).to_dict(), status_code=exc.status_code, headers=exc.headers)
-
-
-def _raises_api_errors(method):
-    """A handle method's failure reaches the calling Ray job as the APIError an HTTP client would read."""
-
-    @functools.wraps(method)
-    async def wrapper(self, body):
-        request_id = _request_id()
-        try:
-            return await method(self, body)
-        except Exception as exc:
-            raise _reported(exc, request_id) from None  # the cause would carry the internals along
-
-    return wrapper
-
-
-def _streams_api_errors(method):
-    """The same for a streaming handle method: a failure ends the stream with that APIError."""
-
-    @functools.wraps(method)
-    async def wrapper(self, body):
-        request_id = _request_id()
-        try:
-            async for chunk in method(self, body):
-                yield chunk
-        except Exception as exc:
-            raise _reported(exc, request_id) from None
-
-    return wrapper
 
 
 _ENGINE_STOPPED = "its engine stopped (died or wedged): Serve replaces the replica"
@@ -135,45 +73,6 @@ def _probe_failure(model: str, exc: BaseException) -> str:
         return f"no answer within {_PROBE_TIMEOUT_S} s"
     logger.error("health probe of %s failed", model, exc_info=exc)
     return to_api_error(exc).message
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body exceeds {limit} bytes (max_request_bytes)", code="request_too_large")
-
-
-async def _sse_response(chunks: AsyncIterator[dict], request_id: str, named: bool = False) -> StreamingResponse:
-    """Wait for the first chunk first, so that a bad request still gets its HTTP error status. ``named``: the
-    Responses API's events, each under its type's name, with no ``[DONE]``."""
-    first = await chunks.__anext__()
-    return StreamingResponse(_sse_events(first, chunks, request_id, named), media_type="text/event-stream")
-
-
-async def _sse_events(first: dict, rest: AsyncIterator[dict], request_id: str, named: bool) -> AsyncIterator[str]:
-    yield _sse(first, named)
-    last = first
-    try:
-        async for last in rest:
-            yield _sse(last, named)
-    except Exception as exc:  # headers are sent: report the error in-band, then end the stream
-        error = _reported(exc, request_id)
-        if named:
-            yield _sse({"type": "error", "code": error.code or error.type, "message": error.message, "param": error.param,
-                        "sequence_number": last.get("sequence_number", -1) + 1}, named)
-            return
-        yield _sse(error.to_dict())
-    if not named:
-        yield "data: [DONE]\n\n"
-
-
-def _sse(data: dict, named: bool = False) -> str:
-    event = f"event: {data['type']}\n" if named else ""
-    return f"{event}data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-async def _as_generate_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    async for chunk in chunks:
-        for choice in chunk["choices"]:
-            yield {"text": choice["text"], "finish_reason": choice["finish_reason"]}
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000, **MODEL_REPLICA_OPTIONS)
@@ -245,46 +144,46 @@ class OpenAIIngress:
     # ---- HTTP ---------------------------------------------------------------------------
     @api.post("/v1/completions")
     async def http_completions(self, raw: Request):
-        request_id = _request_id(raw)
-        return await _guarded(self._respond(raw, CompletionRequest, "completion", request_id), request_id)
+        request_id = request_id_of(raw)
+        return await guarded(self._respond(raw, CompletionRequest, "completion", request_id), request_id)
 
     @api.post("/v1/chat/completions")
     async def http_chat(self, raw: Request):
-        request_id = _request_id(raw)
-        return await _guarded(self._respond(raw, ChatCompletionRequest, "chat", request_id), request_id)
+        request_id = request_id_of(raw)
+        return await guarded(self._respond(raw, ChatCompletionRequest, "chat", request_id), request_id)
 
     @api.post("/v1/responses")
     async def http_responses(self, raw: Request):
-        request_id = _request_id(raw)
-        return await _guarded(self._respond_responses(raw, request_id), request_id)
+        request_id = request_id_of(raw)
+        return await guarded(self._respond_responses(raw, request_id), request_id)
 
     @api.post("/tokenize")
     async def http_tokenize(self, raw: Request):
-        request_id = _request_id(raw)
-        return await _guarded(self._respond_plain(raw, TokenizeRequest, "tokenize"), request_id)
+        request_id = request_id_of(raw)
+        return await guarded(self._respond_plain(raw, TokenizeRequest, "tokenize"), request_id)
 
     @api.post("/detokenize")
     async def http_detokenize(self, raw: Request):
-        request_id = _request_id(raw)
-        return await _guarded(self._respond_plain(raw, DetokenizeRequest, "detokenize"), request_id)
+        request_id = request_id_of(raw)
+        return await guarded(self._respond_plain(raw, DetokenizeRequest, "detokenize"), request_id)
 
     @api.post("/v1/generate")
     async def http_generate(self, raw: Request):
-        request_id = _request_id(raw)
-        return await _guarded(self._respond_generate(raw, request_id), request_id)
+        request_id = request_id_of(raw)
+        return await guarded(self._respond_generate(raw, request_id), request_id)
 
     @api.get("/v1/models")
     async def http_models(self):
-        return await _guarded(self._models(), _request_id())
+        return await guarded(self._models(), request_id_of())
 
     @api.get("/v1/models/{model:path}")
     async def http_model(self, model: str):
-        return await _guarded(self._model_card(model), _request_id())
+        return await guarded(self._model_card(model), request_id_of())
 
     @api.get("/metrics")
     async def http_metrics(self):
         """Prometheus text: every model's latency histograms, request and token counters, engine gauges."""
-        return await _guarded(self._metrics(), _request_id())
+        return await guarded(self._metrics(), request_id_of())
 
     @api.get("/health")
     async def http_health(self):
@@ -319,32 +218,32 @@ class OpenAIIngress:
         return {"status": "ready", "models": list(self._routes)}
 
     # ---- Python handle API ----------------------------------------------------------------
-    @_raises_api_errors
+    @raises_api_errors
     async def completions(self, body: dict) -> dict:
-        return await self._call(await _parsed({**body, "stream": False}, CompletionRequest), "completion")
+        return await self._call(await parsed({**body, "stream": False}, CompletionRequest), "completion")
 
-    @_streams_api_errors
+    @streams_api_errors
     async def completions_stream(self, body: dict) -> AsyncIterator[dict]:
-        async for chunk in self._stream(await _parsed({**body, "stream": True}, CompletionRequest), "completion"):
+        async for chunk in self._stream(await parsed({**body, "stream": True}, CompletionRequest), "completion"):
             yield chunk
 
-    @_raises_api_errors
+    @raises_api_errors
     async def chat(self, body: dict) -> dict:
-        return await self._call(await _parsed({**body, "stream": False}, ChatCompletionRequest), "chat")
+        return await self._call(await parsed({**body, "stream": False}, ChatCompletionRequest), "chat")
 
-    @_streams_api_errors
+    @streams_api_errors
     async def chat_stream(self, body: dict) -> AsyncIterator[dict]:
-        async for chunk in self._stream(await _parsed({**body, "stream": True}, ChatCompletionRequest), "chat"):
+        async for chunk in self._stream(await parsed({**body, "stream": True}, ChatCompletionRequest), "chat"):
             yield chunk
 
-    @_raises_api_errors
+    @raises_api_errors
     async def generate(self, body: dict) -> dict:
         return await self._generate(parse_body({**body, "stream": False}, GenerateRequest))
 
-    @_streams_api_errors
+    @streams_api_errors
     async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
         request = parse_body({**body, "stream": True}, GenerateRequest)
-        async for chunk in _as_generate_chunks(self._stream(request.to_completion(), "completion")):
+        async for chunk in as_generate_chunks(self._stream(request.to_completion(), "completion")):
             yield chunk
 
     async def propose(self, call: DraftCall) -> DraftResult:
@@ -402,14 +301,14 @@ class OpenAIIngress:
         return self._route_for(request.model).stream(kind, request)
 
     async def _respond(self, raw: Request, request_cls: type, kind: str, request_id: str):
-        request = await _parsed(await self._read_body(raw), request_cls)
+        request = await parsed(await self._read_body(raw), request_cls)
         if request.stream:
-            return await _sse_response(self._stream(request, kind), request_id)
+            return await sse_response(self._stream(request, kind), request_id)
         return JSONResponse(await self._call(request, kind))
 
     async def _respond_plain(self, raw: Request, request_cls: type, kind: str):
         """A request answered in one piece by the model it names (vLLM's /tokenize, /detokenize)."""
-        return JSONResponse(await self._call(await _parsed(await self._read_body(raw), request_cls), kind))
+        return JSONResponse(await self._call(await parsed(await self._read_body(raw), request_cls), kind))
 
     async def _respond_responses(self, raw: Request, request_id: str):
         """The Responses API over the chat path (app/api/responses.py)."""
@@ -417,24 +316,24 @@ class OpenAIIngress:
         response_id, created = responses.new_ids()
         if request.stream:
             events = responses.response_events(body, self._stream(request, "chat"), response_id, created, request_id)
-            return await _sse_response(events, request_id, named=True)
+            return await sse_response(events, request_id, named=True)
         return JSONResponse(responses.response_object(body, await self._call(request, "chat"), response_id, created))
 
     async def _respond_generate(self, raw: Request, request_id: str):
         request = parse_body(await self._read_body(raw), GenerateRequest)
         if request.stream:
             chunks = self._stream(request.to_completion(), "completion")
-            return await _sse_response(_as_generate_chunks(chunks), request_id)
+            return await sse_response(as_generate_chunks(chunks), request_id)
         return JSONResponse(await self._generate(request))
 
     async def _read_body(self, raw: Request) -> bytes:
         declared = raw.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self._max_request_bytes:
-            raise _too_large(self._max_request_bytes)
+            raise too_large(self._max_request_bytes)
         body = b""
         async for part in raw.stream():
             body += part
             if len(body) > self._max_request_bytes:
-                raise _too_large(self._max_request_bytes)
+                raise too_large(self._max_request_bytes)
         return body
 

@@ -129,21 +129,21 @@ def _wait_until_served_again(client: httpx.Client, model: str, timeout_s: float 
 
 
 def test_the_log_has_the_exception_and_traceback_under_the_request_id(caplog):
-    from deployments.ingress import _reported
+    from deployments.http_answers import reported
 
     try:
         raise RuntimeError(SECRET)
     except RuntimeError as exc:
-        error = _reported(exc, "req-42")
+        error = reported(exc, "req-42")
     assert error.status == 500 and SECRET not in error.message
-    [record] = [r for r in caplog.records if r.name == "deployments.ingress"]
+    [record] = [r for r in caplog.records if r.name == "deployments.http_answers"]
     assert "req-42" in record.getMessage()
     assert record.exc_info[1].args == (SECRET,)  # the traceback is printed from it
 
 
 async def test_a_full_queue_answers_503_with_retry_after_and_a_client_error_without():
     from app.engine import EngineOverloadedError
-    from deployments.ingress import RETRY_AFTER_S, _guarded
+    from deployments.http_answers import RETRY_AFTER_S, guarded
 
     async def overloaded():
         raise EngineOverloadedError("the replica already holds 8 requests (engine.max_queued_requests); retry later")
@@ -151,8 +151,8 @@ async def test_a_full_queue_answers_503_with_retry_after_and_a_client_error_with
     async def bad():
         raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
 
-    busy = await _guarded(overloaded(), "req-7")
+    busy = await guarded(overloaded(), "req-7")
     assert busy.status_code == 503 and busy.headers["retry-after"] == str(RETRY_AFTER_S)
     assert json.loads(busy.body)["error"]["code"] == "overloaded"
-    refused = await _guarded(bad(), "req-8")
+    refused = await guarded(bad(), "req-8")
     assert refused.status_code == 400 and "retry-after" not in refused.headers

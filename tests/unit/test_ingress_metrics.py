@@ -33,7 +33,7 @@ async def test_a_request_is_parsed_off_the_event_loop_while_the_loop_goes_on():
 
     from app.api import protocol
     from app.api.protocol import ChatCompletionRequest
-    from deployments import ingress
+    from deployments import http_answers
 
     loop_ran = threading.Event()
     parse = protocol.parse_body
@@ -45,10 +45,10 @@ async def test_a_request_is_parsed_off_the_event_loop_while_the_loop_goes_on():
     async def on_the_loop():
         loop_ran.set()
 
-    original, ingress.parse_body = ingress.parse_body, slow_parse
+    original, http_answers.parse_body = http_answers.parse_body, slow_parse
     try:
         body = {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"choice": ["a", "b"]}}
-        request, _ = await asyncio.gather(ingress._parsed(body, ChatCompletionRequest), on_the_loop())
+        request, _ = await asyncio.gather(http_answers.parsed(body, ChatCompletionRequest), on_the_loop())
     finally:
-        ingress.parse_body = original
+        http_answers.parse_body = original
     assert request.grammar() is not None

@@ -62,12 +62,12 @@ async def test_a_replica_holds_its_batch_and_its_queue_and_refuses_one_more():
 
 
 async def test_both_are_503_with_retry_after_telling_when_to_come_back():
-    from deployments.ingress import RETRY_AFTER_S, _guarded
+    from deployments.http_answers import RETRY_AFTER_S, guarded
 
     async def timed_out():
         raise EngineQueueTimeoutError("no place for this request on the replica within 2 s (engine.max_queue_time_s); retry later")
 
-    response = await _guarded(timed_out(), "req-9")
+    response = await guarded(timed_out(), "req-9")
     assert response.status_code == 503 and response.headers["retry-after"] == str(RETRY_AFTER_S)
     error = json.loads(response.body)["error"]
     assert error["code"] == "queue_timeout" and error["message"].startswith("no place for this request")
