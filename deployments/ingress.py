@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from app.api import responses
+from app.api import response_stream, responses
 from app.api.errors import APIError, to_api_error
 from app.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest,
                               parse_body)
@@ -315,7 +315,7 @@ class OpenAIIngress:
         body, request = await asyncio.to_thread(responses.parse_request, await self._read_body(raw))
         response_id, created = responses.new_ids()
         if request.stream:
-            events = responses.response_events(body, self._stream(request, "chat"), response_id, created, request_id)
+            events = response_stream.response_events(body, self._stream(request, "chat"), response_id, created, request_id)
             return await sse_response(events, request_id, named=True)
         return JSONResponse(responses.response_object(body, await self._call(request, "chat"), response_id, created))
 

@@ -1,5 +1,5 @@
 """OpenAI's Responses API (``POST /v1/responses``) over the chat path: a request becomes a chat request, its answer
-a response object, its chunks the Responses stream's events (``response.created`` ... ``response.completed``).
+a response object (its stream's events: app/api/response_stream.py).
 
 What a chat request can say, a response request can: ``input`` (text, or items: messages, earlier
 ``function_call``s and their ``function_call_output``s), ``instructions`` (a system message first), sampling,
@@ -10,16 +10,12 @@ back as ``input`` each time, and ``previous_response_id`` is a 400 saying so. Ot
 
 from __future__ import annotations
 
-import copy
 import json
-import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
-from app.api.errors import APIError, to_api_error
-
-logger = logging.getLogger(__name__)
+from app.api.errors import APIError
 
 # Fields taken as they are or translated below; accepted and left without effect; taken unset (null, empty) only
 _PASSED = ("model", "temperature", "top_p", "user", "parallel_tool_calls", "stream", "top_k", "min_p", "seed", "stop",
@@ -199,14 +195,14 @@ def response_object(body: dict, chat: dict, response_id: str, created: int) -> d
     message, items = choice["message"], []
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
     if message.get("content"):
-        logprobs = _logprobs_of(choice.get("logprobs"))
-        items.append(_message_item(f"msg_{uuid.uuid4().hex}", message["content"], status, logprobs))
+        logprobs = logprobs_of(choice.get("logprobs"))
+        items.append(message_item(f"msg_{uuid.uuid4().hex}", message["content"], status, logprobs))
     for call in message.get("tool_calls") or []:
-        items.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"], call["function"]["arguments"]))
-    return _response(body, response_id, created, chat["model"], status, items, _usage(chat.get("usage")))
+        items.append(call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"], call["function"]["arguments"]))
+    return response_dict(body, response_id, created, chat["model"], status, items, usage_of(chat.get("usage")))
 
 
-def _response(body: dict, response_id: str, created: int, model: str, status: str, output: list, usage: dict | None,
+def response_dict(body: dict, response_id: str, created: int, model: str, status: str, output: list, usage: dict | None,
               error: dict | None = None) -> dict:
     def given(key: str, default: Any = None) -> Any:
         return body[key] if body.get(key) is not None else default
@@ -223,159 +219,29 @@ def _response(body: dict, response_id: str, created: int, model: str, status: st
     }
 
 
-def _message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict:
+def message_item(item_id: str, text: str, status: str, logprobs: list | None = None) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments, "status": status}
 
 
-def _logprobs_of(chat_logprobs: dict | None) -> list:
+def logprobs_of(chat_logprobs: dict | None) -> list:
     """The chat answer's content logprobs as the Responses API lists them (the same token, logprob, bytes and top)."""
     return [{"token": e["token"], "logprob": e["logprob"], "bytes": e.get("bytes"),
              "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")} for t in e.get("top_logprobs") or []]}
             for e in (chat_logprobs or {}).get("content") or []]
 
 
-def _usage(usage: dict | None) -> dict | None:
+def usage_of(usage: dict | None) -> dict | None:
     if not usage:
         return None
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}
-
-
-# ---- the stream -----------------------------------------------------------------------------------
-async def response_events(body: dict, chunks: AsyncIterator[dict], response_id: str, created: int,
-                          request_id: str | None = None) -> AsyncIterator[dict]:
-    """The Responses stream's events for a chat stream's chunks: the response created, each output item added, its
-    text or arguments as deltas and the item done before the next begins, then the response completed
-    (``incomplete`` when cut short by ``max_output_tokens``) with every item and the usage. A failure after the
-    first event is an ``error`` event, then ``response.failed``."""
-    stream = _ResponseStream(body, response_id, created)
-    try:
-        async for chunk in chunks:
-            for event in stream.take(chunk):
-                yield event
-    except Exception as exc:  # noqa: BLE001 - told in the stream: its headers are sent
-        if not stream.sequence:
-            raise  # nothing sent yet: the request's own HTTP error
-        error = to_api_error(exc, request_id)
-        if error.status >= 500:
-            logger.error("request %s failed: %d %s", request_id, error.status, error.code, exc_info=exc)
-        for event in stream.fail(error):
-            yield event
-        return
-    for event in stream.end():
-        yield event
-
-
-class _ResponseStream:
-    """The state of one streamed response: its output items in the order they began, the last one open."""
-
-    def __init__(self, body: dict, response_id: str, created: int) -> None:
-        self.body, self.id, self.created = body, response_id, created
-        self.model, self.items, self.usage, self.finish = body.get("model") or "", [], None, None
-        self.open: dict | None = None  # the item taking text or arguments now
-        self.calls: dict[int, dict] = {}  # chat tool-call index -> its output item
-        self.sequence = 0
-
-    def _event(self, kind: str, **fields) -> dict:
-        self.sequence += 1
-        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
-
-    def _snapshot(self, status: str, error: dict | None = None) -> dict:
-        return _response(self.body, self.id, self.created, self.model, status, copy.deepcopy(self.items), self.usage, error)
-
-    def _begin(self) -> list[dict]:
-        if self.sequence:
-            return []
-        return [self._event("response.created", response=self._snapshot("in_progress")),
-                self._event("response.in_progress", response=self._snapshot("in_progress"))]
-
-    def take(self, chunk: dict) -> list[dict]:
-        self.model = chunk.get("model") or self.model
-        events = self._begin()
-        if chunk.get("usage"):
-            self.usage = _usage(chunk["usage"])
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                events += self._text(delta["content"], _logprobs_of(choice.get("logprobs")))
-            for entry in delta.get("tool_calls") or []:
-                events += self._call(entry)
-            if choice.get("finish_reason") is not None:
-                self.finish = choice["finish_reason"]
-        return events
-
-    def _open(self, item: dict) -> list[dict]:
-        """``item`` begins (the open one is done first)."""
-        events = self._close("completed")
-        self.items.append(item)
-        self.open = item
-        added = {**item, "content": []} if item["type"] == "message" else dict(item)  # copies: the item grows
-        events.append(self._event("response.output_item.added", output_index=len(self.items) - 1, item=added))
-        if item["type"] == "message":
-            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
-                                      content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
-        return events
-
-    def _close(self, status: str) -> list[dict]:
-        item, self.open = self.open, None
-        if item is None:
-            return []
-        index, events = len(self.items) - 1, []
-        item["status"] = status if item["type"] == "message" else "completed"
-        if item["type"] == "message":
-            part = item["content"][0]
-            events += [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                                   text=part["text"], logprobs=part["logprobs"]),
-                       self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                                   part=copy.deepcopy(part))]
-        else:
-            events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                      name=item["name"], arguments=item["arguments"]))
-        return events + [self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
-
-    def _text(self, text: str, logprobs: list) -> list[dict]:
-        events = []
-        if self.open is None or self.open["type"] != "message":
-            events += self._open(_message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress"))
-        part = self.open["content"][0]
-        part["text"] += text
-        part["logprobs"] += logprobs
-        return events + [self._event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items) - 1,
-                                     content_index=0, delta=text, logprobs=logprobs)]
-
-    def _call(self, entry: dict) -> list[dict]:
-        events, function = [], entry.get("function") or {}
-        item = self.calls.get(entry["index"])
-        if item is None:
-            item = _call_item(f"fc_{uuid.uuid4().hex}", entry.get("id") or f"call_{uuid.uuid4().hex[:24]}",
-                              function.get("name") or "", "", status="in_progress")
-            self.calls[entry["index"]] = item
-            events += self._open(item)
-        elif function.get("name"):
-            item["name"] = function["name"]
-        if function.get("arguments"):
-            item["arguments"] += function["arguments"]
-            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                      output_index=self.items.index(item), delta=function["arguments"]))
-        return events
-
-    def end(self) -> list[dict]:
-        status = "incomplete" if self.finish == "length" else "completed"
-        events = self._begin() + self._close(status)
-        kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        return events + [self._event(kind, response=self._snapshot(status))]
-
-    def fail(self, error: APIError) -> list[dict]:
-        told = {"code": error.code or "server_error", "message": error.message}
-        return [self._event("error", code=told["code"], message=error.message, param=error.param),
-                self._event("response.failed", response=self._snapshot("failed", told))]
 
 
 def parse_request(raw: bytes) -> tuple[dict, Any]:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from app.api import responses
+from app.api import response_stream, responses
 from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest, parse_body
 from tests.serve.fake_model import REPLAY
@@ -91,7 +91,7 @@ async def _whole_and_events(server, body: dict) -> tuple[dict, list[dict]]:
     whole_body, request = responses.parse_request(json.dumps(body).encode())
     whole = responses.response_object(whole_body, await server.serving.chat(request), "resp_1", 0)
     stream_body, streamed = responses.parse_request(json.dumps({**body, "stream": True}).encode())
-    events = [e async for e in responses.response_events(stream_body, server.serving.chat_stream(streamed), "resp_2", 0)]
+    events = [e async for e in response_stream.response_events(stream_body, server.serving.chat_stream(streamed), "resp_2", 0)]
     Response.model_validate(whole, strict=True)
     for event in events:
         TypeAdapter(ResponseStreamEvent).validate_python(event, strict=True)
@@ -131,7 +131,7 @@ async def test_a_failure_after_the_stream_began_is_an_error_event_then_response_
         yield {"model": "m", "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None, "logprobs": None}]}
         raise RuntimeError("engine gone")
 
-    events = [e async for e in responses.response_events({"model": "m"}, chunks(), "resp_1", 0, "req-1")]
+    events = [e async for e in response_stream.response_events({"model": "m"}, chunks(), "resp_1", 0, "req-1")]
     assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
     assert events[-1]["response"]["status"] == "failed" and "engine gone" not in json.dumps(events)  # no internals
 
