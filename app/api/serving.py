@@ -22,6 +22,7 @@ from app.api.errors import APIError, rejection_reason
 from app.api.fim import fim_prompt
 from app.api.fanout import MAX_CHOICES, best_candidates, choice_seed, gather_or_cancel, merged, num_prompts
 from app.api.logprobs import LogprobFormatter, next_text_offset
+from app.api.prompts import Prompts
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _SamplingFields
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
 from app.engine.request import TokenLogprob
@@ -80,6 +81,7 @@ class OpenAIServing:
         self.default_sampling = dict(default_sampling or {})
         self.logprob_format = LogprobFormatter(tokenizer)
         self.tool_parser = tool_parser  # how "auto" tool calls are read out of this model's text (app/api/tools.py)
+        self.prompts = Prompts(tokenizer, model_name, max_model_len, vocab_size)  # requests' token ids
 
     # ---- completions --------------------------------------------------------------------
     async def completion_stream(self, request: CompletionRequest) -> AsyncIterator[dict]:
@@ -154,14 +156,14 @@ class OpenAIServing:
 
     # ---- one OpenAI request, several engine requests (app/api/fanout.py) -------------------
     def _chat_plans(self, request: ChatCompletionRequest) -> list[_Prepared]:
-        prepared = self._prepare("chatcmpl", self._chat_prompt(request), request, request.requested_max_tokens)
+        prepared = self._prepare("chatcmpl", self.prompts.chat(request), request, request.requested_max_tokens)
         if self.tool_parser == "mistral" and request.tool_choice_resolved() == "auto":  # [TOOL_CALLS] is a special token
             prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)  # kept for the parser, as vLLM
         return self._fan_out([prepared], request.n)
 
     def _completion_plans(self, request: CompletionRequest) -> list[_Prepared]:
         prompt = fim_prompt(self.tokenizer, request.prompt, request.suffix, self.model_name) if request.suffix else request.prompt
-        prompts = self._completion_prompts(prompt)
+        prompts = self.prompts.completion(prompt)
         candidates = request.best_of or request.n
         if len(prompts) * candidates > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x {candidates} choices is more than {MAX_CHOICES} generations; "
@@ -344,56 +346,12 @@ class OpenAIServing:
         response["choices"], response["usage"] = choices, _usage(plans)
         return response
 
-    def _completion_prompts(self, prompt) -> list[list[int]]:
-        """One or several prompts (text, or token ids), each as token ids."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            return [self._completion_prompt(p) for p in prompt]
-        return [self._completion_prompt(prompt)]
-
-    def _completion_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size}); got {bad[0]}", param="prompt")
-        return list(prompt)
-
-    # ---- tokens (vLLM's /tokenize and /detokenize) ------------------------------------------------
+    # ---- tokens (vLLM's /tokenize and /detokenize): the prompts' reading ---------------------------
     async def tokenize(self, request: TokenizeRequest) -> dict:
-        ids = await asyncio.to_thread(self._tokenized, request)  # a template and a long prompt: off the loop
-        answer = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
-        if request.return_token_strs:
-            answer["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
-        return answer
-
-    def _tokenized(self, request: TokenizeRequest) -> list[int]:
-        if request.messages is not None:
-            return self._chat_prompt(request.chat_request(), request.add_generation_prompt)
-        return self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        return await self.prompts.tokenize(request)
 
     async def detokenize(self, request: DetokenizeRequest) -> dict:
-        bad = [t for t in request.tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {self.vocab_size}); got {bad[0]}", param="tokens")
-        return {"prompt": self.tokenizer.decode(request.tokens)}
-
-    def _chat_prompt(self, request: ChatCompletionRequest, generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
-        messages = [m.as_template_message() for m in request.messages]
-        shown = request.parsed_tools() if request.tool_choice_resolved() is not None else []
-        extra = {}
-        if tools.template_renders_tools(self.tokenizer, bool(shown)):
-            extra = {"tools": [t.as_openai() for t in shown]} if shown else {}
-            messages = [tools.with_loaded_arguments(m) for m in messages]
-        else:  # a template without tools: tools, calls and results as Hermes-style text
-            messages = tools.render_for_template(messages, shown)
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **extra)
-        except Exception as exc:  # template errors (e.g. role order) come from the model's own template
-            raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
-        # The template already wrote the special tokens it wants; do not add a second BOS.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return await self.prompts.detokenize(request)
 
 
 def _completion_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, index: int = 0) -> dict:

@@ -25,7 +25,7 @@ async def test_a_prompt_and_a_chat_tokenize_as_generation_sends_them(serving):
     assert answer["tokens"] == serving.tokenizer.encode("Hi there", add_special_tokens=True) and answer["count"] == len(answer["tokens"])
     assert answer["max_model_len"] == serving.max_model_len and len(answer["token_strs"]) == answer["count"]
     chat = await serving.tokenize(parse_body({"messages": CHAT, "tools": [WEATHER]}, TokenizeRequest))
-    assert chat["tokens"] == serving._chat_prompt(parse_body({"messages": CHAT, "tools": [WEATHER]}, ChatCompletionRequest))
+    assert chat["tokens"] == serving.prompts.chat(parse_body({"messages": CHAT, "tools": [WEATHER]}, ChatCompletionRequest))
     bare = await serving.tokenize(parse_body({"messages": CHAT, "add_generation_prompt": False}, TokenizeRequest))
     assert bare["count"] < (await serving.tokenize(parse_body({"messages": CHAT}, TokenizeRequest)))["count"]
 

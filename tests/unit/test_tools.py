@@ -141,8 +141,8 @@ def test_named_templates_render_tools_through_their_tool_use_template():
     texts = []
     tokenizer.encode = lambda text, add_special_tokens=True: texts.append(text) or [0]
     serving = OpenAIServing(None, tokenizer, "m", 64, [0], 1)
-    serving._chat_prompt(parse_body({**CHAT, "tools": [WEATHER, TIME]}, ChatCompletionRequest))
-    serving._chat_prompt(parse_body(CHAT, ChatCompletionRequest))
+    serving.prompts.chat(parse_body({**CHAT, "tools": [WEATHER, TIME]}, ChatCompletionRequest))
+    serving.prompts.chat(parse_body(CHAT, ChatCompletionRequest))
     assert texts == ["TOOLS get_weather,get_time\nuser: Weather in Oslo?\n", "user: Weather in Oslo?\n"]
 
 

@@ -1,0 +1,67 @@
+"""A model's prompts as token ids: a completion's (text or ids, one or several), a chat's through the model's chat
+template (tools shown as it renders them, or as Hermes text where it renders none), and vLLM's /tokenize and
+/detokenize, which read them the same way."""
+
+from __future__ import annotations
+
+import asyncio
+
+from app.api import tools
+from app.api.errors import APIError
+from app.api.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+
+
+class Prompts:
+    def __init__(self, tokenizer, model_name: str, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+
+    def completion(self, prompt) -> list[list[int]]:
+        """One or several prompts (text, or token ids), each as token ids."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return [self._completion_one(p) for p in prompt]
+        return [self._completion_one(prompt)]
+
+    def _completion_one(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size}); got {bad[0]}", param="prompt")
+        return list(prompt)
+
+    async def tokenize(self, request: TokenizeRequest) -> dict:
+        ids = await asyncio.to_thread(self._tokenized, request)  # a template and a long prompt: off the loop
+        answer = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if request.return_token_strs:
+            answer["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return answer
+
+    def _tokenized(self, request: TokenizeRequest) -> list[int]:
+        if request.messages is not None:
+            return self.chat(request.chat_request(), request.add_generation_prompt)
+        return self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+
+    async def detokenize(self, request: DetokenizeRequest) -> dict:
+        bad = [t for t in request.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {self.vocab_size}); got {bad[0]}", param="tokens")
+        return {"prompt": self.tokenizer.decode(request.tokens)}
+
+    def chat(self, request: ChatCompletionRequest, generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
+        messages = [m.as_template_message() for m in request.messages]
+        shown = request.parsed_tools() if request.tool_choice_resolved() is not None else []
+        extra = {}
+        if tools.template_renders_tools(self.tokenizer, bool(shown)):
+            extra = {"tools": [t.as_openai() for t in shown]} if shown else {}
+            messages = [tools.with_loaded_arguments(m) for m in messages]
+        else:  # a template without tools: tools, calls and results as Hermes-style text
+            messages = tools.render_for_template(messages, shown)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **extra)
+        except Exception as exc:  # template errors (e.g. role order) come from the model's own template
+            raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
+        # The template already wrote the special tokens it wants; do not add a second BOS.
+        return self.tokenizer.encode(text, add_special_tokens=False)
