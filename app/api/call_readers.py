@@ -17,6 +17,7 @@ arguments are the model's own JSON text.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import regex
 
@@ -263,9 +264,14 @@ def _whole_call(body: str) -> tuple[str, str] | None:
         value = json.loads(body.strip())
     except json.JSONDecodeError:
         return None
+    return call_from(value, ("arguments", "parameters"))
+
+
+def call_from(value: Any, keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """(name, arguments text) of a decoded ``{"name", <the first of keys present>}`` object, or None if it is none."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
+    arguments = next((value[key] for key in keys if key in value), {})
     arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
     return (value["name"], arguments) if _is_text(value["name"]) and _is_text(arguments) else None
 

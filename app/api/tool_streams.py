@@ -125,13 +125,15 @@ class StreamedCalls:
         """Add the answer's next text; returns the content that can go out now. Trailing whitespace waits for what
         follows it: before a call it is no content (the whole answer's content is stripped there)."""
         self.text += delta
-        if self._reader is not None:  # content before the first call (text after it waits for the end)
+        if self._reader is not None:  # content before the first call, the text's start (after it: held to the end)
             self._reader.feed(delta)
-            settled = self._reader.content[:self._reader.lead] if self._reader.lead is not None else self._reader.content
+            upto = self._reader.lead if self._reader.lead is not None else len(self._reader.content)
         else:
             self._feed_list(delta)
-            settled = self.text[:self._releasable()]
-        upto = max(len(settled.rstrip()), self.released)
+            upto = self._releasable()
+        while upto > self.released and self.text[upto - 1].isspace():  # not a copy of the text at every piece
+            upto -= 1
+        upto = max(upto, self.released)
         out, self.released = self.text[self.released:upto], upto
         return out
 

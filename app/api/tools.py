@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.api.errors import APIError
-from app.api.call_readers import PYTHON_TAG, HermesReader, ListReader
+from app.api.call_readers import PYTHON_TAG, HermesReader, ListReader, call_from
 from app.api.schemas import closed, tools_schema
 from app.api.xml_calls import XmlReader
 from app.config.model import TOOL_PARSERS
@@ -155,10 +155,10 @@ def mistral_calls(body: str) -> tuple[list[tuple[str, str]], str]:
         listed, end = json.JSONDecoder().raw_decode(body.lstrip())
     except json.JSONDecodeError:
         listed, end = None, 0
-    others = [_call_from(item, "arguments") for item in listed[len(found):]] if isinstance(listed, list) else [None]
+    others = [call_from(item, ("arguments",)) for item in listed[len(found):]] if isinstance(listed, list) else [None]
     if not all(others):
         return found, body[reader.stopped:]
-    return found + [(c.name, c.arguments) for c in others], body.lstrip()[end:]
+    return found + others, body.lstrip()[end:]
 
 
 def llama3_calls(text: str) -> tuple[list[tuple[str, str]], str]:
@@ -172,10 +172,11 @@ def llama3_calls(text: str) -> tuple[list[tuple[str, str]], str]:
         return found, text[reader.end:] if reader.end is not None else ""
     rest = text[reader.stopped:]
     body = rest.strip().removeprefix(PYTHON_TAG).strip()
-    others = [_call_from(_json_or_none(part), "parameters") for part in body.split(";")] if body.startswith("{") else [None]
+    parts = body.split(";") if body.startswith("{") else [None]
+    others = [call_from(_json_or_none(part), ("parameters", "arguments")) if part else None for part in parts]
     if not all(others):
         return found, rest
-    return found + [(c.name, c.arguments) for c in others], ""
+    return found + others, ""
 
 
 def schemas_of(tools: list[Tool] | None) -> dict[str, dict]:
@@ -188,23 +189,6 @@ def _json_or_none(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return None
-
-
-def _call_from(value: Any, arguments_key: str) -> ToolCall | None:
-    """A call from a decoded ``{"name", <arguments_key>}`` object, or None if it is not one."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get(arguments_key, value.get("arguments", {}))
-    call = ToolCall(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
-    return call if _is_text(call.name) and _is_text(call.arguments) else None  # "\ud800" decodes to no text
-
-
-def _is_text(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def tool_parser_for(setting: str, tokenizer) -> str:
