@@ -136,33 +136,6 @@ INLINE void dot4(const float* q, const void* pool, const int64_t* k, int64_t d, 
 /* Scores of one query against keys l..l+4 (offsets of a group of 4 keys at rows[0..4)). */
 #define ROWS4(l) {ROW(l), ROW((l) + 1), ROW((l) + 2), ROW((l) + 3)}
 
-/* o[0..d) = inv_sum * sum_l p[l] * value l, with the output chunk held in registers across the keys. */
-INLINE void weighted_values(const float* p, const void* v_pool, const int64_t* slots, int64_t keys, int64_t kv_heads,
-                            int64_t g, int64_t d, float inv_sum, float* o, int bf16) {
-  int64_t d0 = 0;
-  for (; d0 + 32 <= d; d0 += 32) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t l = 0; l < keys; l++) {
-      const int64_t v = ROW(l) + d0;
-      __m256 w = _mm256_set1_ps(p[l]);
-      a0 = _mm256_fmadd_ps(w, load8(v_pool, v, bf16), a0);
-      a1 = _mm256_fmadd_ps(w, load8(v_pool, v + 8, bf16), a1);
-      a2 = _mm256_fmadd_ps(w, load8(v_pool, v + 16, bf16), a2);
-      a3 = _mm256_fmadd_ps(w, load8(v_pool, v + 24, bf16), a3);
-    }
-    __m256 scale = _mm256_set1_ps(inv_sum);
-    _mm256_storeu_ps(o + d0, _mm256_mul_ps(a0, scale));
-    _mm256_storeu_ps(o + d0 + 8, _mm256_mul_ps(a1, scale));
-    _mm256_storeu_ps(o + d0 + 16, _mm256_mul_ps(a2, scale));
-    _mm256_storeu_ps(o + d0 + 24, _mm256_mul_ps(a3, scale));
-  }
-  for (; d0 < d; d0++) { /* head_dim not a multiple of 32: the rest one lane at a time */
-    float a = 0.0f;
-    for (int64_t l = 0; l < keys; l++) a += p[l] * load1(v_pool, ROW(l) + d0, bf16);
-    o[d0] = a * inv_sum;
-  }
-}
-
 /* Sequence b's new key or value of KV head g (at x + b*seq_stride + g*head_stride) into its pool slot. */
 static void store_new(const float* x, int64_t seq_stride, int64_t head_stride, void* pool, int64_t slot, int64_t b,
                       int64_t g, int64_t kv_heads, int64_t d, int bf16) {
@@ -174,22 +147,23 @@ static void store_new(const float* x, int64_t seq_stride, int64_t head_stride, v
     memcpy((float*)pool + at, src, sizeof(float) * (size_t)d);
 }
 
-/* Ask the L2 for the keys' and then the values' rows of one KV head before attending them. A decode step
- * finds them in memory (the weights streamed through since the layer last ran), and demand loads from a
- * scattered slot list keep too few misses in flight: a 32-sequence step's attention ran at 0.26-0.32 ms a
- * layer from memory against 0.09-0.10 ms from cache, whatever the bytes. Prefetched into the L2, which
- * tracks many more misses than the L1, the memory case takes 0.13 ms (bf16 pool, 70 keys) and bf16's halved
- * bytes show; into the L1 (T0) it gains nothing. The first PREFETCH_KEYS keys only: what a long context asks
- * beyond them would push its first rows out of the L2 before they are read. */
-#define PREFETCH_KEYS 512
-INLINE void prefetch_rows(const void* k_pool, const void* v_pool, const int64_t* slots, int64_t keys, int64_t kv_heads,
-                          int64_t g, int64_t d, int bf16) {
+/* Keys and values are asked of the L2 this many keys ahead of the scores loop. A decode step finds them in memory
+ * (the weights streamed through since the layer last ran), and demand loads from a scattered slot list keep too
+ * few misses in flight; prefetched into the L2, which tracks many more misses than the L1, they arrive while the
+ * keys before them are scored. Asking for every key at once instead (the first 512) filled the miss queue and
+ * left the loop waiting on the first ones; a long context would also push its first rows out of the L2 before they
+ * are read. The values of a key come in with it, ready for the weighted sum after the softmax. */
+#define PREFETCH_AHEAD 16
+
+/* The key and value rows of keys l..l+count (those below `keys`) of KV head g into the L2. */
+INLINE void prefetch_keys(const void* k_pool, const void* v_pool, const int64_t* slots, int64_t l, int64_t count,
+                          int64_t keys, int64_t kv_heads, int64_t g, int64_t d, int bf16) {
   const int64_t width = bf16 ? 2 : 4, bytes = d * width;
-  keys = keys < PREFETCH_KEYS ? keys : PREFETCH_KEYS;
-  for (int64_t l = 0; l < keys; l++)
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)k_pool + ROW(l) * width + b, _MM_HINT_T1);
-  for (int64_t l = 0; l < keys; l++)
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)v_pool + ROW(l) * width + b, _MM_HINT_T1);
+  for (int64_t m = l; m < l + count && m < keys; m++)
+    for (int64_t b = 0; b < bytes; b += 64) {
+      _mm_prefetch((const char*)k_pool + ROW(m) * width + b, _MM_HINT_T1);
+      _mm_prefetch((const char*)v_pool + ROW(m) * width + b, _MM_HINT_T1);
+    }
 }
 
 #define RUN 4 /* rows whose value sums share each value load: a prefill's queries, or a decode's query heads */
@@ -198,14 +172,17 @@ INLINE void prefetch_rows(const void* k_pool, const void* v_pool, const int64_t*
  * its first counts[i] keys): each group of 4 keys that every row sees is loaded once for all of them, and each
  * row's scores are the same operations whichever rows go with it (groups of 4 keys from key 0 through dot4,
  * then single keys through dot), so the same bits alone or beside any others. */
-INLINE void key_scores_run(const float* const* qs, int n, const void* k_pool, const int64_t* slots,
+INLINE void key_scores_run(const float* const* qs, int n, const void* k_pool, const void* v_pool, const int64_t* slots,
                            const int64_t* counts, int64_t kv_heads, int64_t g, int64_t d, float scale,
                            float* const* scores, int bf16) {
   int64_t shared = counts[0];
   for (int i = 1; i < n; i++) shared = counts[i] < shared ? counts[i] : shared;
+  int64_t most = counts[0];
+  for (int i = 1; i < n; i++) most = counts[i] > most ? counts[i] : most;
   int64_t l = 0;
   for (; l + 4 <= shared; l += 4) {
     const int64_t rows[4] = ROWS4(l);
+    prefetch_keys(k_pool, v_pool, slots, l + PREFETCH_AHEAD, 4, most, kv_heads, g, d, bf16);
     for (int i = 0; i < n; i++) {
       dot4(qs[i], k_pool, rows, d, bf16, scores[i] + l);
       for (int j = 0; j < 4; j++) scores[i][l + j] *= scale;
@@ -222,21 +199,21 @@ INLINE void key_scores_run(const float* const* qs, int n, const void* k_pool, co
   }
 }
 
-/* weighted_values for a run of RUN queries: 16 lanes of RUN outputs at a time, each value row loaded once
- * for all of them over the keys every query sees, then each query's own remaining keys. Every lane is the
- * same sum over l in order as weighted_values computes (its 32-lane chunks are lane-wise the same), and
- * lanes past the last multiple of 32 go through weighted_values' own scalar code: the same bits. */
-INLINE void weighted_values_run(float* const* p, const void* v_pool, const int64_t* slots, const int64_t* counts,
-                                int64_t kv_heads, int64_t g, int64_t d, const float* inv_sum, float* const* o,
-                                int bf16) {
+/* o[i][0..d) = inv_sum[i] * sum_l p[i][l] * value l for `n` rows (1..RUN, a constant once inlined): 16 lanes of the
+ * n outputs at a time, each value row loaded once for all of them over the keys every row sees, then each row's own
+ * remaining keys; lanes past the last multiple of 32 one at a time. Every lane is one sum over l in order from
+ * zero, whichever rows go with it and however the lanes are grouped: the same bits alone or beside any others. */
+INLINE void weighted_values_rows(const int n, float* const* p, const void* v_pool, const int64_t* slots,
+                                 const int64_t* counts, int64_t kv_heads, int64_t g, int64_t d, const float* inv_sum,
+                                 float* const* o, int bf16) {
   const int64_t vector_lanes = d / 32 * 32;
   int64_t shared = counts[0];
-  for (int i = 1; i < RUN; i++) shared = counts[i] < shared ? counts[i] : shared;
+  for (int i = 1; i < n; i++) shared = counts[i] < shared ? counts[i] : shared;
   for (int64_t d0 = 0; d0 < vector_lanes; d0 += 16) {
     __m256 z = _mm256_setzero_ps();
     __m256 a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z;
 #define ACC(i, v0, v1, l)                                        \
-  {                                                              \
+  if (i < n) {                                                   \
     __m256 w = _mm256_set1_ps(p[i][l]);                          \
     a##i##0 = _mm256_fmadd_ps(w, v0, a##i##0);                   \
     a##i##1 = _mm256_fmadd_ps(w, v1, a##i##1);                   \
@@ -248,24 +225,38 @@ INLINE void weighted_values_run(float* const* p, const void* v_pool, const int64
       VALUES(l)
       ACC(0, v0, v1, l) ACC(1, v0, v1, l) ACC(2, v0, v1, l) ACC(3, v0, v1, l)
     }
-#define TAIL(i)                                                                          \
-  for (int64_t l = shared; l < counts[i]; l++) {                                         \
-    VALUES(l)                                                                            \
-    ACC(i, v0, v1, l)                                                                    \
-  }                                                                                      \
-  _mm256_storeu_ps(o[i] + d0, _mm256_mul_ps(a##i##0, _mm256_set1_ps(inv_sum[i])));       \
-  _mm256_storeu_ps(o[i] + d0 + 8, _mm256_mul_ps(a##i##1, _mm256_set1_ps(inv_sum[i])));
+#define TAIL(i)                                                                            \
+  if (i < n) {                                                                             \
+    for (int64_t l = shared; l < counts[i]; l++) {                                         \
+      VALUES(l)                                                                            \
+      ACC(i, v0, v1, l)                                                                    \
+    }                                                                                      \
+    _mm256_storeu_ps(o[i] + d0, _mm256_mul_ps(a##i##0, _mm256_set1_ps(inv_sum[i])));       \
+    _mm256_storeu_ps(o[i] + d0 + 8, _mm256_mul_ps(a##i##1, _mm256_set1_ps(inv_sum[i])));   \
+  }
     TAIL(0) TAIL(1) TAIL(2) TAIL(3)
 #undef TAIL
 #undef VALUES
 #undef ACC
   }
-  for (int64_t d0 = vector_lanes; d0 < d; d0++) /* as weighted_values' scalar remainder */
-    for (int i = 0; i < RUN; i++) {
+  for (int64_t d0 = vector_lanes; d0 < d; d0++) /* head_dim not a multiple of 32: the rest one lane at a time */
+    for (int i = 0; i < n; i++) {
       float a = 0.0f;
       for (int64_t l = 0; l < counts[i]; l++) a += p[i][l] * load1(v_pool, ROW(l) + d0, bf16);
       o[i][d0] = a * inv_sum[i];
     }
+}
+
+/* weighted_values_rows for n rows, n of 1..RUN given at run time (each count its own instance). */
+INLINE void weighted_values_run(int n, float* const* p, const void* v_pool, const int64_t* slots,
+                                const int64_t* counts, int64_t kv_heads, int64_t g, int64_t d, const float* inv_sum,
+                                float* const* o, int bf16) {
+  switch (n) {
+    case 1: weighted_values_rows(1, p, v_pool, slots, counts, kv_heads, g, d, inv_sum, o, bf16); break;
+    case 2: weighted_values_rows(2, p, v_pool, slots, counts, kv_heads, g, d, inv_sum, o, bf16); break;
+    case 3: weighted_values_rows(3, p, v_pool, slots, counts, kv_heads, g, d, inv_sum, o, bf16); break;
+    default: weighted_values_rows(RUN, p, v_pool, slots, counts, kv_heads, g, d, inv_sum, o, bf16); break;
+  }
 }
 
 #define MAX_RUN_ROWS 64 /* rows scored together (query heads x RUN in a prefill): 16 heads a KV head at most */
@@ -284,7 +275,7 @@ INLINE void attend_group(const float* q, int64_t q_head_stride, int64_t group, c
     for (int64_t i = 0; i < group * d; i++) o[i] = NAN;
     return;
   }
-  prefetch_rows(k_pool, v_pool, slots, keys, kv_heads, g, d, bf16);
+  prefetch_keys(k_pool, v_pool, slots, 0, PREFETCH_AHEAD, keys, kv_heads, g, d, bf16); /* the scores loop asks for the rest */
   const float* qs[MAX_RUN_ROWS];
   float* scores[MAX_RUN_ROWS];
   float* outs[MAX_RUN_ROWS];
@@ -298,12 +289,11 @@ INLINE void attend_group(const float* q, int64_t q_head_stride, int64_t group, c
       outs[r] = o + (r0 + r) * d;
       counts[r] = keys;
     }
-    key_scores_run(qs, n, k_pool, slots, counts, kv_heads, g, d, scale, scores, bf16);
+    key_scores_run(qs, n, k_pool, v_pool, slots, counts, kv_heads, g, d, scale, scores, bf16);
     for (int r = 0; r < n; r++) inv_sum[r] = 1.0f / exp_shifted(scores[r], keys);
-    int r = 0;
-    for (; r + RUN <= n; r += RUN)
-      weighted_values_run(scores + r, v_pool, slots, counts + r, kv_heads, g, d, inv_sum + r, outs + r, bf16);
-    for (; r < n; r++) weighted_values(scores[r], v_pool, slots, keys, kv_heads, g, d, inv_sum[r], outs[r], bf16);
+    for (int r = 0; r < n; r += RUN) /* RUN rows at a time, the last run maybe fewer */
+      weighted_values_run(n - r < RUN ? n - r : RUN, scores + r, v_pool, slots, counts + r, kv_heads, g, d, inv_sum + r,
+                          outs + r, bf16);
   }
   free(buffer);
 }
@@ -368,11 +358,11 @@ INLINE void attend_run(const float* q, int64_t q_tok_stride, int64_t q_head_stri
       outs[row] = o + i * o_tok_stride + r * d;
       row_counts[row] = counts[i];
     }
-  key_scores_run(qs, rows, k_pool, slots, row_counts, kv_heads, g, d, scale, scores, bf16);
+  key_scores_run(qs, rows, k_pool, v_pool, slots, row_counts, kv_heads, g, d, scale, scores, bf16);
   for (int row = 0; row < rows; row++) inv_sum[row] = 1.0f / exp_shifted(scores[row], row_counts[row]);
   for (int64_t r = 0; r < group; r++)
-    weighted_values_run(scores + r * RUN, v_pool, slots, counts, kv_heads, g, d, inv_sum + r * RUN, outs + r * RUN,
-                        bf16);
+    weighted_values_run(RUN, scores + r * RUN, v_pool, slots, counts, kv_heads, g, d, inv_sum + r * RUN,
+                        outs + r * RUN, bf16);
   free(buffer);
 }
 
