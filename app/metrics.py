@@ -128,6 +128,7 @@ ENGINE_GAUGES = {
     "num_running": "num_requests_running",
     "num_waiting": "num_requests_waiting",
     "kv_usage": "kv_cache_usage_perc",
+    "step_token_cap": "engine_step_token_cap",
 }
 ENGINE_COUNTERS = {
     "prefix_cache_queried_tokens": "prefix_cache_queries",

@@ -37,6 +37,50 @@ logger = logging.getLogger(__name__)
 _DEVICE_LOST = getattr(torch, "AcceleratorError", ())
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """A GPU's out of memory, Python's, or torch's CPU allocator's (a RuntimeError saying so)."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
+@dataclass
+class PassError:
+    """Why a forward pass failed: the exception's text only (its traceback would keep the pass's tensors alive while
+    the step's parts run), and whether it ran out of memory (a smaller pass may fit)."""
+
+    text: str
+    out_of_memory: bool
+
+
+class StepTokenCap:
+    """The most tokens a step carries after one ran out of memory (a GPU's activations beside its KV pool, a long
+    prompt's chunk): halved from the size that failed, so that later steps do not each pay a failing pass before
+    their parts run; doubled back every ``REGROW_STEPS`` steps without one (the shortage may have passed), up to
+    ``engine.max_num_batched_tokens``, where it is lifted."""
+
+    REGROW_STEPS = 1000
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.cap: int | None = None
+        self._fitting = 0  # steps since the last shrink
+
+    @property
+    def tokens(self) -> int:
+        return self.limit if self.cap is None else self.cap
+
+    def shrink(self, failed_tokens: int) -> None:
+        self.cap = max(1, min(self.tokens, failed_tokens // 2))
+        self._fitting = 0
+
+    def fitted(self) -> None:
+        if self.cap is None:
+            return
+        self._fitting += 1
+        if self._fitting >= self.REGROW_STEPS:
+            self.cap, self._fitting = (None if self.cap * 2 >= self.limit else self.cap * 2), 0
+
+
 @dataclass
 class StepCounters:
     num_steps: int = 0
@@ -146,6 +190,7 @@ class LLMEngine:
         self.speculation = SpeculationController(config.drafters, loaded.max_model_len, vocab_size) if config.drafters else None
         self.counters = StepCounters()
         self.step_cost = StepCost()
+        self.token_cap = StepTokenCap(config.max_num_batched_tokens)
         self._groups = itertools.count()
         self._refused: list[RequestOutput] = []  # requests that failed at admission, reported by the next step
 
@@ -199,24 +244,25 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.expire(self.scheduler.running, time.monotonic())
         refused, self._refused = self._refused, []
-        scheduled = self.scheduler.schedule(self._decode_step_tokens())
+        scheduled = self.scheduler.schedule(self._decode_step_tokens(), self.token_cap.cap)
         if not scheduled.scheduled:
             return refused
         keys = attended_keys(scheduled)  # read before the update advances the requests' positions
         executed = time.perf_counter()
         result, error = self._execute(scheduled.scheduled, whole_step=True)
-        failed, apart = [], error is not None
+        failed, retried, apart = [], [], error is not None
         if apart:  # after the except block: the failed pass's tensors are freed before its parts run (out of memory)
             result, failed = self._execute_apart(scheduled.scheduled, error)
+            failed, retried = self._after_out_of_memory(scheduled, error, failed)
             self.counters.num_steps_run_apart += 1
-        if failed:  # their KV released, their streams ended with the error; the rest go on as if nothing happened
-            outputs = refused + [self._fail_one(request, why) for request, why in failed]
-            for request, _ in failed:
-                self._release(request)
-            gone = {request.request_id for request, _ in failed}
-            scheduled = SchedulerOutput([s for s in scheduled.scheduled if s.request.request_id not in gone], scheduled.preempted)
         else:
-            outputs = refused
+            self.token_cap.fitted()
+        outputs = refused + [self._fail_one(request, why.text) for request, why in failed]
+        for request, _ in failed:  # their KV released, their streams ended with the error
+            self._release(request)
+        if failed or retried:  # the rest go on as if nothing happened; a retried request's next step starts where this one did
+            gone = {request.request_id for request in [*(r for r, _ in failed), *retried]}
+            scheduled = SchedulerOutput([s for s in scheduled.scheduled if s.request.request_id not in gone], scheduled.preempted)
         if self.speculation is not None and _only_decodes(scheduled) and not apart:
             self.speculation.observe_step(scheduled.num_batched_tokens, time.perf_counter() - executed)
         self.scheduler.update(scheduled, {r.request_id: n for r, n in zip(result.requests, result.num_accepted)})
@@ -277,6 +323,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": c.num_steps,
             "num_steps_run_apart": c.num_steps_run_apart,
+            "step_token_cap": self.token_cap.tokens,  # max_num_batched_tokens, lower after a step ran out of memory
             "num_generated_tokens": c.num_generated_tokens,
             "last_step_tokens": c.last_step_tokens,
             "last_step_seqs": c.last_step_seqs,
@@ -338,9 +385,26 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.forget(request.request_id)
 
-    def _execute(self, items: list, whole_step: bool = False) -> tuple[RunnerOutput, str | None]:
-        """One forward pass of ``items``, or what made it fail (only its text: the exception's traceback would keep
-        the failed pass's tensors alive while its parts run). A whole step's failure is logged with its traceback."""
+    def _after_out_of_memory(self, scheduled: SchedulerOutput, error: PassError,
+                             failed: list[tuple[Request, PassError]]) -> tuple[list[tuple[Request, PassError]], list[Request]]:
+        """A step that ran out of memory caps the tokens of the steps after it; a request that ran out of memory alone
+        on a chunk of several tokens is not failed but retried from where it was, in the smaller chunks the cap makes
+        (a single token that does not fit fails). Returns (what fails, what is retried)."""
+        if error.out_of_memory:
+            self.token_cap.shrink(scheduled.num_batched_tokens)
+        chunks = {item.request.request_id: item.num_new_tokens for item in scheduled.scheduled}
+        retried = [request for request, why in failed if why.out_of_memory and chunks[request.request_id] > 1]
+        for request in retried:
+            self.token_cap.shrink(chunks[request.request_id])
+        if error.out_of_memory or retried:
+            logger.warning("out of memory in a step of %d tokens: steps carry at most %d tokens from now on "
+                           "(engine.max_num_batched_tokens: %d; doubled back every %d steps that fit)",
+                           scheduled.num_batched_tokens, self.token_cap.tokens, self.token_cap.limit, StepTokenCap.REGROW_STEPS)
+        kept = {request.request_id for request in retried}
+        return [(request, why) for request, why in failed if request.request_id not in kept], retried
+
+    def _execute(self, items: list, whole_step: bool = False) -> tuple[RunnerOutput, PassError | None]:
+        """One forward pass of ``items``, or why it failed. A whole step's failure is logged with its traceback."""
         try:
             return self.runner.execute(SchedulerOutput(items), self.blocks), None
         except _DEVICE_LOST:
@@ -348,15 +412,15 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - the step's requests run apart: only what fails alone fails
             if whole_step:  # the traceback as text: a log record holding it (a handler that keeps records) would not
                 logger.error("a step of %d requests failed; running them apart\n%s", len(items), traceback.format_exc())
-            return RunnerOutput(), f"{type(exc).__name__}: {exc}"
+            return RunnerOutput(), PassError(f"{type(exc).__name__}: {exc}", _out_of_memory(exc))
 
-    def _execute_apart(self, items: list, error: str) -> tuple[RunnerOutput, list[tuple[Request, str]]]:
+    def _execute_apart(self, items: list, error: PassError) -> tuple[RunnerOutput, list[tuple[Request, PassError]]]:
         """After a step of ``items`` failed with ``error``: its halves run as steps of their own, and so on down to
         single requests. What failed on a batch-mate (a bad request's shapes) or on the step's size (out of memory)
         completes, with the tokens it gets alone (the KV it wrote is written again, and nothing was sampled: a
         sampling error is one request's already, ``RunnerOutput.errors``); a request failing alone fails."""
         if len(items) == 1:
-            logger.error("request %s failed alone: %s", items[0].request.request_id, error)
+            logger.error("request %s failed alone: %s", items[0].request.request_id, error.text)
             return RunnerOutput(), [(items[0].request, error)]
         merged, failed = RunnerOutput(), []
         for part in (items[:len(items) // 2], items[len(items) // 2:]):

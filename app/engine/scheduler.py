@@ -90,24 +90,25 @@ class Scheduler:
         return None
 
     # ---- one step --------------------------------------------------------------------------
-    def schedule(self, decode_step_tokens: int | None = None) -> SchedulerOutput:
+    def schedule(self, decode_step_tokens: int | None = None, token_cap: int | None = None) -> SchedulerOutput:
         """``decode_step_tokens``: the most tokens a step may carry while some request decodes (stall-free
         chunked prefill: prefill chunks beside decodes get what is left; never fewer than one block of them),
-        unless a burst waiting for its first tokens is better served by one whole step (``_burst_goes_first``)."""
+        unless a burst waiting for its first tokens is better served by one whole step (``_burst_goes_first``).
+        ``token_cap``: the most tokens any step may carry (below ``max_num_batched_tokens`` after out of memory)."""
         output = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        limit = budget = min(self.config.max_num_batched_tokens, token_cap or self.config.max_num_batched_tokens)
         if decode_step_tokens is not None:
             decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.awaiting_draft]
             tokens = sum(1 + len(r.spec_token_ids) for r in decoding)
             bounded = max(decode_step_tokens, tokens + self.blocks.block_size)
-            if decoding and not self._burst_goes_first(len(decoding), tokens, bounded):
+            if decoding and not self._burst_goes_first(len(decoding), tokens, bounded, limit):
                 budget = min(budget, bounded)
         budget = self._schedule_running(budget, output)
         if not output.preempted:  # memory is short: let the running requests drain first
             self._schedule_waiting(budget, output)
         return output
 
-    def _burst_goes_first(self, num_decoding: int, decode_tokens: int, bounded: int) -> bool:
+    def _burst_goes_first(self, num_decoding: int, decode_tokens: int, bounded: int, limit: int) -> bool:
         """Whether the requests waiting for their first token outnumber the streams, fit one step at the whole
         budget, and would take more than ``BURST_STEPS`` bounded steps (3 s at the 200 ms default). Then one step
         prefills them all and holds the streams back once: spread over that many bounded steps, the burst's last
@@ -127,7 +128,7 @@ class Scheduler:
             return False
         prompt_tokens = sum(r.num_tokens - r.num_computed_tokens for r in firsts)
         bounded_steps = prompt_tokens / max(bounded - decode_tokens, 1)
-        return bounded_steps > self.BURST_STEPS and decode_tokens + prompt_tokens <= self.config.max_num_batched_tokens
+        return bounded_steps > self.BURST_STEPS and decode_tokens + prompt_tokens <= limit
 
     def update(self, output: SchedulerOutput, num_accepted: dict[str, int] | None = None) -> None:
         """Record what the runner computed, before the engine appends the sampled tokens.

@@ -160,3 +160,68 @@ def test_a_step_too_large_for_memory_runs_in_smaller_ones_and_every_request_comp
     finals = _run(engine, requests)
     assert all(finals[r.request_id].finish_reason == "length" for r in requests) and max(sizes) == 4
     assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in alone]
+
+
+def _failing_above(engine, monkeypatch, tokens: int, only: str | None = None) -> list[tuple[int, bool]]:
+    """The engine's forward passes run out of memory (torch's CPU allocator's error) when they carry more than
+    ``tokens`` tokens (only when request ``only`` is in them, if given); returns each pass's (tokens, failed)."""
+    original, passes = engine.runner.execute, []
+
+    def execute(output, blocks):
+        size = sum(item.num_new_tokens for item in output.scheduled)
+        ids = {item.request.request_id for item in output.scheduled}
+        fails = size > tokens and (only is None or only in ids)
+        passes.append((size, fails))
+        if fails:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes (injected)")
+        return original(output, blocks)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    return passes
+
+
+def _two_waves(engine, loaded) -> tuple[dict, list[Request]]:
+    """Four requests, one step, four more arriving: the second wave's prompts go beside the first wave's decodes."""
+    first = _requests(loaded, bad=False)
+    prompts = ["The largest planet is", "import numpy as np", "In a hole in the ground", "a, b, c, d,"]
+    second = [Request(f"late{i}", loaded.tokenizer.encode(p), SamplingParams(max_tokens=TOKENS, min_tokens=TOKENS, temperature=0),
+                      loaded.eos_token_ids) for i, p in enumerate(prompts)]
+    engine.add_requests(first)
+    finals = {o.request_id: o for o in engine.step() if o.finished}
+    return {**finals, **_run(engine, second)}, first + second
+
+
+def test_after_a_step_runs_out_of_memory_later_steps_fit_without_a_failing_pass(loaded_rounded, monkeypatch):
+    """The step that ran out of memory caps the steps after it at half its tokens: the second wave's prompts then go in
+    steps that fit, instead of each step paying a failing pass before its parts run."""
+    _, reference = _two_waves(make_engine(loaded_rounded), loaded_rounded)
+    engine = make_engine(loaded_rounded)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in _requests(loaded_rounded, bad=False))
+    passes = _failing_above(engine, monkeypatch, tokens=prompt_tokens // 2)
+    finals, requests = _two_waves(engine, loaded_rounded)
+    assert all(finals[r.request_id].finish_reason == "length" for r in requests)
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in reference]
+    assert passes[0] == (prompt_tokens, True) and engine.stats()["num_steps_run_apart"] == 1
+    assert engine.stats()["step_token_cap"] == prompt_tokens // 2
+
+
+def test_a_prompt_chunk_that_runs_out_of_memory_alone_is_retried_in_smaller_chunks(loaded_rounded, monkeypatch):
+    """A request whose prompt chunk alone does not fit is not failed: it prefills in the smaller chunks the cap makes
+    and gets the tokens it gets without the shortage; a request that fails even on a single token fails, alone."""
+    alone = _requests(loaded_rounded, bad=False)
+    _run(make_engine(loaded_rounded), alone)
+    engine, requests = make_engine(loaded_rounded), _requests(loaded_rounded, bad=False)
+    _failing_above(engine, monkeypatch, tokens=2)
+    finals = _run(engine, requests)
+    assert all(finals[r.request_id].finish_reason == "length" for r in requests)
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in alone]
+    assert engine.stats()["num_steps_run_apart"] == 1 and engine.stats()["step_token_cap"] <= 2
+
+    engine, requests = make_engine(loaded_rounded), _requests(loaded_rounded, bad=True)
+    _failing_above(engine, monkeypatch, tokens=0, only="bad")  # "bad" never fits, even alone on one token
+    finals = _run(engine, requests)
+    assert finals["bad"].finish_reason == "error" and "can't allocate memory" in finals["bad"].error
+    for request, reference in zip(requests, alone):
+        if request.request_id != "bad":
+            assert finals[request.request_id].finish_reason == "length"
+            assert request.output_token_ids == reference.output_token_ids

@@ -312,3 +312,36 @@ def test_a_bound_is_planned_with_headroom_and_for_the_deepest_prompts_next_chunk
     deep = cost.tokens_within_bound(0.2, prefill_offset=1500)  # a chunk 1,500 tokens in pays for the keys behind it
     assert deep == pytest.approx(int(0.15 / (per_token + per_key * (1500 + deep / 2))), abs=2)
     assert deep < fresh
+
+
+def test_a_token_cap_bounds_every_step_below_the_budget():
+    """After a step ran out of memory the engine caps steps below max_num_batched_tokens: prompts go in smaller
+    chunks, and a burst that fits the budget but not the cap waits its turn."""
+    scheduler = _scheduler(max_num_batched_tokens=32)
+    scheduler.add_request(_request("a", 20))
+    scheduler.add_request(_request("b", 6, first_token=300))
+    output = scheduler.schedule(token_cap=8)
+    assert {s.request.request_id: s.num_new_tokens for s in output.scheduled} == {"a": 8}
+    assert scheduler.schedule(decode_step_tokens=16, token_cap=64).num_batched_tokens == 32  # the budget still bounds it
+
+
+def test_the_step_token_cap_halves_on_out_of_memory_and_doubles_back_after_steps_that_fit():
+    from app.engine.engine import StepTokenCap
+
+    cap = StepTokenCap(limit=2048)
+    assert cap.cap is None and cap.tokens == 2048
+    cap.shrink(1500)  # a 1,500-token step ran out of memory
+    assert cap.cap == 750
+    cap.shrink(2000)  # a larger failure never raises it
+    assert cap.cap == 750
+    cap.shrink(1)
+    assert cap.cap == 1  # a step always carries a token
+    cap.shrink(1500)
+    for _ in range(StepTokenCap.REGROW_STEPS - 1):
+        cap.fitted()
+    assert cap.cap == 1
+    cap.fitted()
+    assert cap.cap == 2
+    for _ in range(StepTokenCap.REGROW_STEPS * 11):
+        cap.fitted()
+    assert cap.cap is None and cap.tokens == 2048  # lifted once doubling reaches the budget
