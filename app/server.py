@@ -195,7 +195,19 @@ def _warm_up(core, loaded: LoadedModel, step_tokens: int) -> float:
     length = max(1, min(step_tokens, loaded.max_model_len - 1))
     full_step = (prompt * (length // len(prompt) + 1))[:length]
     _generate(core, loaded, Request("warmup-full-step", full_step, _warm_up_sampling(1), loaded.eos_token_ids))
+    _say_if_capped(core, loaded.name, step_tokens)
     return time.monotonic() - started
+
+
+def _say_if_capped(core, name: str, step_tokens: int) -> None:
+    """A full-budget step that ran out of memory beside the KV cache left the engine capping its steps (it serves,
+    retrying the full size now and then): say so at start, with the settings that end it."""
+    cap = core.stats().get("step_token_cap", step_tokens)
+    if cap < step_tokens:
+        logger.warning("model %s: a step of %d tokens did not fit beside the KV cache; steps carry at most %d tokens "
+                       "(llm_serve:engine_step_token_cap), and the larger size is tried again now and then. Lower "
+                       "engine.kv_cache_memory_mb (0: 80%% of the GPU memory free after loading) or set "
+                       "engine.max_num_batched_tokens to %d", name, step_tokens, cap, cap)
 
 
 def _warm_up_grammars(core, loaded: LoadedModel, prompt: list[int]) -> None:

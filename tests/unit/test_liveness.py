@@ -261,3 +261,20 @@ def test_a_warm_up_out_of_memory_says_which_settings_to_lower():
 
     with pytest.raises(RuntimeError, match="lower engine.kv_cache_memory_mb"):
         _generate(OutOfMemory(), SimpleNamespace(name="m"), Request("warmup", [1], SamplingParams(max_tokens=1)))
+
+
+def test_a_warm_up_step_that_only_fit_smaller_says_so_and_which_settings_end_it(caplog):
+    from app.server import _say_if_capped
+
+    class Capped:
+        def __init__(self, cap):
+            self.cap = cap
+
+        def stats(self):
+            return {"step_token_cap": self.cap}
+
+    with caplog.at_level("WARNING", logger="app.server"):
+        _say_if_capped(Capped(2048), "m", 2048)
+        assert not caplog.records
+        _say_if_capped(Capped(512), "m", 2048)
+    assert "steps carry at most 512 tokens" in caplog.text and "max_num_batched_tokens to 512" in caplog.text
