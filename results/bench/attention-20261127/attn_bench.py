@@ -3,7 +3,7 @@ import torch; torch.ops.load_library(sys.argv[2]); OPS = torch.ops.llm_serve
 torch.manual_seed(0)
 import os; H, HKV, D, LAYERS = map(int, os.environ.get("LAYOUT", "9,3,64,30").split(",")); B = int(os.environ.get("SEQS", 32)); L = int(sys.argv[1])
 BS, SLOTS = 16, 40960
-pools = torch.randn(LAYERS, 2, SLOTS, HKV, D).to(torch.bfloat16)
+pools = torch.randn(LAYERS, 2, SLOTS, HKV, D).to(getattr(torch, os.environ.get("KVDT", "bfloat16")))
 # each sequence gets blocks of 16 slots, blocks shuffled over the pool
 blocks = torch.randperm(SLOTS // BS)
 per_seq = (L + BS - 1) // BS
