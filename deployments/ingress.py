@@ -330,10 +330,10 @@ class OpenAIIngress:
         declared = raw.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self._max_request_bytes:
             raise too_large(self._max_request_bytes)
-        body = b""
+        body = bytearray()  # grown in place: bytes would be copied whole for every part
         async for part in raw.stream():
             body += part
             if len(body) > self._max_request_bytes:
                 raise too_large(self._max_request_bytes)
-        return body
+        return bytes(body)
 

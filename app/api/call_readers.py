@@ -21,6 +21,7 @@ from typing import Any
 
 import regex
 
+from app.api.growing import grow_attribute, grow_item
 MARKER, END = "<tool_call>", "</tool_call>"
 # A call object's head up to its arguments' first character: the name is whole once this matches
 _HEAD = regex.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
@@ -94,7 +95,8 @@ class ContentAndBlocks:
         found = self.text.find(MARKER, self._at)
         if found < 0:
             upto = max(self._at, len(self.text) - marker_start_held(self.text, MARKER))
-            self.content, self._at = self.content + self.text[self._at:upto], upto
+            grow_attribute(self, "content", self.text[self._at:upto])
+            self._at = upto
             return False
         self.content += self.text[self._at:found]
         self.lead = len(self.content) if self.lead is None else self.lead
@@ -119,7 +121,7 @@ class _CallsReading:
 
     def _read_arguments(self) -> bool:
         end = self._scan.advance(self.text)
-        self.calls[-1][1] = self.text[self._scan.start:end]
+        grow_item(self.calls[-1], 1, self.text[self._at:end])  # the scan only moves on: what is new since the last piece
         self._at = end
         if not self._scan.ended:
             return False
@@ -137,7 +139,7 @@ class HermesReader(_CallsReading, ContentAndBlocks):
         self._init_content()
 
     def feed(self, delta: str) -> None:
-        self.text += delta
+        grow_attribute(self, "text", delta)
         steps = {"text": self._read_text, "head": self._read_head, "arguments": self._read_arguments,
                  "tail": self._read_tail, "block": self._read_block}
         while steps[self._state]():
@@ -212,7 +214,7 @@ class ListReader(_CallsReading):
         self.stopped: int | None = None  # where an object in another shape began, if the reading stopped there
 
     def feed(self, delta: str) -> None:
-        self.text += delta
+        grow_attribute(self, "text", delta)
         steps = {"open": self._read_open, "head": self._read_head, "arguments": self._read_arguments,
                  "tail": self._read_tail, "done": lambda: False}
         while steps[self._state]():

@@ -10,6 +10,7 @@ import uuid
 from typing import AsyncIterator
 
 from app.api.errors import APIError, to_api_error
+from app.api.growing import grow_item
 from app.api.responses import call_item, logprobs_of, message_item, response_dict, usage_of
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class _ResponseStream:
         if self.open is None or self.open["type"] != "message":
             events += self._open(message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress"))
         part = self.open["content"][0]
-        part["text"] += text
+        grow_item(part, "text", text)
         part["logprobs"] += logprobs
         return events + [self._event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items) - 1,
                                      content_index=0, delta=text, logprobs=logprobs)]
@@ -127,7 +128,7 @@ class _ResponseStream:
         elif function.get("name"):
             item["name"] = function["name"]
         if function.get("arguments"):
-            item["arguments"] += function["arguments"]
+            grow_item(item, "arguments", function["arguments"])
             events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
                                       output_index=self.items.index(item), delta=function["arguments"]))
         return events

@@ -8,6 +8,7 @@ import contextlib
 from typing import AsyncIterator
 
 from app.api.call_readers import PYTHON_TAG, HermesReader, ListReader, marker_start_held
+from app.api.growing import grow_attribute
 from app.api.tools import MISTRAL_MARKER, TOOL_PARSERS, Tool, ToolCall, parse_calls, schemas_of
 from app.api.xml_calls import XmlReader
 
@@ -124,7 +125,7 @@ class StreamedCalls:
     def feed(self, delta: str) -> str:
         """Add the answer's next text; returns the content that can go out now. Trailing whitespace waits for what
         follows it: before a call it is no content (the whole answer's content is stripped there)."""
-        self.text += delta
+        grow_attribute(self, "text", delta)
         if self._reader is not None:  # content before the first call, the text's start (after it: held to the end)
             self._reader.feed(delta)
             upto = self._reader.lead if self._reader.lead is not None else len(self._reader.content)

@@ -18,6 +18,7 @@ from typing import Any
 import regex
 
 from app.api.call_readers import ContentAndBlocks
+from app.api.growing import grow_attribute
 
 _MARKER, _END, _FUNCTION_END, _PARAMETER_END = "<tool_call>", "</tool_call>", "</function>", "</parameter>"
 _FUNCTION = regex.compile(r"\s*<function=([^>\n]+)>")
@@ -46,7 +47,7 @@ class XmlReader(ContentAndBlocks):
         self._key, self._value_start, self._pairs = "", 0, 0
 
     def feed(self, delta: str) -> None:
-        self.text += delta
+        grow_attribute(self, "text", delta)
         steps = {"text": self._read_text, "function": self._read_function, "skip": self._read_skip,
                  "parameters": self._read_parameters, "value": self._read_value, "after": self._read_after}
         while steps[self._state]():
