@@ -234,7 +234,7 @@ def test_streams_that_outnumber_the_first_tokens_keep_the_cap():
 
 
 def test_the_step_cost_learns_the_per_token_cost_from_the_first_step():
-    from app.engine.engine import StepCost
+    from app.engine.step_budget import StepCost
 
     cost = StepCost()
     assert cost.tokens_within(0.2) is None  # nothing measured: no cap
@@ -243,7 +243,7 @@ def test_the_step_cost_learns_the_per_token_cost_from_the_first_step():
 
 
 def test_a_step_cost_model_with_fixed_and_per_key_terms_fits_what_the_steps_took():
-    from app.engine.engine import StepCost
+    from app.engine.step_budget import StepCost
 
     cost = StepCost()
     fixed, per_token, per_key = 0.03, 1e-3, 1e-6  # the machine: 30 ms a step, 1 ms a token, 1 us an attended key
@@ -264,7 +264,7 @@ def test_a_step_cost_model_with_fixed_and_per_key_terms_fits_what_the_steps_took
 
 
 def test_until_the_steps_differ_enough_the_model_keeps_fewer_terms():
-    from app.engine.engine import StepCost
+    from app.engine.step_budget import StepCost
 
     cost = StepCost()
     for _ in range(3):
@@ -297,7 +297,7 @@ def test_drafts_never_preempt_a_request():
 
 
 def test_a_bound_is_planned_with_headroom_and_for_the_deepest_prompts_next_chunk():
-    from app.engine.engine import StepCost
+    from app.engine.step_budget import StepCost
 
     cost = StepCost()
     assert cost.tokens_within_bound(0.2, prefill_offset=0) is None  # nothing measured: no cap
@@ -330,7 +330,7 @@ def test_a_token_cap_bounds_every_step_below_the_budget():
 
 
 def test_the_step_token_cap_halves_on_out_of_memory_and_doubles_back_after_steps_that_fit():
-    from app.engine.engine import StepTokenCap
+    from app.engine.step_budget import StepTokenCap
 
     cap = StepTokenCap(limit=2048)
     assert cap.cap is None and cap.tokens == 2048
