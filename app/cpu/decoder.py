@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from app.cpu.linear import PackedSiblingLinear
+from app.cpu.linear import GatedMLPForward, PackedSiblingLinear, linear_add
 from app.cpu.rotary import modeling_rotary, rotary_for
 
 logger = logging.getLogger(__name__)
@@ -48,16 +48,22 @@ class DecoderLayerForward:
         self.attention = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
         # bound forwards (a fused one where a module has it): the module calls' own cost was the point
         self.input_norm, self.post_norm = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
-        self.o_proj, self.mlp = attn.o_proj.forward, layer.mlp.forward
+        self.mlp = layer.mlp.forward
+        fused_mlp = layer.mlp.__dict__.get("forward")  # a gated MLP on its shared GEMM adds its residual in down_proj
+        self.mlp_add = fused_mlp.add if isinstance(fused_mlp, GatedMLPForward) else None
 
     def __call__(self, hidden_states, attention_mask=None, position_embeddings=None, past_key_values=None, **kwargs):
         if past_key_values is not None or position_embeddings is None:  # generate()'s cache: the module's path
             return type(self.layer).forward(self.layer, hidden_states, attention_mask=attention_mask,
                                             position_embeddings=position_embeddings, past_key_values=past_key_values, **kwargs)
-        hidden_states = hidden_states + self._attend(self.input_norm(hidden_states), attention_mask, position_embeddings, kwargs)
-        return hidden_states + self.mlp(self.post_norm(hidden_states))
+        hidden_states = self._attend(self.input_norm(hidden_states), attention_mask, position_embeddings, kwargs, hidden_states)
+        return self._mlp_add(self.post_norm(hidden_states), hidden_states)
 
-    def _attend(self, x: torch.Tensor, attention_mask, position_embeddings, kwargs: dict) -> torch.Tensor:
+    def _mlp_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.mlp_add(x, residual) if self.mlp_add is not None else residual + self.mlp(x)
+
+    def _attend(self, x: torch.Tensor, attention_mask, position_embeddings, kwargs: dict, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + attention(x)``, the sum taken inside o_proj where its kernel can."""
         shared, input_shape = self.shared, x.shape[:-1]
         head_shape = (*input_shape, -1, self.head_dim)
         query, key, value = shared.kernel.apply(x, shared.packed_weight, shared.bias, self.total).split(shared.sizes, dim=-1)
@@ -66,7 +72,7 @@ class DecoderLayerForward:
         query, key = self.rotary(query, key, cos, sin)
         # kwargs as the attention module passes them on (position_ids, use_cache, ...)
         out, _ = self.attention(self.attn, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
-        return self.o_proj(out.reshape(*input_shape, -1).contiguous())
+        return linear_add(self.attn.o_proj, out.reshape(*input_shape, -1).contiguous(), residual)
 
 
 def fuse_decoder_layers(model: nn.Module, rotary_kernel: bool = True) -> int:

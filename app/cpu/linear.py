@@ -49,12 +49,14 @@ import torch
 from torch import nn
 
 from app.cpu import kernel_choice
+from app.cpu.activation import silu_mul, silu_mul_lanes
 from app.cpu.build import build_id
 from app.cpu.kernel_choice import BUCKETS, LinearShape
 from app.cpu.linear_kernels import (
     FIXED_ORDER,
     LinearKernel,
     RowBucketKernel,
+    apply_add,
     bake_off_candidates,
     bf16_exact,
     select_kernel,
@@ -133,15 +135,36 @@ class PackedSiblingLinear(nn.Module):
 
 
 class GatedMLPForward:
-    """A gated MLP's ``forward`` on its shared gate/up GEMM: ``down(act(gate) * up)``, as the module computes it."""
+    """A gated MLP's ``forward`` on its shared gate/up GEMM: ``down(act(gate) * up)``, as the module computes it;
+    a SiLU gate and its product in one kernel call where that gives torch's bits (``activation.py``)."""
 
-    def __init__(self, module: nn.Module, shared: _SharedProjection) -> None:
+    def __init__(self, module: nn.Module, shared: _SharedProjection, silu_lanes: int | None = None) -> None:
         self.module, self.shared, self.width = module, shared, shared.sizes[0]
+        self.silu_lanes = silu_lanes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shared, module, width = self.shared, self.module, self.width
         gate_up = shared.kernel.apply(x, shared.packed_weight, shared.bias, 2 * width)
-        return module.down_proj(module.act_fn(gate_up[..., :width]) * gate_up[..., width:])
+        return module.down_proj(self._activated(gate_up))
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``, the sum taken inside the down projection where its kernel can (``apply_add``)."""
+        shared, width = self.shared, self.width
+        h = self._activated(shared.kernel.apply(x, shared.packed_weight, shared.bias, 2 * width))
+        return linear_add(self.module.down_proj, h, residual)
+
+    def _activated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.silu_lanes is not None and gate_up.dtype == torch.float32:
+            return silu_mul(gate_up, self.silu_lanes)
+        width = self.width
+        return self.module.act_fn(gate_up[..., :width]) * gate_up[..., width:]
+
+
+def linear_add(projection: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + projection(x)``: on a packed layer, summed as its kernel stores the outputs (the same bits)."""
+    if isinstance(projection, PackedLinear) and not projection._forward_hooks and not projection._forward_pre_hooks:
+        return apply_add(projection.kernel, x, projection.packed_weight, projection.bias, projection.out_features, residual)
+    return residual + projection(x)
 
 
 def fuse_gated_mlps(model: nn.Module) -> int:
@@ -153,11 +176,18 @@ def fuse_gated_mlps(model: nn.Module) -> int:
             continue
         if (gate.member, up.member) != (0, 1) or "forward" in module.__dict__ or not hasattr(module, "down_proj") or not hasattr(module, "act_fn"):
             continue
-        candidate = GatedMLPForward(module, gate.shared)
-        if _same_bits(module, candidate, gate.in_features):
-            module.forward = candidate
-            fused += 1
+        for candidate in _mlp_forwards(module, gate.shared):
+            if _same_bits(module, candidate, gate.in_features):
+                module.forward = candidate
+                fused += 1
+                break
     return fused
+
+
+def _mlp_forwards(module: nn.Module, shared: _SharedProjection) -> list[GatedMLPForward]:
+    """The forwards to try, best first: with the one-call SiLU where the kernel can give torch's bits, then without."""
+    lanes = silu_mul_lanes(module.act_fn)
+    return ([GatedMLPForward(module, shared, lanes)] if lanes is not None else []) + [GatedMLPForward(module, shared)]
 
 
 @torch.no_grad()

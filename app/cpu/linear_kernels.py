@@ -76,6 +76,12 @@ class AVX512BF16Kernel:
     def apply(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
         return OPS.linear_bf16dot(x, packed, bias, out_features)
 
+    def apply_add(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                  residual: torch.Tensor) -> torch.Tensor:
+        if residual.dtype != torch.float32 or not residual.is_contiguous():
+            return residual + self.apply(x, packed, bias, out_features)
+        return OPS.linear_bf16dot(x, packed, bias, out_features, residual)
+
 
 class AVX2Kernel:
     name = "avx2"
@@ -140,6 +146,24 @@ class RowBucketKernel:
             if high is None or rows <= high:
                 return self.kernels[index].apply(x, packed[index], bias, out_features)
         raise AssertionError("the last route takes every row count")
+
+    def apply_add(self, x: torch.Tensor, packed: tuple, bias: torch.Tensor | None, out_features: int,
+                  residual: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        for high, index in self.routes:
+            if high is None or rows <= high:
+                return apply_add(self.kernels[index], x, packed[index], bias, out_features, residual)
+        raise AssertionError("the last route takes every row count")
+
+
+def apply_add(kernel: LinearKernel, x: torch.Tensor, packed, bias: torch.Tensor | None, out_features: int,
+              residual: torch.Tensor) -> torch.Tensor:
+    """``residual + kernel.apply(...)``, the sum taken as the kernel stores its outputs where it can (a decoder layer's
+    residual connections: one op and one pass over the activations less), with the same bits either way."""
+    adding = getattr(kernel, "apply_add", None)
+    if adding is not None:
+        return adding(x, packed, bias, out_features, residual)
+    return residual + kernel.apply(x, packed, bias, out_features)
 
 
 def _route_lows(routes: list[tuple[int | None, int]]) -> list[int]:

@@ -60,7 +60,7 @@ def _register_fakes() -> None:
         return x.new_empty((*x.shape[:-1], out_features))
 
     @fake("llm_serve::linear_bf16dot")
-    def _(x, packed, bias, out_features):
+    def _(x, packed, bias, out_features, residual=None):
         return x.new_empty((*x.shape[:-1], out_features))
 
     @fake("llm_serve::linear_int4_bf16dot")
@@ -70,6 +70,10 @@ def _register_fakes() -> None:
     @fake("llm_serve::rms_norm")
     def _(x, weight, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    @fake("llm_serve::silu_mul")
+    def _(gate_up, lanes):
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
     @fake("llm_serve::rotary")
     def _(q, k, cos, sin):

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 extern "C" {
 int64_t packed_weight_numel(int64_t n, int64_t k);
@@ -21,12 +22,14 @@ void pack_weight_bf16(const float* w, uint16_t* packed, int64_t n, int64_t k);
 void linear(const float* x, const float* packed, const float* bias, float* y, int64_t m, int64_t k, int64_t n);
 void linear_bf16w(const float* x, const uint16_t* packed, const float* bias, float* y, int64_t m, int64_t k, int64_t n);
 int linear_bf16dot_built(void);
-void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, float* y, int64_t m, int64_t k2, int64_t n);
+void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, const float* residual, float* y, int64_t m,
+                    int64_t k2, int64_t n);
 void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const uint16_t* scales, const uint8_t* zeros,
                          const float* xsums, const float* bias, float* y, int64_t m, int64_t k2, int64_t n,
                          int64_t pairs_per_group);
 void int4_group_sums(const uint16_t* x, float* sums, int64_t m, int64_t k, int64_t group_size);
 void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
+void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t width, int lanes);
 void rotary(const float* q, int64_t qs_b, int64_t qs_h, int64_t qs_t, int64_t q_heads, const float* k, int64_t ks_b,
             int64_t ks_h, int64_t ks_t, int64_t k_heads, const float* cos, const float* sin, int64_t cs_b, int64_t cs_t,
             float* q_out, float* k_out, int64_t batch, int64_t tokens, int64_t d);
@@ -111,7 +114,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, const
 constexpr int64_t kBf16GroupCols = 64;
 
 at::Tensor bf16dot_linear(const at::Tensor& x_in, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                          int64_t out_features) {
+                          int64_t out_features, const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(linear_bf16dot_built(), "this build of the kernels has no avx512_bf16 code (compiler too old)");
   check_cpu(x_in, at::kFloat, "x");
   TORCH_CHECK(x_in.dim() >= 1, "x must have a feature dimension");
@@ -125,13 +128,19 @@ at::Tensor bf16dot_linear(const at::Tensor& x_in, const at::Tensor& packed, cons
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = out_features;
   at::Tensor y = at::empty(shape, x_in.options());
+  const float* residual_ptr = nullptr;
+  if (residual.has_value()) {  // y = residual + (x W^T + b)
+    check_dense(*residual, at::kFloat, "residual");
+    TORCH_CHECK(residual->sizes() == y.sizes(), "residual must have the output's shape ", y.sizes(), ", got ", residual->sizes());
+    residual_ptr = residual->data_ptr<float>();
+  }
   const int64_t rows = k ? x_in.numel() / k : 0;
   if (rows == 0) return y;
   at::Tensor x = at::empty({rows, 2 * k2}, x_in.options().dtype(at::kBFloat16));
   if (k % 2) x.narrow(1, k, 1).zero_();  // an odd k gets a zero partner
   x.narrow(1, 0, k).copy_(x_in.reshape({rows, k}));  // fp32 -> bf16, round to nearest even
   linear_bf16dot(reinterpret_cast<const uint32_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-                 bias_ptr, y.data_ptr<float>(), rows, k2, out_features);
+                 bias_ptr, residual_ptr, y.data_ptr<float>(), rows, k2, out_features);
   return y;
 }
 
@@ -183,6 +192,20 @@ at::Tensor rms_norm_op(const at::Tensor& x_in, const at::Tensor& weight, double 
   const int64_t hidden = weight.size(0);
   if (hidden) rms_norm(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), x.numel() / hidden, hidden, eps);
   return y;
+}
+
+// ---- the gated MLP's silu(gate) * up, from [..., gate | up] rows ------------------------------------------
+at::Tensor silu_mul_op(const at::Tensor& gate_up_in, int64_t lanes) {
+  check_cpu(gate_up_in, at::kFloat, "gate_up");
+  TORCH_CHECK(gate_up_in.dim() >= 1 && gate_up_in.size(-1) % 2 == 0, "gate_up's last dimension must be even (gate, then up)");
+  TORCH_CHECK(lanes == 1 || lanes == 8 || lanes == 16, "lanes must be 1, 8 or 16, got ", lanes);
+  const at::Tensor gate_up = gate_up_in.contiguous();
+  const int64_t width = gate_up.size(-1) / 2;
+  std::vector<int64_t> shape = gate_up.sizes().vec();
+  shape.back() = width;
+  at::Tensor out = at::empty(shape, gate_up.options());
+  if (width) silu_mul(gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.numel() / (2 * width), width, static_cast<int>(lanes));
+  return out;
 }
 
 // ---- RoPE: q [B, H, T, D], k [B, Hkv, T, D], cos/sin [B or 1, T, D] ------------------------------------
@@ -311,11 +334,12 @@ at::Tensor prefill_attention_op(const at::Tensor& query, const at::Tensor& k_poo
 TORCH_LIBRARY(llm_serve, m) {
   m.def("pack_linear_weight(Tensor weight, ScalarType dtype) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
-  m.def("linear_bf16dot(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("linear_bf16dot(Tensor x, Tensor packed, Tensor? bias, int out_features, Tensor? residual=None) -> Tensor");
   m.def("linear_bf16dot_built() -> int");
   m.def("linear_int4_bf16dot(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor? bias, int out_features, "
         "int group_size) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up, int lanes) -> Tensor");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_pool, Tensor(b!) v_pool, "
@@ -334,6 +358,7 @@ TORCH_LIBRARY_IMPL(llm_serve, CPU, m) {
   m.impl("linear_bf16dot", &bf16dot_linear);
   m.impl("linear_int4_bf16dot", &int4_bf16dot_linear);
   m.impl("rms_norm", &rms_norm_op);
+  m.impl("silu_mul", &silu_mul_op);
   m.impl("rotary", &rotary_op);
   m.impl("argmax_rows", &argmax_rows_op);
   m.impl("decode_attention", &decode_attention_op);

@@ -53,8 +53,8 @@ static inline Prefetch next_group_share(const uint16_t* packed, int64_t g, int64
 }
 
 static inline TARGET __attribute__((always_inline)) void tile(const uint32_t* x, int64_t k2, const uint16_t* w, const float* bias,
-                                                               float* y, int64_t n, int64_t col0, const int rows,
-                                                               const Prefetch pf) {
+                                                               const float* residual, float* y, int64_t n, int64_t col0,
+                                                               const int rows, const Prefetch pf) {
     __m512 acc[TILE_ROWS][PANELS];
     for (int r = 0; r < rows; r++)
         for (int p = 0; p < PANELS; p++) acc[r][p] = _mm512_setzero_ps();
@@ -74,25 +74,30 @@ static inline TARGET __attribute__((always_inline)) void tile(const uint32_t* x,
         if (left <= 0) break;
         const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-        for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(y + r * n + col, mask, _mm512_add_ps(acc[r][p], b));
+        for (int r = 0; r < rows; r++) {
+            const __m512 out = _mm512_add_ps(acc[r][p], b);  // residual + (sum + bias): torch's h + linear(x), bit for bit
+            _mm512_mask_storeu_ps(y + r * n + col, mask,
+                                  residual ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, residual + r * n + col), out) : out);
+        }
     }
 }
 
-static TARGET void tile_rows(const uint32_t* x, int64_t k2, const uint16_t* w, const float* bias, float* y, int64_t n,
-                             int64_t col0, int rows, const Prefetch pf) {
+static TARGET void tile_rows(const uint32_t* x, int64_t k2, const uint16_t* w, const float* bias, const float* residual,
+                             float* y, int64_t n, int64_t col0, int rows, const Prefetch pf) {
     switch (rows) {  // a constant row count per case, so the accumulators stay in registers
-        case 1: tile(x, k2, w, bias, y, n, col0, 1, pf); break;
-        case 2: tile(x, k2, w, bias, y, n, col0, 2, pf); break;
-        case 3: tile(x, k2, w, bias, y, n, col0, 3, pf); break;
-        case 4: tile(x, k2, w, bias, y, n, col0, 4, pf); break;
-        case 5: tile(x, k2, w, bias, y, n, col0, 5, pf); break;
-        default: tile(x, k2, w, bias, y, n, col0, 6, pf); break;
+        case 1: tile(x, k2, w, bias, residual, y, n, col0, 1, pf); break;
+        case 2: tile(x, k2, w, bias, residual, y, n, col0, 2, pf); break;
+        case 3: tile(x, k2, w, bias, residual, y, n, col0, 3, pf); break;
+        case 4: tile(x, k2, w, bias, residual, y, n, col0, 4, pf); break;
+        case 5: tile(x, k2, w, bias, residual, y, n, col0, 5, pf); break;
+        default: tile(x, k2, w, bias, residual, y, n, col0, 6, pf); break;
     }
 }
 
-// x: [m][k2] bf16 pairs; packed: ceil(n / 64) groups of k2 * 128 bf16; y: [m][n].
-TARGET void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, float* y, int64_t m,
-                           int64_t k2, int64_t n) {
+// x: [m][k2] bf16 pairs; packed: ceil(n / 64) groups of k2 * 128 bf16; y: [m][n]; residual: [m][n] added to
+// each output (a decoder layer's h + o_proj(x), h + down(x): one pass less), or NULL.
+TARGET void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, const float* residual, float* y,
+                           int64_t m, int64_t k2, int64_t n) {
     const int64_t groups = (n + GROUP_COLS - 1) / GROUP_COLS, tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
     // Tasks are (group, row tile), group-major, handed out in contiguous ranges: a thread runs all the tiles
     // of most of its groups back to back (the group's weights stay in its L2), and a weight with few groups
@@ -101,7 +106,8 @@ TARGET void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const floa
     for (int64_t task = 0; task < groups * tiles; task++) {
         const int64_t g = task / tiles, r = task % tiles * TILE_ROWS;
         const int rows = (int)(m - r < TILE_ROWS ? m - r : TILE_ROWS);
-        tile_rows(x + r * k2, k2, packed + g * k2 * (GROUP_COLS * 2), bias, y + r * n, n, g * GROUP_COLS, rows,
+        tile_rows(x + r * k2, k2, packed + g * k2 * (GROUP_COLS * 2), bias, residual ? residual + r * n : residual, y + r * n, n,
+                  g * GROUP_COLS, rows,
                   next_group_share(packed, g, groups, task % tiles, tiles, k2));
     }
 }
@@ -213,8 +219,9 @@ TARGET void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const u
 
 #else
 int linear_bf16dot_built(void) { return 0; }
-void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, float* y, int64_t m, int64_t k2, int64_t n) {
-    (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)k2; (void)n;
+void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, const float* residual, float* y, int64_t m,
+                    int64_t k2, int64_t n) {
+    (void)x; (void)packed; (void)bias; (void)residual; (void)y; (void)m; (void)k2; (void)n;
 }
 void int4_group_sums(const uint16_t* x, float* sums, int64_t m, int64_t k, int64_t group_size) {
     (void)x; (void)sums; (void)m; (void)k; (void)group_size;

@@ -67,3 +67,20 @@ def test_asking_for_it_by_name_works_here_and_names_the_kernel():
     assert isinstance(select_kernel("avx512-bf16"), AVX512BF16Kernel)
     assert isinstance(select_kernel("auto", torch.bfloat16, bf16_products=True), AVX512BF16Kernel)
     assert select_kernel("auto").name == "avx2"  # fp32 stays fp32
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n, k, rows", [(96, 64, 5), (50, 33, 7), (576, 1536, 32), (300, 64, 40)])
+def test_a_residual_summed_as_outputs_are_stored_gives_the_bits_of_adding_it_after(bias, n, k, rows):
+    from app.cpu.linear_kernels import apply_add
+
+    torch.manual_seed(n + rows)
+    weight, x, residual = torch.randn(n, k), torch.randn(rows, k), torch.randn(rows, n) * 10
+    b = torch.randn(n) if bias else None
+    kernel = AVX512BF16Kernel()
+    packed = kernel.pack(weight)
+    got = apply_add(kernel, x, packed, b, n, residual)
+    assert torch.equal(got, residual + kernel.apply(x, packed, b, n))
+    assert not torch.equal(got, kernel.apply(x, packed, b, n))
+    with pytest.raises(RuntimeError, match="residual must have the output's shape"):
+        torch.ops.llm_serve.linear_bf16dot(x, packed, b, n, residual[:, :-1].contiguous())

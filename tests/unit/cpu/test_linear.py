@@ -3,6 +3,7 @@ import torch
 from torch import nn
 
 from app.cpu.linear import PackedLinear, PackedSiblingLinear, pack_cpu_linears
+from tests.unit.cpu.conftest import needs_kernels
 
 
 class QuantizedLinearStandIn(nn.Linear):
@@ -129,3 +130,22 @@ def test_a_gated_mlp_with_another_formula_keeps_its_own_forward():
     model = _llama_mlp(act_on_up=True)
     pack_cpu_linears(model)
     assert isinstance(model.gate_proj, PackedSiblingLinear) and "forward" not in model.__dict__
+
+
+@needs_kernels
+def test_a_gated_mlp_with_silu_takes_the_one_call_activation_where_the_kernels_run():
+    from app.cpu.linear import GatedMLPForward
+
+    model = _llama_mlp()
+    pack_cpu_linears(model)
+    fused = model.__dict__.get("forward")
+    assert isinstance(fused, GatedMLPForward) and fused.silu_lanes is not None
+
+
+@pytest.mark.parametrize("rows", [1, 32])
+def test_a_gated_mlp_adds_its_residual_with_the_bits_of_adding_it_after(rows):
+    model = _llama_mlp()
+    pack_cpu_linears(model)
+    x, residual = torch.randn(1, rows, 64), torch.randn(1, rows, 64)
+    with torch.inference_mode():
+        assert torch.equal(model.__dict__["forward"].add(x, residual), residual + model(x))
