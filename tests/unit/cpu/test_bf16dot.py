@@ -84,3 +84,16 @@ def test_a_residual_summed_as_outputs_are_stored_gives_the_bits_of_adding_it_aft
     assert not torch.equal(got, kernel.apply(x, packed, b, n))
     with pytest.raises(RuntimeError, match="residual must have the output's shape"):
         torch.ops.llm_serve.linear_bf16dot(x, packed, b, n, residual[:, :-1].contiguous())
+
+
+def test_activations_are_rounded_to_bf16_as_torch_rounds_them():
+    # an identity weight returns each activation as the kernel rounded it (subnormal products aside: vdpbf16ps
+    # flushes them), whatever its exponent and whether it is a row's last, odd feature
+    generator = torch.Generator().manual_seed(0)
+    for k in (64, 33):
+        x = torch.randn(512, k, generator=generator) * torch.exp2(torch.randint(-120, 100, (512, k), generator=generator).float())
+        kernel = AVX512BF16Kernel()
+        got = kernel.apply(x, kernel.pack(torch.eye(k)), None, k)
+        want = x.bfloat16().float()
+        normal = want.abs() >= torch.finfo(torch.float32).tiny
+        assert normal.sum() > 0.9 * x.numel() and torch.equal(got[normal], want[normal])
