@@ -8,7 +8,9 @@ in the module's order (norm, q/k/v from the shared GEMM, RoPE as the modeling mo
 ``apply_rotary_pos_emb`` computes it (our kernel where it gives that function's bits, ``rotary.py``),
 the registered attention function, o_proj, residual, norm, MLP, residual) with everything resolved
 once: same ops on the same inputs, so the same bits, and it is installed only where that was checked
-on a test input (as ``linear.py`` does for gated MLPs).
+on a test input (as ``linear.py`` does for gated MLPs). The two residual sums are taken inside o_proj and
+down_proj where their kernel stores its outputs with the residual added (``linear_kernels.apply_add``), in the
+order and with the bits of adding them after.
 
 Only layers of the Llama family's exact shape qualify: children ``self_attn``, ``mlp``,
 ``input_layernorm``, ``post_attention_layernorm``; an attention of exactly q/k/v/o projections
