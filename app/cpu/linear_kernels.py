@@ -141,18 +141,20 @@ class RowBucketKernel:
         return tuple(kernel.pack(weight) for kernel in self.kernels)
 
     def apply(self, x: torch.Tensor, packed: tuple, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        for high, index in self.routes:
-            if high is None or rows <= high:
-                return self.kernels[index].apply(x, packed[index], bias, out_features)
-        raise AssertionError("the last route takes every row count")
+        index = self._route(x)
+        return self.kernels[index].apply(x, packed[index], bias, out_features)
 
     def apply_add(self, x: torch.Tensor, packed: tuple, bias: torch.Tensor | None, out_features: int,
                   residual: torch.Tensor) -> torch.Tensor:
+        index = self._route(x)
+        return apply_add(self.kernels[index], x, packed[index], bias, out_features, residual)
+
+    def _route(self, x: torch.Tensor) -> int:
+        """The index of the kernel for ``x``'s row count."""
         rows = x.numel() // x.shape[-1]
         for high, index in self.routes:
             if high is None or rows <= high:
-                return apply_add(self.kernels[index], x, packed[index], bias, out_features, residual)
+                return index
         raise AssertionError("the last route takes every row count")
 
 

@@ -106,9 +106,9 @@ TARGET void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const floa
     for (int64_t task = 0; task < groups * tiles; task++) {
         const int64_t g = task / tiles, r = task % tiles * TILE_ROWS;
         const int rows = (int)(m - r < TILE_ROWS ? m - r : TILE_ROWS);
-        tile_rows(x + r * k2, k2, packed + g * k2 * (GROUP_COLS * 2), bias, residual ? residual + r * n : residual, y + r * n, n,
-                  g * GROUP_COLS, rows,
-                  next_group_share(packed, g, groups, task % tiles, tiles, k2));
+        const float* tile_residual = residual ? residual + r * n : residual;  // (NULL stays NULL)
+        tile_rows(x + r * k2, k2, packed + g * k2 * (GROUP_COLS * 2), bias, tile_residual, y + r * n, n, g * GROUP_COLS,
+                  rows, next_group_share(packed, g, groups, task % tiles, tiles, k2));
     }
 }
 
