@@ -117,6 +117,8 @@ def test_row_counts_go_to_their_buckets_kernel():
     assert len(packed) == 2  # one copy per distinct kernel
     for rows, tag in [(1, 1.0), (8, 1.0), (9, 2.0), (64, 2.0), (65, 1.0), (3000, 1.0)]:
         assert kernel.apply(torch.zeros(1, rows, 4), packed, None, 4).unique().item() == tag, rows
+        residual = torch.full((1, rows, 4), 10.0)  # a kernel without apply_add: the sum after its product
+        assert kernel.apply_add(torch.zeros(1, rows, 4), packed, None, 4, residual).unique().item() == 10.0 + tag, rows
 
 
 class Slow:
