@@ -144,20 +144,18 @@ class GatedMLPForward:
         self.silu_lanes = silu_lanes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        shared, module, width = self.shared, self.module, self.width
-        gate_up = shared.kernel.apply(x, shared.packed_weight, shared.bias, 2 * width)
-        return module.down_proj(self._activated(gate_up))
+        return self.module.down_proj(self._hidden(x))
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)``, the sum taken inside the down projection where its kernel can (``apply_add``)."""
-        shared, width = self.shared, self.width
-        h = self._activated(shared.kernel.apply(x, shared.packed_weight, shared.bias, 2 * width))
-        return linear_add(self.module.down_proj, h, residual)
+        return linear_add(self.module.down_proj, self._hidden(x), residual)
 
-    def _activated(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` from the shared GEMM."""
+        shared, width = self.shared, self.width
+        gate_up = shared.kernel.apply(x, shared.packed_weight, shared.bias, 2 * width)
         if self.silu_lanes is not None and gate_up.dtype == torch.float32:
             return silu_mul(gate_up, self.silu_lanes)
-        width = self.width
         return self.module.act_fn(gate_up[..., :width]) * gate_up[..., width:]
 
 
