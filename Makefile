@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml
 model: install
 	$(BIN)/python -m app prepare smollm2-135m-instruct smollm2-135m-instruct-gptq
 
-# Serve's direct ingress: the ingress replica also serves HTTP on its own port (30000 up), skipping the proxy's hop.
+# `serve run` on a local Ray sized for one machine (deployments/launch.py): Serve's direct ingress (the ingress replica
+# also serves HTTP on its own port, 30000 up), the controller's loop at 0.5 s, no dashboard unless DASHBOARD=1.
+DASHBOARD ?=
 serve: model
-	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 $(BIN)/serve run serve_config.yaml
+	$(BIN)/python -m deployments.launch serve_config.yaml $(if $(filter 1,$(DASHBOARD)),--dashboard)
 
 # Four pytest runs side by side (tests/run.py): the Ray tiers mostly wait on Serve while the other two compute.
 test: model

@@ -1,10 +1,11 @@
-"""Start the real app with ``serve run`` for one configuration, wait until it answers, stop it after.
+"""Start the real app as ``make serve`` does, for one configuration; wait until it answers, stop it after.
 
 Used by the mode comparison so every mode is measured through the same path users take (Ray Serve,
-HTTP, OpenAI API). Runs ``serve run`` as a subprocess, so this module never imports ray. The naive
+HTTP, OpenAI API). Runs ``make serve``'s command (``python -m deployments.launch``: ``serve run`` on a local Ray
+sized for one machine) as a subprocess, so this module never imports ray. The naive
 transformers server (benchmarks/naive_server.py) is started the same way for ``peer --launch naive``.
 
-``serve run`` starts as ``make serve`` starts it, with Serve's direct ingress on (``DIRECT_INGRESS_ENV``): the
+The server starts as ``make serve`` starts it, with Serve's direct ingress on (``DIRECT_INGRESS_ENV``): the
 ingress replica then serves HTTP on a port of its own besides the proxy's, and the benchmark sends its
 requests there, where a streamed token skips the proxy's hop (docs/performance.md).
 """
@@ -47,10 +48,9 @@ def running_server(app_config: dict, port: int, log_path: Path, ready_timeout_s:
         config_file.write_text(yaml.safe_dump(app_config))
         serve_file = Path(tmp) / "serve.yaml"
         serve_file.write_text(yaml.safe_dump(_serve_config(config_file, port)))
-        serve_bin = Path(sys.executable).parent / "serve"
         with open(log_path, "w") as log:
             process = subprocess.Popen(
-                [str(serve_bin), "run", str(serve_file)], cwd=code, stdout=log, stderr=subprocess.STDOUT,
+                [*_serve_command(code), str(serve_file)], cwd=code, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, env=env,
             )
             url = f"http://127.0.0.1:{port}"
@@ -82,6 +82,13 @@ def running_naive_server(port: int, log_path: Path, served_name: str, dtype: str
             yield url
         finally:
             _stop(process)
+
+
+def _serve_command(code: Path) -> list[str]:
+    """``make serve``'s command in ``code``; ``serve run`` itself in a checkout from before the launcher."""
+    if (code / "deployments" / "launch.py").exists():
+        return [sys.executable, "-m", "deployments.launch"]
+    return [str(Path(sys.executable).parent / "serve"), "run"]
 
 
 def _serve_config(config_file: Path, port: int) -> dict:

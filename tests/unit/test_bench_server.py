@@ -61,7 +61,8 @@ class _Popen:
 @pytest.mark.parametrize("other_checkout", [False, True])
 def test_serve_run_imports_the_app_from_the_checkout_it_is_given(tmp_path, monkeypatch, other_checkout):
     """An A/B of two versions (``peer --launch ours --code DIR``): serve run starts in that checkout, and the checkout
-    comes first on the import path of serve run and of Ray's workers, ahead of this checkout's editable install."""
+    comes first on the import path of serve run and of Ray's workers, ahead of this checkout's editable install. It
+    starts as ``make serve`` starts it there: through the launcher, or ``serve run`` itself in a checkout without one."""
     monkeypatch.setattr(server.subprocess, "Popen", _Popen)
     monkeypatch.setattr(server, "_wait_ready", lambda *args: None)
     monkeypatch.setattr(server, "_direct_url", lambda *args: None)
@@ -73,6 +74,9 @@ def test_serve_run_imports_the_app_from_the_checkout_it_is_given(tmp_path, monke
         assert url == "http://127.0.0.1:8100"
     started = _Popen.started[0]
     assert started["cwd"] == (code or server.ROOT)
+    serve_run = [str(server.Path(server.sys.executable).parent / "serve"), "run"]
+    launcher = [server.sys.executable, "-m", "deployments.launch"]
+    assert started["command"][:-1] == (serve_run if other_checkout else launcher)
     expected = f"{code}{server.os.pathsep}/elsewhere" if other_checkout else "/elsewhere"
     assert started["env"]["PYTHONPATH"] == expected and started["env"]["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
 

@@ -1,0 +1,63 @@
+"""``make serve``: ``serve run`` on a local Ray sized for one machine.
+
+``python -m deployments.launch serve_config.yaml [--dashboard] [serve run's options]``
+
+``serve run`` with no cluster to join starts a local Ray with Ray's defaults, made for clusters of many cores. On a
+machine of a few cores they take CPU from the engine's threads, and a step of the engine stalls for as long as any
+other process holds one of its cores: Ray's dashboard (its web frontend and a process per module) and Serve's
+controller, which runs its loop ten times a second and asks GCS for every node's resources each time, spent more
+CPU during a 32-stream load than the ingress replica that streams every token (docs/performance.md).
+
+This starts that local Ray itself: without the dashboard unless ``--dashboard`` is given (Ray then keeps one process
+for its usage statistics alone; ``serve status`` and ``serve deploy``, which ask the dashboard, need the flag), with
+the controller's loop at 0.5 s and Serve's direct ingress on (``SERVE_ENV``; a variable already set keeps its value),
+then hands over to ``serve run``, which finds Ray started and runs the config on it; Ctrl-C stops both, as with
+``serve run``. Given a cluster (``--address`` or ``RAY_ADDRESS``) or a ``runtime_env`` for ``ray.init`` (``--runtime-env``,
+``--runtime-env-json``, ``--working-dir``), it starts nothing: the command is ``serve run``, with ``SERVE_ENV``
+in this process's environment (a cluster's processes take theirs from its ``ray start``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# The controller, the proxy and the replicas read these when they start; a local Ray gives its processes the
+# environment of the process that started it.
+SERVE_ENV = {
+    # the ingress replica also serves HTTP on its own port (30000 up): a streamed token skips the proxy's hop
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    # Serve's default is 0.1 s. Its loop notices new, failed and finished replicas and takes autoscaling decisions;
+    # health checks keep their own period (10 s), and requests never wait on the loop.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+}
+DASHBOARD_FLAG = "--dashboard"
+# serve run's options that decide how it calls ray.init itself
+_OWN_RAY_INIT = ("--address", "-a", "--runtime-env", "--runtime-env-json", "--working-dir")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    dashboard = DASHBOARD_FLAG in args
+    args = [arg for arg in args if arg != DASHBOARD_FLAG]
+    for name, value in SERVE_ENV.items():
+        os.environ.setdefault(name, value)
+    if starts_local_ray(args, os.environ):
+        import ray
+        from ray.serve._private.constants import SERVE_NAMESPACE  # the namespace serve run's own ray.init uses
+
+        ray.init(namespace=SERVE_NAMESPACE, include_dashboard=dashboard)
+    from ray.serve.scripts import cli
+
+    cli.main(["run", *args], prog_name="serve")
+
+
+def starts_local_ray(args: list[str], environ) -> bool:
+    """Whether this launcher starts the local Ray, rather than leave ray.init to serve run."""
+    if environ.get("RAY_ADDRESS"):
+        return False
+    return not any(arg == option or arg.startswith(option + "=") for arg in args for option in _OWN_RAY_INIT)
+
+
+if __name__ == "__main__":
+    main()
