@@ -84,7 +84,8 @@ def test_make_serve_runs_the_app_on_a_lean_local_ray_and_ctrl_c_stops_it(launche
     assert all("--disable-frontend" in command for command in dashboards)
     assert not any("ray-dashboard-" in command for command, _ in started)
     controllers = [environ for command, environ in started if "ServeController" in command]
-    assert controllers and all(environ.get(name) == value for environ in controllers for name, value in SERVE_ENV.items())
+    assert controllers
+    assert all(environ.get(name) == value for environ in controllers for name, value in SERVE_ENV.items())
     assert "Started HTTP server on port" in log_path.read_text()  # direct ingress: the replica's own port
 
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in the terminal reaches the whole foreground group
