@@ -13,8 +13,8 @@ for its usage statistics alone; ``serve status`` and ``serve deploy``, which ask
 the controller's loop at 0.5 s and Serve's direct ingress on (``SERVE_ENV``; a variable already set keeps its value),
 then hands over to ``serve run``, which finds Ray started and runs the config on it; Ctrl-C stops both, as with
 ``serve run``. Given a cluster (``--address`` or ``RAY_ADDRESS``) or a ``runtime_env`` for ``ray.init``
-(``--runtime-env``, ``--runtime-env-json``, ``--working-dir``), it starts nothing: the command is ``serve run``, with ``SERVE_ENV``
-in this process's environment (a cluster's processes take theirs from its ``ray start``).
+(``--runtime-env``, ``--runtime-env-json``, ``--working-dir``), it starts nothing: the command is ``serve run``, with
+``SERVE_ENV`` in this process's environment (a cluster's processes take theirs from its ``ray start``).
 """
 
 from __future__ import annotations

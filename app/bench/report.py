@@ -91,8 +91,8 @@ def _document_head() -> list[str]:
               "carrying a token (with text, or empty for a token with no text of its own, e.g. a special token) against generated "
               "tokens (equal: every token streamed as it came).", "",
               "## Re-running", "",
-              "- `make bench` (`BENCH_PEERS=\"naive vllm\"` for both peers): `compare` (this project in each batching mode through "
-              "`serve run`), `hf` (transformers offline), `peer` for each of `BENCH_PEERS` (`naive`: benchmarks/naive_server.py; "
+              "- `make bench` (`BENCH_PEERS=\"naive vllm\"` for both peers): `compare` (this project in each batching mode, served "
+              "as `make serve` serves it), `hf` (transformers offline), `peer` for each of `BENCH_PEERS` (`naive`: benchmarks/naive_server.py; "
               "`vllm`: vLLM's CPU backend through benchmarks/vllm_cpu.sh), then this machine's CPU-class section.",
               "- `make bench BENCH_ROUNDS=3` (or `make bench-rounds BENCH_RUN=<a run folder>`): also this project and vLLM in turn, "
               "3 rounds of fresh servers, on the embedded model (W1 W2 W5) and the 371M shape (W1 W2) "

@@ -23,7 +23,6 @@ import random
 import re
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ import yaml
 
 from app.bench.percentiles import percentiles
 from app.bench.prompts import WORDS
-from app.bench.server import ROOT, _stop, _wait_ready
+from app.bench.server import ROOT, _serve_command, _stop, _wait_ready
 
 SAMPLE_EVERY_S = 10.0
 PROMPT_WORDS = 16  # short requests: a soak is about time, not about load
@@ -57,8 +56,8 @@ def run_soak(app_config: dict, port: int, log_path: Path, duration_s: float, rat
 
 @contextlib.contextmanager
 def serving(app_config: dict, port: int, log_path: Path, server_factory: str | None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``serve run`` of ``build_app`` on ``app_config`` (and a ``server_factory``, e.g. the tests' fake model);
-    yields (base URL, the ``serve run`` process, leader of its own process session)."""
+    """``build_app`` on ``app_config`` (and a ``server_factory``, e.g. the tests' fake model), served as ``make serve``
+    serves it; yields (base URL, the ``serve run`` process, leader of its own process session)."""
     with socket.socket() as probe:  # a server already there would answer in our place
         try:
             probe.bind(("127.0.0.1", port))
@@ -80,7 +79,7 @@ def serving(app_config: dict, port: int, log_path: Path, server_factory: str | N
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as log:
-            process = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(serve_file)], cwd=ROOT,
+            process = subprocess.Popen([*_serve_command(ROOT), str(serve_file)], cwd=ROOT,
                                        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             url = f"http://127.0.0.1:{port}"
             try:
