@@ -39,9 +39,8 @@ def _merge_ready(first, pending: asyncio.Queue) -> tuple[RequestOutput | BaseExc
     """Fold outputs that queued up behind ``first`` into one delta; returns it and any failure read after it
     (an exception, or an output that ends the request with an error), which the caller takes next.
 
-    When the consumer (a slow client, or the streaming path under load) falls behind the engine,
-    it then sends one chunk with several tokens instead of one chunk per token, so per-chunk
-    overhead shrinks exactly when it matters; an idle consumer still gets every token at once.
+    Only for paced streams (``stream_interval_ms``, ``max_stream_chunks_per_s``): the tokens that gathered during a
+    pause go out as one chunk. Unpaced, every token is a chunk of its own, even for a consumer that fell behind.
     """
     merged = first
     while isinstance(merged, RequestOutput) and not merged.finished and not pending.empty():
@@ -85,6 +84,7 @@ class AsyncEngine:
         self._max_queue_time_s = max_queue_time_s  # > 0: the deadline of a request's first token
         self._stream_interval_s = stream_interval_s
         self._max_chunk_rate = max_stream_chunks_per_s
+        self._paced = stream_interval_s > 0 or max_stream_chunks_per_s > 0  # else a chunk per token, always
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that reads the core's reports
         self._streams: dict[str, asyncio.Queue] = {}
         self._in_core: set[str] = set()  # requests the core holds (added, not yet finished or aborted)
@@ -126,7 +126,8 @@ class AsyncEngine:
             while not finished:
                 item = carry if carry is not None else await self._next_output(outputs, deadline)
                 deadline = None  # only the first token has a deadline: from then on the request is in the batch
-                item, carry = _merge_ready(item, outputs)
+                if self._paced:
+                    item, carry = _merge_ready(item, outputs)
                 if isinstance(item, BaseException):
                     raise item
                 if item.finish_reason == "error":

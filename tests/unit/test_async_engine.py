@@ -22,7 +22,6 @@ def _request(rid, max_tokens=3):
 async def test_streams_until_finished():
     engine = AsyncEngine(in_thread())
     outputs = [o async for o in engine.generate(_request("a"))]
-    # Outputs that queue up while the consumer is busy arrive merged into one delta.
     assert [t for o in outputs for t in o.new_token_ids] == [0, 1, 2]
     assert outputs[-1].num_output_tokens == 3 and outputs[-1].finished
     engine.shutdown(1)
@@ -103,6 +102,19 @@ async def test_paced_streams_merge_tokens_into_fewer_chunks_and_drop_none():
         assert sum(o.finished for o in chunks) == 1 and chunks[-1].finished
     # 40 tokens of 5 ms steps take 0.2 s; paced at 0.1 s a chunk, a stream cannot have sent one chunk per token
     assert min(len(chunks) for chunks in outputs) < 40
+
+
+async def test_unpaced_a_consumer_that_falls_behind_still_gets_a_chunk_per_token():
+    """stream_interval_ms 0 and no chunk cap (the defaults): every token streamed as a chunk of its own, also the
+    tokens that queued up while the consumer was busy."""
+    engine = AsyncEngine(in_thread(SlowCountingCore))
+    chunks = []
+    async for output in engine.generate(_request("behind", max_tokens=10)):
+        chunks.append(output)
+        await asyncio.sleep(0.03)  # ~6 steps of the core meanwhile
+    engine.shutdown(1)
+    assert [o.new_token_ids for o in chunks] == [[t] for t in range(10)]
+    assert chunks[-1].finished
 
 
 async def test_a_dead_engine_reports_no_load():
