@@ -20,6 +20,7 @@ then hands over to ``serve run``, which finds Ray started and runs the config on
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 # The controller, the proxy and the replicas read these when they start; a local Ray gives its processes the
@@ -37,6 +38,9 @@ _OWN_RAY_INIT = ("--address", "-a", "--runtime-env", "--runtime-env-json", "--wo
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Ctrl-C (SIGINT) stops serve run and the Ray it started, also where this was started with SIGINT ignored (a
+    # background job of a non-interactive shell, a test run): an ignored signal would stay ignored through exec.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     args = list(sys.argv[1:] if argv is None else argv)
     dashboard = DASHBOARD_FLAG in args
     args = [arg for arg in args if arg != DASHBOARD_FLAG]
@@ -44,9 +48,10 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault(name, value)
     if starts_local_ray(args, os.environ):
         import ray
-        from ray.serve._private.constants import SERVE_NAMESPACE  # the namespace serve run's own ray.init uses
 
-        ray.init(namespace=SERVE_NAMESPACE, include_dashboard=dashboard)
+        from deployments.ray_compat import serve_namespace
+
+        ray.init(namespace=serve_namespace(), include_dashboard=dashboard)
     from ray.serve.scripts import cli
 
     cli.main(["run", *args], prog_name="serve")

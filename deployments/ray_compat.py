@@ -108,3 +108,13 @@ def _has_request_context() -> bool:
         return callable(serve.context._get_serve_request_context)
     except Exception:  # noqa: BLE001 - another Ray
         return False
+
+
+def serve_namespace() -> str:
+    """The Ray namespace ``serve run`` initializes Ray in (deployments/launch.py starts Ray there for it); Serve's
+    own name for it, "serve", where the constant has moved."""
+    try:
+        from ray.serve._private.constants import SERVE_NAMESPACE
+    except ImportError:
+        return "serve"
+    return SERVE_NAMESPACE

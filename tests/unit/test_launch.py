@@ -18,6 +18,7 @@ def calls(monkeypatch):
     monkeypatch.setattr(os, "environ", seen["environ"])
     monkeypatch.setattr(ray, "init", lambda **options: seen.setdefault("ray.init", options))
     monkeypatch.setattr(scripts.cli, "main", lambda args, prog_name: seen.setdefault("serve", args))
+    monkeypatch.setattr(launch.signal, "signal", lambda *args: seen.setdefault("signal", args))  # this process's stay
     return seen
 
 
@@ -26,6 +27,7 @@ def test_a_local_ray_without_the_dashboard_then_serve_run(calls):
     assert calls["ray.init"] == {"namespace": "serve", "include_dashboard": False}
     assert calls["serve"] == ["run", "serve_config.yaml", "--reload"]
     assert all(calls["environ"][name] == value for name, value in launch.SERVE_ENV.items())
+    assert calls["signal"] == (launch.signal.SIGINT, launch.signal.default_int_handler)  # Ctrl-C stops it
 
 
 def test_the_dashboard_on_request(calls):
