@@ -23,6 +23,7 @@ from app.engine.draft_calls import DraftCallSender, DraftClient
 from app.engine.errors import (EngineDeadError, EngineOverloadedError, EngineQueueTimeoutError, EngineShutdownError,
                                ReplicaDrainingError, RequestFailedError, engine_failure)
 from app.engine.request import Request, RequestOutput
+from app.engine.stream_pacing import StreamPacing, merge_ready
 
 logger = logging.getLogger(__name__)
 
@@ -33,22 +34,6 @@ _SENDER_JOIN_S = 5.0  # at shutdown, for the commands queued before it
 
 
 Admit = Callable[[Request], Awaitable[None]]
-
-
-def _merge_ready(first, pending: asyncio.Queue) -> tuple[RequestOutput | BaseException, BaseException | None]:
-    """Fold outputs that queued up behind ``first`` into one delta; returns it and any failure read after it
-    (an exception, or an output that ends the request with an error), which the caller takes next.
-
-    Only for paced streams (``stream_interval_ms``, ``max_stream_chunks_per_s``): the tokens that gathered during a
-    pause go out as one chunk. Unpaced, every token is a chunk of its own, even for a consumer that fell behind.
-    """
-    merged = first
-    while isinstance(merged, RequestOutput) and not merged.finished and not pending.empty():
-        nxt = pending.get_nowait()
-        if not isinstance(nxt, RequestOutput) or nxt.finish_reason == "error":
-            return merged, nxt  # the tokens before a failure go out first; the failure ends the stream next
-        merged = merged.followed_by(nxt)
-    return merged, None
 
 
 class AsyncEngine:
@@ -82,9 +67,7 @@ class AsyncEngine:
         self._step_timeout_s = step_timeout_s
         self._max_queued = max_queued_requests
         self._max_queue_time_s = max_queue_time_s  # > 0: the deadline of a request's first token
-        self._stream_interval_s = stream_interval_s
-        self._max_chunk_rate = max_stream_chunks_per_s
-        self._paced = stream_interval_s > 0 or max_stream_chunks_per_s > 0  # else a chunk per token, always
+        self._pacing = StreamPacing(stream_interval_s, max_stream_chunks_per_s)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that reads the core's reports
         self._streams: dict[str, asyncio.Queue] = {}
         self._in_core: set[str] = set()  # requests the core holds (added, not yet finished or aborted)
@@ -126,8 +109,8 @@ class AsyncEngine:
             while not finished:
                 item = carry if carry is not None else await self._next_output(outputs, deadline)
                 deadline = None  # only the first token has a deadline: from then on the request is in the batch
-                if self._paced:
-                    item, carry = _merge_ready(item, outputs)
+                if self._pacing.paced:
+                    item, carry = merge_ready(item, outputs)
                 if isinstance(item, BaseException):
                     raise item
                 if item.finish_reason == "error":
@@ -154,18 +137,8 @@ class AsyncEngine:
             ) from None
 
     def _chunk_pause_s(self) -> float:
-        """How long a stream lets tokens gather after sending a chunk (0 for a lone request).
-
-        Under load, fewer and larger chunks: each chunk costs CPU on every hop of the streaming path
-        (replica, ingress, proxy; ~4 ms in all on a 2-core AVX2 EPYC), CPU the engine shares on
-        small machines. ``max_stream_chunks_per_s`` caps all streams together, so the pause grows
-        with the number of running requests; ``stream_interval_s`` is a floor per stream.
-        """
-        running = self.num_running
-        if running <= 1:
-            return 0.0
-        by_rate = running / self._max_chunk_rate if self._max_chunk_rate else 0.0
-        return max(self._stream_interval_s, by_rate)
+        """How long a stream lets tokens gather after sending a chunk (app/engine/stream_pacing.py)."""
+        return self._pacing.pause_s(self.num_running)
 
     def add_group(self, requests: list[Request]) -> None:
         """Hand requests whose streams are open to the core as one group (returns at once)."""
