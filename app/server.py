@@ -18,7 +18,7 @@ from app.config import ServedModelConfig
 from app.engine import AsyncEngine, Request, SamplingParams, build_engine_core
 from app.engine.async_engine import Admit
 from app.engine.draft_calls import DraftClient
-from app.engine.host_memory import keep_freed_memory
+from app.engine.host_memory import back_with_huge_pages, keep_freed_memory, tensor_spans
 from app.engine.core_process import CoreInfo, ProcessCore, ThreadCore
 from app.spec.remote import DraftCall, DraftResult, draft_sampling
 
@@ -163,6 +163,7 @@ def build_model_core(config: ServedModelConfig) -> tuple[LLMEngine, CoreInfo]:
     keep_freed_memory()
     loaded = load_model(config.model)
     core = build_engine_core(loaded, config.engine)
+    _weights_and_kv_in_huge_pages(loaded, core)
     if config.engine.parity_check:  # served exactly as transformers computes it, or not at all
         from app.engine.parity import check_parity
 
@@ -172,6 +173,16 @@ def build_model_core(config: ServedModelConfig) -> tuple[LLMEngine, CoreInfo]:
     info = CoreInfo(loaded.name, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size, warmup_s,
                     loaded.sampling_defaults)
     return core, info
+
+
+def _weights_and_kv_in_huge_pages(loaded: LoadedModel, core: LLMEngine) -> None:
+    """What every decode step streams, the weights and the KV cache, in 2 MB pages where the kernel allows it."""
+    model = loaded.model
+    spans = tensor_spans([*model.parameters(), *model.buffers(), core.runner.kv_pool])
+    total, started = sum(size for _, size in spans), time.monotonic()
+    gained, why = back_with_huge_pages(spans)
+    logger.info("host memory: %.0f of %.0f MB of weights and KV cache in 2 MB pages (%.1f s)%s", gained / 2**20, total / 2**20,
+                time.monotonic() - started, f"; the rest in 4 KB pages: {why}" if why else "")
 
 
 def _sampling_defaults(info: CoreInfo, config: ServedModelConfig) -> dict:

@@ -20,6 +20,7 @@ from app.config import EngineConfig
 from app.cpu import install_fast_path
 from app.engine.attention_choice import attention_route
 from app.engine.grammar import Grammars
+from app.engine.host_memory import advise_huge_pages, tensor_spans
 from app.models.exact_context import packed_step_limit
 from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import SequenceSlice, register_paged_attention
@@ -147,10 +148,12 @@ class ModelRunner:
         kv_dtype = kv_cache_dtype(config, loaded)
         self.num_blocks = config.num_kv_blocks or _blocks_for_budget(shape, kv_dtype, config, self.device)
         # [layers, key/value, slots, kv_heads, head_dim]: allocated once, never grown, so a step cannot OOM.
-        self.kv_pool = torch.zeros(
+        self.kv_pool = torch.empty(
             shape.num_layers, 2, self.num_blocks * self.block_size, shape.num_kv_heads, shape.head_dim,
             dtype=kv_dtype, device=self.device,
         )
+        advise_huge_pages(tensor_spans([self.kv_pool]))  # before its first write: its pages then come 2 MB at a time
+        self.kv_pool.zero_()
         self.kv_bytes = self.kv_pool.numel() * self.kv_pool.element_size()
         self.sampler = Sampler(Grammars(loaded.tokenizer, model_config.vocab_size, loaded.eos_token_ids))
         self.step = register_paged_attention(self.model)
