@@ -55,7 +55,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--single-stream-modes", nargs="*", default=["continuous"], help="modes that also run W2")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="profile, gemm, grammar: sequences per decode step (gemm: rows)")
     parser.add_argument("--kernels", nargs="+", default=["avx2", "onednn", "torch"], help="gemm: the Linear kernels to compare (auto, avx2, avx2-bf16, onednn, torch; "
-                             "the bf16 routes onednn-bf16, torch-bf16; the 4-bit ones int4-avx512-bf16, torch-int4, dequant-fp32, dequant-bf16)")
+                             "the bf16 routes onednn-bf16, torch-bf16; the 4-bit ones int4-avx512-bf16, torch-int4, dequant-fp32, dequant-bf16; "
+                             "one of ours with +2mb, e.g. avx512-bf16+2mb: its weights in 2 MB pages, as the engine keeps them)")
     parser.add_argument("--steps", type=int, default=20, help="profile: timed decode steps per batch size; kernel-pairs: steps per block")
     parser.add_argument("--pairs", type=int, default=12, help="kernel-pairs: ours/torch block pairs per batch size")
     parser.add_argument("--kernel", default="norm", choices=["norm", "rotary"], help="kernel-pairs: which of our kernels to pair with torch's ops")

@@ -5,7 +5,9 @@ the projections of every decoder layer of SmolLM2-135M (q/k/v fused, o, gate/up 
 layers of distinct random weights, 425 MB, so they stream from memory as in a real step, not from
 cache) through each CPU Linear kernel the engine can use, alternating kernels, and reports the time
 per pass, GFLOP/s and the fp32 weight bytes per second (``avx2-bf16``, bf16 weights, reads half of
-them). The figures in docs/engine.md come from here.
+them). The figures in docs/engine.md come from here. A kernel name with ``+2mb`` (``avx512-bf16+2mb``) runs that
+kernel on weights the engine's way, collapsed into 2 MB pages (app/engine/host_memory.py), beside the same kernel on
+weights where malloc left them (4 KB pages unless the machine's huge pages are set to ``always``).
 
 The library's bf16 routes run beside them for the bake-off a bf16-compute kernel needs first
 (docs/performance.md): ``onednn-bf16`` (oneDNN's packed bf16 weights and bf16 activations: ``vdpbf16ps``
@@ -28,7 +30,9 @@ import time
 import torch
 
 from app.cpu.linear_kernels import select_kernel
+from app.engine.host_memory import back_with_huge_pages, tensor_spans
 
+HUGE_PAGES = "+2mb"  # a kernel name with this suffix: its packed weights collapsed into 2 MB pages, the engine's way
 LAYERS = 30
 # (out_features, in_features) of one SmolLM2-135M decoder layer, siblings fused as the engine runs them
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -60,10 +64,14 @@ def _pack(name: str, weights: list[torch.Tensor]):
     if name in BF16_ROUTES:
         return BF16_ROUTES[name](weights)
     # "avx2-bf16": our kernel with bf16 weights (what dtype bfloat16 runs on a CPU without native bf16)
-    kernel = select_kernel("avx2", torch.bfloat16) if name == "avx2-bf16" else select_kernel(name)
+    base, huge = name.removesuffix(HUGE_PAGES), name.endswith(HUGE_PAGES)
+    kernel = select_kernel("avx2", torch.bfloat16) if base == "avx2-bf16" else select_kernel(base)
     if kernel is None:  # torch's own kernels on the dense weights
         return lambda inputs: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights]
     packed = [(kernel.pack(w), w.shape[0], w.shape[1]) for w in weights]
+    if huge:  # as the engine keeps its weights (app/engine/host_memory.py); the others stay where malloc put them
+        done, why = back_with_huge_pages(tensor_spans([p for p, _, _ in packed]))
+        print(f"{name}: {done / 2**20:.0f} MB of packed weights in 2 MB pages{f' ({why})' if why else ''}", flush=True)
     return lambda inputs: [kernel.apply(inputs[k], p, None, n) for p, n, k in packed]
 
 

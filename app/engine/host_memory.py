@@ -1,4 +1,5 @@
-"""Keep the memory the engine frees inside the process, so its largest steps do not fault in fresh pages.
+"""Keep the memory the engine frees inside the process, so its largest steps do not fault in fresh pages; and back
+the weights and the KV cache with 2 MB pages (:func:`back_with_huge_pages`, :func:`advise_huge_pages`).
 
 glibc's malloc serves a block above a threshold (dynamic, at most 32 MB) with an mmap of its own, returned to
 the system at free, and gives the heap's free top back above another threshold. A prefill step at the full
@@ -76,7 +77,7 @@ def back_with_huge_pages(spans: list[tuple[int, int]]) -> tuple[int, str | None]
 
     Why: a decode step streams every weight once and reads the KV cache block by block. In 4 KB pages the TLB
     covers a few MB of them, so the step walks page tables as it goes; in 2 MB pages it walks 512 times fewer
-    (docs/performance.md has the measured gains). ``MADV_HUGEPAGE`` alone would leave the pages already written
+    (docs/engine.md has the measured gains). ``MADV_HUGEPAGE`` alone would leave the pages already written
     as they are until the kernel's khugepaged gets round to them (minutes for a model); ``MADV_COLLAPSE`` copies
     them into huge pages now, their contents unchanged."""
     ranges = huge_page_spans(spans)
