@@ -49,13 +49,14 @@ _SPAN_GAP = 64 << 10  # tensors this close together are one span: the heap's hea
 
 
 def tensor_spans(tensors) -> list[tuple[int, int]]:
-    """(address, bytes) of each CPU tensor's storage; oneDNN's opaque packed tensors have no address to give."""
-    spans = []
+    """(address, bytes) of each CPU tensor's storage, once per storage (tied weights share one); oneDNN's opaque
+    packed tensors have no address to give."""
+    spans: dict[int, int] = {}
     for tensor in tensors:
         if tensor.device.type == "cpu" and not tensor.is_mkldnn:
             storage = tensor.untyped_storage()
-            spans.append((storage.data_ptr(), storage.nbytes()))
-    return spans
+            spans[storage.data_ptr()] = storage.nbytes()
+    return list(spans.items())
 
 
 def huge_page_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
