@@ -99,10 +99,12 @@ static TARGET void tile_rows(const uint32_t* x, int64_t k2, const uint16_t* w, c
 TARGET void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const float* bias, const float* residual, float* y,
                            int64_t m, int64_t k2, int64_t n) {
     const int64_t groups = (n + GROUP_COLS - 1) / GROUP_COLS, tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
-    // Tasks are (group, row tile), group-major, handed out in contiguous ranges: a thread runs all the tiles
-    // of most of its groups back to back (the group's weights stay in its L2), and a weight with few groups
-    // (576 outputs: 9) still splits evenly between the threads instead of 5 groups against 4.
-#pragma omp parallel for schedule(static)
+    // Tasks are (group, row tile), group-major, handed out in shrinking contiguous ranges (guided, never less
+    // than a whole group): a thread runs all the tiles of most of its groups back to back (the group's weights
+    // stay in its L2), a weight with few groups (576 outputs: 9) still splits about evenly between the threads,
+    // and when another process preempts one thread the other takes the ranges left instead of waiting at the
+    // barrier with half the work undone (as the AVX2 kernel's dynamic panels do; measured in docs/engine.md).
+#pragma omp parallel for schedule(guided, tiles)
     for (int64_t task = 0; task < groups * tiles; task++) {
         const int64_t g = task / tiles, r = task % tiles * TILE_ROWS;
         const int rows = (int)(m - r < TILE_ROWS ? m - r : TILE_ROWS);
@@ -207,7 +209,7 @@ TARGET void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const u
     const __m512i table = _mm512_loadu_si512((const void*)entries);
     const int64_t groups = (n + GROUP_COLS - 1) / GROUP_COLS, tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t quant_groups = k2 / pairs_per_group;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(guided, tiles)
     for (int64_t task = 0; task < groups * tiles; task++) {  // as linear_bf16dot: (group, row tile), group-major
         const int64_t g = task / tiles, r = task % tiles * TILE_ROWS;
         const int rows = (int)(m - r < TILE_ROWS ? m - r : TILE_ROWS);
