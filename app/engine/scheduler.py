@@ -93,7 +93,9 @@ class Scheduler:
     def schedule(self, decode_step_tokens: int | None = None, token_cap: int | None = None) -> SchedulerOutput:
         """``decode_step_tokens``: the most tokens a step may carry while some request decodes (stall-free
         chunked prefill: prefill chunks beside decodes get what is left; never fewer than one block of them),
-        unless a burst waiting for its first tokens is better served by one whole step (``_burst_goes_first``).
+        unless a burst waiting for its first tokens is better served by one whole step (``_burst_goes_first``); with
+        nothing decoding, steps keep to it too where that brings several prompts' first tokens sooner
+        (``_dribble_goes_sooner``).
         ``token_cap``: the most tokens any step may carry (below ``max_num_batched_tokens`` after out of memory)."""
         output = SchedulerOutput()
         limit = budget = min(self.config.max_num_batched_tokens, token_cap or self.config.max_num_batched_tokens)
@@ -102,6 +104,8 @@ class Scheduler:
             tokens = sum(1 + len(r.spec_token_ids) for r in decoding)
             bounded = max(decode_step_tokens, tokens + self.blocks.block_size)
             if decoding and not self._burst_goes_first(len(decoding), tokens, bounded, limit):
+                budget = min(budget, bounded)
+            elif not decoding and self._dribble_goes_sooner(bounded):
                 budget = min(budget, bounded)
         budget = self._schedule_running(budget, output)
         if not output.preempted:  # memory is short: let the running requests drain first
@@ -114,9 +118,30 @@ class Scheduler:
         prefills them all and holds the streams back once: spread over that many bounded steps, the burst's last
         first token comes well after one whole step would have given it, and the streams run out of step, with fewer
         rows a step at their end. A burst of fewer bounded steps keeps the bound: its first tokens come sooner on
-        average (measured in docs/engine.md). Waiting requests count in the order they would be admitted, as far as
-        free sequence slots (and, batching dynamically, the running group) go; a preempted request has had its first
-        token."""
+        average (measured in docs/engine.md)."""
+        firsts = self._waiting_for_first_tokens()
+        if len(firsts) <= num_decoding:
+            return False
+        prompt_tokens = sum(r.num_tokens - r.num_computed_tokens for r in firsts)
+        bounded_steps = prompt_tokens / max(bounded - decode_tokens, 1)
+        return bounded_steps > self.BURST_STEPS and decode_tokens + prompt_tokens <= limit
+
+    def _dribble_goes_sooner(self, bounded: int) -> bool:
+        """With nothing decoding, whether prompts waiting for their first tokens are better served by bounded steps
+        than by one whole step: several of them, the first within one bounded step and all within ``BURST_STEPS``.
+        One whole step gives every one of them its first token when the last prompt is done; bounded steps give the
+        first few theirs after the first step, and so on, at little cost in rows a step, so half of them come sooner
+        (as a burst arriving behind one stream is served: ``_burst_goes_first``). A single prompt, or one longer than
+        a bounded step, still takes the whole budget: chunking it would only delay it."""
+        firsts = self._waiting_for_first_tokens()
+        if len(firsts) < 2 or firsts[0].num_tokens - firsts[0].num_computed_tokens > bounded:
+            return False
+        return sum(r.num_tokens - r.num_computed_tokens for r in firsts) <= bounded * self.BURST_STEPS
+
+    def _waiting_for_first_tokens(self) -> list[Request]:
+        """Requests still to give a first token that the next steps can prefill: those prefilling, then the waiting
+        ones in the order they would be admitted, as far as free sequence slots (and, batching dynamically, the
+        running group) go; a preempted request has had its first token."""
         firsts = [r for r in self.running if r.first_token_s is None and r.num_tokens - r.num_computed_tokens > 1]
         slots = max(self.config.max_num_seqs - len(self.running), 0)
         for request in itertools.islice(self.waiting, slots):
@@ -124,11 +149,7 @@ class Scheduler:
                 break  # the next group waits for this one to finish
             if request.first_token_s is None:
                 firsts.append(request)
-        if len(firsts) <= num_decoding:
-            return False
-        prompt_tokens = sum(r.num_tokens - r.num_computed_tokens for r in firsts)
-        bounded_steps = prompt_tokens / max(bounded - decode_tokens, 1)
-        return bounded_steps > self.BURST_STEPS and decode_tokens + prompt_tokens <= limit
+        return firsts
 
     def update(self, output: SchedulerOutput, num_accepted: dict[str, int] | None = None) -> None:
         """Record what the runner computed, before the engine appends the sampled tokens.

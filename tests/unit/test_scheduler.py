@@ -177,6 +177,25 @@ def test_beside_decodes_a_long_prompt_gets_only_what_the_step_cap_leaves():
     assert _step_capped(alone, cap=16) == {"long": 64}  # nothing decodes: the whole budget
 
 
+def test_with_nothing_decoding_several_prompts_keep_the_cap_so_first_tokens_come_sooner():
+    scheduler = _scheduler(num_blocks=256, max_num_batched_tokens=64)
+    for i in range(4):  # 40 prompt tokens: one whole step gives all four first tokens at its end
+        scheduler.add_request(_request(f"p{i}", 10, max_tokens=50, first_token=100 * (i + 1)))
+    assert _step_capped(scheduler, cap=16) == {"p0": 10, "p1": 6}
+    assert _step_capped(scheduler, cap=16) == {"p0": 1, "p1": 4, "p2": 10, "p3": 1}  # p0 decodes: the cap as before
+
+
+def test_with_nothing_decoding_a_long_first_prompt_or_a_long_burst_takes_the_whole_budget():
+    long_first = _scheduler(num_blocks=256, max_num_batched_tokens=64)
+    long_first.add_request(_request("long", 40, first_token=100))
+    long_first.add_request(_request("short", 4, first_token=200))
+    assert _step_capped(long_first, cap=16) == {"long": 40, "short": 4}  # chunks would only delay the first
+    burst = _scheduler(num_blocks=256, max_num_batched_tokens=64)
+    for i in range(21):  # 63 prompt tokens: more than 15 bounded steps of 4
+        burst.add_request(_request(f"p{i}", 3, first_token=10 * (i + 1)))
+    assert _step_capped(burst, cap=4) == {f"p{i}": 3 for i in range(21)}
+
+
 def test_a_burst_waiting_for_first_tokens_outnumbering_the_streams_takes_the_whole_budget():
     scheduler = _scheduler(num_blocks=256, max_num_batched_tokens=128, max_num_seqs=6)
     scheduler.add_request(_request("early", 4, max_tokens=50, first_token=0))
