@@ -103,7 +103,7 @@ TARGET void linear_bf16dot(const uint32_t* x, const uint16_t* packed, const floa
     // than a whole group): a thread runs all the tiles of most of its groups back to back (the group's weights
     // stay in its L2), a weight with few groups (576 outputs: 9) still splits about evenly between the threads,
     // and when another process preempts one thread the other takes the ranges left instead of waiting at the
-    // barrier with half the work undone (as the AVX2 kernel's dynamic panels do; measured in docs/engine.md).
+    // barrier with half the work undone (as the AVX2 kernel's dynamic panels do; measured in docs/benchmark-log.md).
 #pragma omp parallel for schedule(guided, tiles)
     for (int64_t task = 0; task < groups * tiles; task++) {
         const int64_t g = task / tiles, r = task % tiles * TILE_ROWS;
