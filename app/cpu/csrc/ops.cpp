@@ -28,6 +28,7 @@ void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const uint16_t
                          const float* xsums, const float* bias, float* y, int64_t m, int64_t k2, int64_t n,
                          int64_t pairs_per_group);
 void int4_group_sums(const uint16_t* x, float* sums, int64_t m, int64_t k, int64_t group_size);
+void round_rows_to_bf16(const float* x, uint16_t* out, int64_t rows, int64_t k, int64_t out_k);
 void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
 void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t width, int lanes);
 void rotary(const float* q, int64_t qs_b, int64_t qs_h, int64_t qs_t, int64_t q_heads, const float* k, int64_t ks_b,
@@ -137,8 +138,9 @@ at::Tensor bf16dot_linear(const at::Tensor& x_in, const at::Tensor& packed, cons
   const int64_t rows = k ? x_in.numel() / k : 0;
   if (rows == 0) return y;
   at::Tensor x = at::empty({rows, 2 * k2}, x_in.options().dtype(at::kBFloat16));
-  if (k % 2) x.narrow(1, k, 1).zero_();  // an odd k gets a zero partner
-  x.narrow(1, 0, k).copy_(x_in.reshape({rows, k}));  // fp32 -> bf16, round to nearest even
+  const at::Tensor x_rows = x_in.reshape({rows, k}).contiguous();
+  // fp32 -> bf16 as torch rounds it; an odd k gets a zero partner
+  round_rows_to_bf16(x_rows.data_ptr<float>(), reinterpret_cast<uint16_t*>(x.data_ptr()), rows, k, 2 * k2);
   linear_bf16dot(reinterpret_cast<const uint32_t*>(x.data_ptr()), reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                  bias_ptr, residual_ptr, y.data_ptr<float>(), rows, k2, out_features);
   return y;
@@ -169,7 +171,12 @@ at::Tensor int4_bf16dot_linear(const at::Tensor& x_in, const at::Tensor& codes, 
   at::Tensor y = at::empty(shape, x_in.options().dtype(at::kFloat));
   const int64_t rows = k ? x_in.numel() / k : 0;
   if (rows == 0) return y.to(x_in.scalar_type());
-  at::Tensor x = x_in.reshape({rows, k}).to(at::kBFloat16).contiguous();  // fp32 -> bf16, round to nearest even
+  at::Tensor x = x_in.reshape({rows, k}).contiguous();
+  if (x.scalar_type() == at::kFloat) {  // fp32 -> bf16 as torch rounds it
+    at::Tensor rounded = at::empty({rows, k}, x.options().dtype(at::kBFloat16));
+    round_rows_to_bf16(x.data_ptr<float>(), reinterpret_cast<uint16_t*>(rounded.data_ptr()), rows, k, k);
+    x = rounded;
+  }
   // each row's sum of its bf16 values over each quantization group (a row's own, whatever the batch)
   at::Tensor xsums = at::empty({rows, quant_groups}, x_in.options().dtype(at::kFloat));
   float* sums = xsums.data_ptr<float>();

@@ -37,6 +37,21 @@ def test_the_product_is_the_bf16_rounded_product_summed_in_fp32(n, k, rows):
     assert torch.allclose(no_bias + bias, got, atol=1e-4)
 
 
+@pytest.mark.parametrize("k", [33, 576])
+def test_activations_are_rounded_to_bf16_exactly_as_torch_rounds_them(k):
+    """The kernel rounds x to bf16 itself: through an identity weight each output is that rounding, which must be
+    torch's value for value: exact ties (to even), ties that carry into the exponent, either sign, an odd k's pad."""
+    generator = torch.Generator().manual_seed(k)
+    bits = torch.randint(-(2**31), 2**31 - 1, (64, k), generator=generator, dtype=torch.int64)
+    bits = (bits & ~(0xFF << 23)) | ((bits.abs() % 160 + 48) << 23)  # exponents 2^-79 .. 2^80: no denormals, no overflow
+    bits[::2] = (bits[::2] & ~0xFFFF) | 0x8000  # every other row exactly halfway between two bf16 values
+    bits[1::4] |= 0x7FFF  # and some just below halfway, or carrying into the exponent once tied
+    x = bits.to(torch.int32).view(torch.float32)
+    kernel = AVX512BF16Kernel()
+    got = kernel.apply(x, kernel.pack(torch.eye(k)), None, k)
+    assert torch.equal(got, x.bfloat16().float())
+
+
 def test_a_row_has_the_same_bits_alone_in_any_batch_and_on_any_thread_count():
     torch.manual_seed(0)
     weight, x = torch.randn(1000, 576), torch.randn(37, 576, dtype=torch.float32)
