@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from app.api.serving import OpenAIServing
 from app.api.tools import tool_parser_for
 from app.config import ServedModelConfig
+from app.config.engine import listed_cpus
 from app.engine import AsyncEngine, Request, SamplingParams, build_engine_core
 from app.engine.async_engine import Admit
 from app.engine.draft_calls import DraftClient
@@ -159,7 +160,8 @@ def build_model_core(config: ServedModelConfig) -> tuple[LLMEngine, CoreInfo]:
     """Load the model, build its engine core and prove it generates (wherever the core will run)."""
     from app.models import load_model
 
-    _set_torch_threads(config.engine.torch_threads)
+    listed = listed_cpus(config.engine.cpu_threads_bind)
+    _set_torch_threads(config.engine.torch_threads or len(listed or ()))
     keep_freed_memory()
     loaded = load_model(config.model)
     core = build_engine_core(loaded, config.engine)
@@ -170,6 +172,7 @@ def build_model_core(config: ServedModelConfig) -> tuple[LLMEngine, CoreInfo]:
         check_parity(core, loaded)
     # Readiness means the model has produced a token, not merely that weights were read.
     warmup_s = _warm_up(core, loaded, config.engine.max_num_batched_tokens)
+    _bind_threads(config.engine.cpu_threads_bind, loaded.device.type)
     info = CoreInfo(loaded.name, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size, warmup_s,
                     loaded.sampling_defaults)
     return core, info
@@ -248,6 +251,15 @@ def _generate(core, loaded: LoadedModel, request: Request) -> None:
             error += (" (a step at the full token budget did not fit beside the KV cache: lower engine.kv_cache_memory_mb"
                       " (0: 80% of the GPU memory free after loading) or engine.max_num_batched_tokens)")
         raise RuntimeError(f"warm-up generation of {loaded.name} failed: {error}")
+
+
+def _bind_threads(setting: str, device_type: str) -> None:
+    """The thread that will run every step keeps its OpenMP team one thread per CPU (app/cpu/threads.py)."""
+    import torch
+
+    from app.cpu.threads import bind_engine_threads
+
+    logger.info("engine threads: %d, %s", torch.get_num_threads(), bind_engine_threads(setting, torch.get_num_threads(), device_type))
 
 
 def _set_torch_threads(requested: int) -> None:

@@ -119,6 +119,9 @@ class EngineConfig:
     max_stream_chunks_per_s: float = 0  # under load, all streams together send at most this many chunks/s (0: no cap)
     separate_process: bool = True  # run the core in its own process (no GIL shared with the server's threads)
     torch_threads: int = 0  # 0: one thread per core the process may use
+    # auto: keep each of the engine's threads on its own CPU when it has one per CPU it may use (not on a GPU) | none |
+    # a CPU list ("0-3,8"): thread i on the i-th, the thread count its length (docs/performance.md: Threads)
+    cpu_threads_bind: str = "auto"
     # Linear layers on CPU: auto (per shape and row count, the fastest as timed on this CPU at first start, cached) |
     # avx2 (ours) | avx512-bf16 (ours) | onednn | onednn-bf16 | torch (docs/performance.md: Kernel choice)
     cpu_linear_kernel: str = "auto"
@@ -165,6 +168,7 @@ class EngineConfig:
             raise ValueError(f"engine.max_queue_time_s must be a number >= 0 (0: no deadline), got {self.max_queue_time_s!r}")
         if not isinstance(self.parity_check, bool):
             raise ValueError(f"engine.parity_check must be true or false, got {self.parity_check!r}")
+        self._check_threads_bind()
         self.kv_cache_dtype = DTYPE_ALIASES.get(str(self.kv_cache_dtype).lower(), str(self.kv_cache_dtype).lower())
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"engine.kv_cache_dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
@@ -178,6 +182,35 @@ class EngineConfig:
             raise ValueError(f"engine.max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least engine.max_num_seqs "
                              f"({self.max_num_seqs}): every running sequence needs a token of each step, or the newest wait "
                              "step after step; raise the one or lower the other")
+
+    def _check_threads_bind(self) -> None:
+        if not isinstance(self.cpu_threads_bind, str):
+            raise ValueError(f"engine.cpu_threads_bind must be auto, none or a CPU list such as 0-3,8, got {self.cpu_threads_bind!r}")
+        self.cpu_threads_bind = self.cpu_threads_bind.strip().lower()
+        try:
+            cpus = listed_cpus(self.cpu_threads_bind)
+        except ValueError as exc:
+            raise ValueError(f"engine.cpu_threads_bind must be auto, none or a CPU list such as 0-3,8: {exc}") from None
+        if cpus is not None and self.torch_threads not in (0, len(cpus)):
+            raise ValueError(f"engine.cpu_threads_bind names {len(cpus)} CPUs and engine.torch_threads asks for {self.torch_threads} "
+                             "threads: name one CPU per thread, or leave torch_threads at 0 (one thread per listed CPU)")
+
+
+THREADS_BIND_AUTO, THREADS_BIND_NONE = "auto", "none"
+
+
+def listed_cpus(setting: str) -> list[int] | None:
+    """The CPUs an ``engine.cpu_threads_bind`` list names, in its order, each once (``"0-3,8"`` -> [0, 1, 2, 3, 8]);
+    None for ``auto`` and ``none``."""
+    if setting in (THREADS_BIND_AUTO, THREADS_BIND_NONE):
+        return None
+    cpus: list[int] = []
+    for part in setting.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and (not last.isdigit() or int(last) < int(first))):
+            raise ValueError(f"{part.strip()!r} is not a CPU number or an increasing range of them")
+        cpus.extend(cpu for cpu in range(int(first), int(last or first) + 1) if cpu not in cpus)
+    return cpus
 
 
 def require_int(name: str, value: Any, minimum: int) -> None:

@@ -6,7 +6,8 @@ once, load, fake implementations), and one Python face per part: ``linear`` (pre
 ``linear_kernels``, chosen per shape and row count by ``kernel_choice``; fused
 sibling projections, gated MLPs), ``gptq`` (GPTQ 4-bit layers on the kernels of ``int4_kernels``, chosen as the Linear ones), ``attention``
 (paged attention read in place), ``norm`` (RMSNorm), ``rotary`` (RoPE), ``decoder`` (a decoder layer's
-forward in one frame), ``argmax`` (greedy sampling).
+forward in one frame), ``argmax`` (greedy sampling); ``threads`` keeps the engine's OpenMP team one thread per CPU
+(called by the server once the core is warmed up, not by :func:`install_fast_path`).
 
 The runner calls :func:`install_fast_path` once per engine. Each part is installed only where it gives
 the module's own results (the bits, or float rounding for norms), checked on a test input first, and

@@ -11,6 +11,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <sched.h>
+
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -29,6 +31,7 @@ void linear_int4_bf16dot(const uint32_t* x, const uint8_t* codes, const uint16_t
                          int64_t pairs_per_group);
 void int4_group_sums(const uint16_t* x, float* sums, int64_t m, int64_t k, int64_t group_size);
 void round_rows_to_bf16(const float* x, uint16_t* out, int64_t rows, int64_t k, int64_t out_k);
+int64_t bind_openmp_threads(const int64_t* cpus, int64_t n);
 void rms_norm(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps);
 void silu_mul(const float* gate_up, float* out, int64_t rows, int64_t width, int lanes);
 void rotary(const float* q, int64_t qs_b, int64_t qs_h, int64_t qs_t, int64_t q_heads, const float* k, int64_t ks_b,
@@ -188,6 +191,13 @@ at::Tensor int4_bf16dot_linear(const at::Tensor& x_in, const at::Tensor& codes, 
 
 int64_t bf16dot_built() { return linear_bf16dot_built(); }  // 0 where the compiler lacked avx512_bf16
 
+// ---- Threads: the calling thread's OpenMP team, one thread per CPU ---------------------------------------------
+int64_t bind_threads(at::IntArrayRef cpus) {
+  TORCH_CHECK(!cpus.empty(), "cpus must name one CPU per thread");
+  for (const int64_t cpu : cpus) TORCH_CHECK(cpu >= 0 && cpu < CPU_SETSIZE, "CPU ", cpu, " is out of range");
+  return bind_openmp_threads(cpus.data(), static_cast<int64_t>(cpus.size()));
+}
+
 // ---- RMSNorm (Llama's formula) -------------------------------------------------------------------------
 at::Tensor rms_norm_op(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
   check_cpu(x_in, at::kFloat, "x");
@@ -343,6 +353,7 @@ TORCH_LIBRARY(llm_serve, m) {
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_bf16dot(Tensor x, Tensor packed, Tensor? bias, int out_features, Tensor? residual=None) -> Tensor");
   m.def("linear_bf16dot_built() -> int");
+  m.def("bind_threads(int[] cpus) -> int");
   m.def("linear_int4_bf16dot(Tensor x, Tensor codes, Tensor scales, Tensor zeros, Tensor? bias, int out_features, "
         "int group_size) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -357,6 +368,7 @@ TORCH_LIBRARY(llm_serve, m) {
 
 TORCH_LIBRARY_IMPL(llm_serve, CompositeExplicitAutograd, m) {
   m.impl("linear_bf16dot_built", &bf16dot_built);  // no tensor to dispatch on
+  m.impl("bind_threads", &bind_threads);
 }
 
 TORCH_LIBRARY_IMPL(llm_serve, CPU, m) {
