@@ -120,7 +120,8 @@ class EngineConfig:
     separate_process: bool = True  # run the core in its own process (no GIL shared with the server's threads)
     torch_threads: int = 0  # 0: one thread per core the process may use
     # auto: keep each of the engine's threads on its own CPU when it has one per CPU it may use (not on a GPU) | none |
-    # a CPU list ("0-3,8"): thread i on the i-th, the thread count its length (docs/performance.md: Threads)
+    # a CPU list ("0-3,8"): thread i on the i-th, the thread count its length (docs/performance.md: Served against
+    # engine alone)
     cpu_threads_bind: str = "auto"
     # Linear layers on CPU: auto (per shape and row count, the fastest as timed on this CPU at first start, cached) |
     # avx2 (ours) | avx512-bf16 (ours) | onednn | onednn-bf16 | torch (docs/performance.md: Kernel choice)

@@ -96,8 +96,8 @@ static TARGET void tile_rows(const uint32_t* x, int64_t k2, const uint16_t* w, c
 
 // x [rows][k] fp32 into out [rows][out_k] bf16 (out_k - k trailing zeros a row: an odd k's zero partner), rounded to
 // nearest even with NaN kept a NaN: torch's own fp32 -> bf16 conversion (c10::BFloat16), value for value, denormals
-// included (vcvtneps2bf16 would flush those). torch's copy_ took 14-36 us for a decode step's 32 rows here, about 4%
-// of a SmolLM2 step at four products a layer; this takes a few.
+// included (vcvtneps2bf16 would flush those). One pass, cheaper than torch's copy_ for a decode step's few rows
+// (docs/benchmark-log.md).
 TARGET void round_rows_to_bf16(const float* x, uint16_t* out, int64_t rows, int64_t k, int64_t out_k) {
     const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), nan = _mm512_set1_epi32(0x7fc0);
 #pragma omp parallel for schedule(static) if (rows * k >= (1 << 20))  // a prefill's rows; a decode step's: one thread
