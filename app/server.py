@@ -259,7 +259,8 @@ def _bind_threads(setting: str, device_type: str) -> None:
 
     from app.cpu.threads import bind_engine_threads
 
-    logger.info("engine threads: %d, %s", torch.get_num_threads(), bind_engine_threads(setting, torch.get_num_threads(), device_type))
+    threads = torch.get_num_threads()
+    logger.info("engine threads: %d, %s", threads, bind_engine_threads(setting, threads, device_type))
 
 
 def _set_torch_threads(requested: int) -> None:
