@@ -106,9 +106,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens in one step (decodes first, then chunks of prefills; vLLM CPU's default)
     # A step that carries decodes stays within this many ms: prefill chunks beside them are sized from the measured
     # cost per token, so a long prompt never stalls the streams for seconds; a burst waiting for first tokens that
-    # outnumbers the streams, fits one step and would take over 15 such steps takes the whole budget instead; with
-    # nothing decoding, several short prompts waiting keep to it too (their first tokens come sooner than at the end
-    # of one whole step) (0: every step takes the whole budget)
+    # outnumbers the streams, fits one step and would take over 15 such steps goes ahead of it instead, in the chunks
+    # that bring its first tokens soonest on average; with nothing decoding, several short prompts waiting keep to it
+    # too (their first tokens come sooner than at the end of one whole step) (0: every step takes the whole budget)
     max_decode_step_ms: float = 200.0
     block_size: int = 16  # tokens per KV block
     kv_cache_memory_mb: int = 0  # 0: auto (CUDA: 80% of free memory after loading; CPU: min(1 GiB, 20% of RAM))

@@ -143,7 +143,7 @@ class LLMEngine:
         if self.speculation is not None:
             self.speculation.expire(self.scheduler.running, time.monotonic())
         refused, self._refused = self._refused, []
-        scheduled = self.scheduler.schedule(self._decode_step_tokens(), self.token_cap.cap)
+        scheduled = self.scheduler.schedule(self._decode_step_tokens(), self.token_cap.cap, self.step_cost.seconds)
         if not scheduled.scheduled:
             return refused
         keys = attended_keys(scheduled)  # read before the update advances the requests' positions

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.engine.kv_cache import BlockManager
@@ -56,8 +58,13 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+StepSeconds = Callable[[int, float], float]  # a step's predicted seconds for (tokens, attended keys summed)
+
+
 class Scheduler:
     BURST_STEPS = 15  # a burst of first tokens that bounded steps would spread over more steps goes first
+    BURST_MAX_CHUNKS = 8  # a burst going first is split into at most this many steps (_burst_chunk)
+    BURST_CHUNKS_GAIN = 0.95  # ... and only where that brings its first tokens >= 5% sooner on average than one step
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -66,6 +73,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order; the last is preempted first
         self.num_preemptions = 0
         self._active_group: int | None = None
+        self._burst: tuple[frozenset[str], int] | None = None  # a burst going first in chunks: its requests, chunk
 
     # ---- request lifecycle -----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -90,12 +98,14 @@ class Scheduler:
         return None
 
     # ---- one step --------------------------------------------------------------------------
-    def schedule(self, decode_step_tokens: int | None = None, token_cap: int | None = None) -> SchedulerOutput:
+    def schedule(self, decode_step_tokens: int | None = None, token_cap: int | None = None,
+                 step_seconds: StepSeconds | None = None) -> SchedulerOutput:
         """``decode_step_tokens``: the most tokens a step may carry while some request decodes (stall-free
         chunked prefill: prefill chunks beside decodes get what is left; never fewer than one block of them),
-        unless a burst waiting for its first tokens is better served by one whole step (``_burst_goes_first``); with
+        unless a burst waiting for its first tokens is better served by whole steps (``_burst_goes_first``); with
         nothing decoding, steps keep to it too where that brings several prompts' first tokens sooner
-        (``_dribble_goes_sooner``).
+        (``_dribble_goes_sooner``). A burst going first is split into the chunks that bring its first tokens
+        soonest on average by ``step_seconds``, the measured step cost (``_burst_chunk``; without it, one step).
         ``token_cap``: the most tokens any step may carry (below ``max_num_batched_tokens`` after out of memory)."""
         output = SchedulerOutput()
         limit = budget = min(self.config.max_num_batched_tokens, token_cap or self.config.max_num_batched_tokens)
@@ -103,14 +113,50 @@ class Scheduler:
             decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not r.awaiting_draft]
             tokens = sum(1 + len(r.spec_token_ids) for r in decoding)
             bounded = max(decode_step_tokens, tokens + self.blocks.block_size)
-            if decoding and not self._burst_goes_first(len(decoding), tokens, bounded, limit):
+            chunk = self._burst_in_progress()
+            if chunk is not None:
+                budget = min(budget, tokens + chunk)
+            elif decoding and not self._burst_goes_first(len(decoding), tokens, bounded, limit):
                 budget = min(budget, bounded)
             elif not decoding and self._dribble_goes_sooner(bounded):
                 budget = min(budget, bounded)
+            elif step_seconds is not None:
+                budget = min(budget, tokens + self._burst_chunk(tokens, limit - tokens, step_seconds))
         budget = self._schedule_running(budget, output)
         if not output.preempted:  # memory is short: let the running requests drain first
             self._schedule_waiting(budget, output)
         return output
+
+    def _burst_chunk(self, decode_tokens: int, room: int, step_seconds: StepSeconds) -> int:
+        """The prompt tokens a step gives a burst going first (or a long prompt with nothing decoding): one whole
+        step gives every first token at its end; chunks give the first prompts theirs after the first chunk, at the
+        cost of one more step's fixed part a chunk, and of the decodes of those already done. The chunk whose steps
+        bring the first tokens soonest on average (``mean_first_token_s`` by the measured step cost), of up to
+        ``BURST_MAX_CHUNKS``, where it beats one whole step by ``BURST_CHUNKS_GAIN``; the chunk is kept for the
+        burst's later steps (``_burst_in_progress``). A single prompt keeps the whole step: chunks only delay it."""
+        firsts = self._waiting_for_first_tokens()
+        prompts = [(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens) for r in firsts]
+        total = sum(tokens for tokens, _ in prompts)
+        if len(prompts) < 2 or room <= self.blocks.block_size:
+            return room
+        whole = min(total, room)
+        candidates = {max(math.ceil(whole / k), self.blocks.block_size) for k in range(2, self.BURST_MAX_CHUNKS + 1)}
+        means = {chunk: mean_first_token_s(prompts, chunk, decode_tokens, step_seconds) for chunk in candidates}
+        best = min(means, key=means.__getitem__)
+        if means[best] > self.BURST_CHUNKS_GAIN * mean_first_token_s(prompts, whole, decode_tokens, step_seconds):
+            return room
+        self._burst = frozenset(r.request_id for r in firsts), best
+        return best
+
+    def _burst_in_progress(self) -> int | None:
+        """The chunk of a burst going first in chunks while some of its requests still wait for their first token."""
+        if self._burst is None:
+            return None
+        requests, chunk = self._burst
+        if any(r.request_id in requests for r in self._waiting_for_first_tokens()):
+            return chunk
+        self._burst = None
+        return None
 
     def _burst_goes_first(self, num_decoding: int, decode_tokens: int, bounded: int, limit: int) -> bool:
         """Whether the requests waiting for their first token outnumber the streams, fit one step at the whole
@@ -276,3 +322,29 @@ class Scheduler:
         request.num_computed_tokens = cached
         request.status = RequestStatus.RUNNING
         return num_new
+
+
+def mean_first_token_s(prompts: list[tuple[int, int]], chunk: int, decode_tokens: int, step_seconds: StepSeconds) -> float:
+    """The mean seconds to the first tokens of ``prompts`` ((tokens to prefill, tokens before them), in the order
+    they are scheduled) prefilled ``chunk`` tokens a step beside ``decode_tokens`` decodes, and beside the decodes of
+    the prompts already done, each step taking ``step_seconds(tokens, attended keys)``. The decodes' keys are left
+    out: they are alike whatever the chunk."""
+    queue = collections.deque(prompts)
+    clock = total = 0.0
+    decoding = decode_tokens
+    while queue:
+        room, keys, done = chunk, 0.0, 0
+        while queue and room:
+            left, before = queue[0]
+            take = min(left, room)
+            keys += take * (before + (take + 1) / 2)
+            room -= take
+            if take == left:
+                queue.popleft()
+                done += 1
+            else:
+                queue[0] = (left - take, before + take)
+        clock += step_seconds(decoding + chunk - room, keys)
+        total += done * clock
+        decoding += done
+    return total / len(prompts)

@@ -55,6 +55,11 @@ class StepCost:
                 return tuple(float(v) for v in full * self._SCALE)
         return 0.0, float(self._xty[1] / self._xtx[1, 1] * self._SCALE[1]), 0.0
 
+    def seconds(self, tokens: int, keys: float = 0.0) -> float:
+        """A step's predicted seconds for ``tokens`` tokens attending to ``keys`` keys in all (0 before any step)."""
+        a, b, c = self.coefficients() or (0.0, 0.0, 0.0)
+        return a + b * tokens + c * keys
+
     def tokens_within_bound(self, bound_s: float, prefill_offset: int) -> int | None:
         """The most tokens a step carrying decodes may hold so that the streams' gap stays within ``bound_s``, planned
         to ``PLANNED_SHARE`` of it, while the deepest prompt still prefilling is ``prefill_offset`` tokens in (its
