@@ -60,23 +60,31 @@ def test_a_list_naming_a_cpu_the_process_may_not_use_is_an_error_that_names_it()
 _READ_BACK = """
 import json, os, torch
 from app.cpu.threads import bind_engine_threads
+
+def affinities():
+    tasks = {}
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/status") as status:
+            tasks[task] = next(line for line in status if line.startswith("Cpus_allowed_list")).split(":")[1].strip()
+    return tasks
+
 allowed = sorted(os.sched_getaffinity(0))
-with open("/proc/self/status") as status:
-    before = next(line for line in status if line.startswith("Cpus_allowed_list")).split(":")[1].strip()
 torch.set_num_threads(len(allowed))
 torch.ones(1 << 22).sum()  # the team exists before it is bound, as after an engine's warm-up
-said = bind_engine_threads({setting!r}, len(allowed), "cpu")
-torch.ones(1 << 22).sum()  # torch's own parallel region: the same team
-tasks = {{}}
-for task in os.listdir("/proc/self/task"):
-    with open(f"/proc/self/task/{{task}}/status") as status:
-        tasks[task] = next(line for line in status if line.startswith("Cpus_allowed_list")).split(":")[1].strip()
-print(json.dumps({{"said": said, "allowed": allowed, "before": before, "main": tasks[str(os.getpid())], "tasks": tasks}}))
+before = affinities()[str(os.getpid())]
+seen = {}
+for setting in ("none", "auto"):  # none first: a binding, once made, stays
+    said = bind_engine_threads(setting, len(allowed), "cpu")
+    torch.ones(1 << 22).sum()  # torch's own parallel region: the same team
+    tasks = affinities()
+    seen[setting] = {"said": said, "allowed": allowed, "before": before, "main": tasks[str(os.getpid())], "tasks": tasks}
+print(json.dumps(seen))
 """
 
 
-def _bound_threads(setting: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _READ_BACK.format(setting=setting)], cwd=ROOT, capture_output=True,
+def _bound_threads() -> dict:
+    """Each setting's read-back, ``none`` then ``auto``, in one child process (importing torch is most of its time)."""
+    done = subprocess.run([sys.executable, "-c", _READ_BACK], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -85,13 +93,14 @@ def _bound_threads(setting: str) -> dict:
 @pytest.mark.skipif(unavailable_reason() is not None, reason=f"the binding is made by the CPU kernels: {unavailable_reason()}")
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no per-thread CPU affinity on this OS")
 def test_each_thread_of_the_team_runs_on_its_own_cpu_and_nothing_else_is_bound():
-    seen = _bound_threads("auto")
+    both = _bound_threads()
+    seen, unbound = both["auto"], both["none"]
     allowed = [str(cpu) for cpu in seen["allowed"]]
     assert seen["said"].startswith("bound one per CPU")
     single = sorted(cpus for cpus in seen["tasks"].values() if cpus in allowed)
     assert single == sorted(allowed)  # one thread per CPU: the team, the calling thread first
     assert seen["main"] == allowed[0]
-    if len(allowed) > 1:  # the process's other threads keep every CPU
+    if len(allowed) > 1:  # the process's other threads keep every CPU; with none, every thread does
         assert all(cpus == seen["before"] for cpus in seen["tasks"].values() if cpus not in allowed)
-        unbound = _bound_threads("none")
         assert unbound["said"].startswith("not bound") and unbound["main"] != allowed[0]
+        assert all(cpus == unbound["before"] for cpus in unbound["tasks"].values())
