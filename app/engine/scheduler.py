@@ -163,8 +163,8 @@ class Scheduler:
         budget, and would take more than ``BURST_STEPS`` bounded steps (3 s at the 200 ms default). Then the burst
         goes ahead of the bound, in one whole step or a few chunks (``_burst_chunk``), and holds the streams back for
         that long: spread over that many bounded steps, the burst's last first token comes well after one whole step
-        would have given it, and the streams run out of step, with fewer rows a step at their end. A burst of fewer bounded steps keeps the bound: its first tokens come sooner on
-        average (measured in docs/engine.md)."""
+        would have given it, and the streams run out of step, with fewer rows a step at their end. A burst of fewer
+        bounded steps keeps the bound: its first tokens come sooner on average (measured in docs/engine.md)."""
         firsts = self._waiting_for_first_tokens()
         if len(firsts) <= num_decoding:
             return False

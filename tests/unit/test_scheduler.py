@@ -154,8 +154,8 @@ def test_prompt_logprobs_take_no_cached_prefix_so_nothing_waits_for_one():
     assert _step(scheduler) == {"a": 10, "scored": 10}
 
 
-def _step_capped(scheduler: Scheduler, cap: int) -> dict[str, int]:
-    output = scheduler.schedule(decode_step_tokens=cap)
+def _step_capped(scheduler: Scheduler, cap: int, step_seconds=None) -> dict[str, int]:
+    output = scheduler.schedule(decode_step_tokens=cap, step_seconds=step_seconds)
     sampling = [s.request for s in output.scheduled if s.samples]
     scheduler.update(output)
     for request in sampling:
@@ -368,4 +368,3 @@ def test_the_step_token_cap_halves_on_out_of_memory_and_doubles_back_after_steps
     for _ in range(StepTokenCap.REGROW_STEPS * 11):
         cap.fitted()
     assert cap.cap is None and cap.tokens == 2048  # lifted once doubling reaches the budget
-

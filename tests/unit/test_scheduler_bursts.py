@@ -7,16 +7,6 @@ from app.engine.scheduler import Scheduler, mean_first_token_s
 from tests.unit.test_scheduler import _request, _scheduler, _step_capped
 
 
-def _step_costed(scheduler: Scheduler, cap: int, step_seconds) -> dict[str, int]:
-    output = scheduler.schedule(decode_step_tokens=cap, step_seconds=step_seconds)
-    sampling = [s.request for s in output.scheduled if s.samples]
-    scheduler.update(output)
-    for request in sampling:
-        request.output_token_ids.append(7)
-        request.first_token_s = request.first_token_s or 1.0
-    return {s.request.request_id: s.num_new_tokens for s in output.scheduled}
-
-
 def test_mean_first_token_time_of_a_burst_in_chunks():
     def cost(tokens, keys):
         return 0.01 + 0.01 * tokens + 0.001 * keys
@@ -41,7 +31,7 @@ def _burst_behind_one_stream(num_burst: int = 5) -> Scheduler:
 
 def test_a_burst_going_first_goes_in_one_step_where_a_step_costs_mostly_its_fixed_part():
     scheduler = _burst_behind_one_stream()
-    steps = _step_costed(scheduler, cap=5, step_seconds=lambda tokens, keys: 1.0 + 0.001 * tokens)
+    steps = _step_capped(scheduler, cap=5, step_seconds=lambda tokens, keys: 1.0 + 0.001 * tokens)
     assert steps == {"early": 1, **{f"burst{i}": 14 for i in range(5)}}
 
 
@@ -51,9 +41,9 @@ def test_a_burst_going_first_goes_in_chunks_where_its_tokens_cost_most_and_keeps
     def cost(tokens, keys):
         return 0.01 + 0.01 * tokens
 
-    steps = [_step_costed(scheduler, cap=5, step_seconds=cost)]
+    steps = [_step_capped(scheduler, cap=5, step_seconds=cost)]
     while any(r.first_token_s is None for r in scheduler.running + list(scheduler.waiting)):
-        steps.append(_step_costed(scheduler, cap=5, step_seconds=cost))
+        steps.append(_step_capped(scheduler, cap=5, step_seconds=cost))
     prefilled = [sum(n for rid, n in step.items() if n > 1) for step in steps]
     assert 1 < len(steps) <= Scheduler.BURST_MAX_CHUNKS and sum(prefilled) == 70
     # the same chunk every step (the last takes what is left), also once the burst no longer outnumbers the streams
@@ -62,10 +52,10 @@ def test_a_burst_going_first_goes_in_chunks_where_its_tokens_cost_most_and_keeps
     assert mean_first_token_s([(14, 0)] * 5, prefilled[0], 1, cost) < 0.95 * mean_first_token_s([(14, 0)] * 5, 70, 1, cost)
     # the burst done, a new prompt beside the streams keeps to the cap again
     scheduler.add_request(_request("late", 40, first_token=900))
-    assert sum(_step_costed(scheduler, cap=10, step_seconds=cost).values()) == 10
+    assert sum(_step_capped(scheduler, cap=10, step_seconds=cost).values()) == 10
 
 
 def test_a_single_long_prompt_with_nothing_decoding_keeps_the_whole_step_whatever_the_cost():
     scheduler = _scheduler(num_blocks=256, max_num_batched_tokens=64)
     scheduler.add_request(_request("long", 60, first_token=100))
-    assert _step_costed(scheduler, cap=4, step_seconds=lambda tokens, keys: 0.001 + 0.01 * tokens) == {"long": 60}
+    assert _step_capped(scheduler, cap=4, step_seconds=lambda tokens, keys: 0.001 + 0.01 * tokens) == {"long": 60}
