@@ -31,6 +31,7 @@ class Relayed:
 
     def __init__(self) -> None:
         self._responses: set = set()
+        self._cut: set = set()  # responses cut_all cancelled while they were in flight
         self.cut = False
 
     def __len__(self) -> int:
@@ -47,13 +48,18 @@ class Relayed:
             raise
         finally:
             self._responses.discard(response)
+            self._cut.discard(response)
 
     def cut_all(self) -> int:
         self.cut = True
         responses = list(self._responses)
         for response in responses:
             response.cancel()
+        self._cut.update(responses)
         return len(responses)
+
+    def was_cut(self, response) -> bool:
+        return response in self._cut
 
 
 class RemoteModel:
@@ -83,6 +89,9 @@ class RemoteModel:
                     async for chunk in responses:
                         streamed = True
                         yield chunk
+                    if self.relayed.was_cut(responses):
+                        # a handle stream cancelled mid-answer can end as a complete one would: say it was cut
+                        raise EngineShutdownError("the replica shut down before this request finished")
                 finished = True
                 return
             except Exception as exc:

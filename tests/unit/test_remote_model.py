@@ -1,9 +1,10 @@
 """The ingress's calls to a model deployment: a replica that Serve is stopping refuses before any output, and the
-call goes to another replica; any other failure, or one after output, reaches the caller as it came."""
+call goes to another replica; any other failure, or one after output, reaches the caller as it came; a stream the
+ingress's own drain cuts ends with an error, never as if complete."""
 
 import pytest
 
-from app.engine.errors import EngineOverloadedError, ReplicaDrainingError
+from app.engine.errors import EngineOverloadedError, EngineShutdownError, ReplicaDrainingError
 
 
 class _WrappedByRay(RuntimeError):
@@ -107,3 +108,26 @@ async def test_other_failures_and_failures_after_output_are_not_retried(answers)
     with pytest.raises(_WrappedByRay):
         await _streamed(handle)
     assert handle.calls == 1
+
+
+async def test_a_stream_cut_at_the_drains_deadline_ends_with_an_error_even_where_the_handle_stream_ends_quietly():
+    """A cancelled handle stream can end without an exception (Ray's streaming generator, cancelled while its replica
+    ends it): the client must still learn that its answer was cut."""
+    from deployments.routes import Relayed, RemoteModel
+
+    relayed = Relayed()
+    stream = RemoteModel(_Handle([(["a", "b"], None)]), relayed).stream("completion", object())
+    assert await stream.__anext__() == "a"
+    assert relayed.cut_all() == 1  # the ingress's drain window is over
+    assert await stream.__anext__() == "b"  # already on its way
+    with pytest.raises(EngineShutdownError, match="shut down before this request finished"):
+        await stream.__anext__()
+    assert len(relayed) == 0 and not relayed.was_cut(object())
+
+
+async def test_a_stream_that_ends_before_the_cut_is_complete():
+    from deployments.routes import Relayed, RemoteModel
+
+    relayed = Relayed()
+    assert [c async for c in RemoteModel(_Handle([(["a", "b"], None)]), relayed).stream("completion", object())] == ["a", "b"]
+    assert relayed.cut_all() == 0
