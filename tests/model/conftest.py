@@ -10,6 +10,7 @@ from app.server import ModelServer
 from app.cpu.ops import unavailable_reason
 from tests.conftest import TEST_DEVICE, TORCH_THREADS
 from tests.prompts import PROMPTS  # noqa: F401 (the model tier's tests import it from here)
+from tests.model.references import keeping_transformers_copy, transformers_model  # noqa: F401 (as PROMPTS)
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +27,7 @@ def server_fp32():
 @pytest.fixture(scope="session")
 def loaded_fp32():
     """The fp32 model in the test process, for references and for engines a test steps synchronously."""
-    return load_model(ModelConfig(dtype="float32"))
+    return keeping_transformers_copy(load_model(ModelConfig(dtype="float32")))
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +41,7 @@ def loaded_rounded():
         for module in loaded.model.modules():
             if type(module) is torch.nn.Linear:  # the head too (tied: the embedding with it)
                 module.weight.copy_(module.weight.bfloat16().float())
-    return loaded
+    return keeping_transformers_copy(loaded)
 
 
 def our_kernels_compute() -> bool:
@@ -81,9 +82,10 @@ def run_engine(engine: LLMEngine, requests: list[Request], group: bool = True) -
 
 def hf_greedy(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """transformers' own generate, the reference every mode must equal."""
+    model = transformers_model(loaded)
     with torch.inference_mode():
-        out = loaded.model.generate(
-            torch.tensor([prompt_ids], device=loaded.model.device), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
+        out = model.generate(
+            torch.tensor([prompt_ids], device=model.device), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
         )
     return out[0, len(prompt_ids) :].tolist()
 
@@ -104,12 +106,12 @@ def engine_greedy_with_logprobs(loaded, prompts: list[str], max_tokens: int, **e
 def assert_tracks_transformers(loaded, requests: list[Request], logprobs: dict, tolerance: float) -> float:
     """Teacher-forced through transformers' own forward of the same model: every token the engine chose is that
     model's top choice up to a near-tie, with the same log-probability (within ``tolerance``); returns the largest gap."""
-    worst = 0.0
+    worst, model = 0.0, transformers_model(loaded)
     for request in requests:
         assert len(logprobs[request.request_id]) == request.num_output_tokens
-        ids = torch.tensor([request.prompt_token_ids + list(request.output_token_ids)], device=loaded.model.device)
+        ids = torch.tensor([request.prompt_token_ids + list(request.output_token_ids)], device=model.device)
         with torch.inference_mode():
-            reference = loaded.model(ids).logits[0].float().log_softmax(-1)
+            reference = model(ids).logits[0].float().log_softmax(-1)
         for step, lp in enumerate(logprobs[request.request_id]):
             row = reference[len(request.prompt_token_ids) - 1 + step].clone()
             row[list(loaded.eos_token_ids)] = float("-inf")  # greedy() masks EOS, as min_new_tokens does

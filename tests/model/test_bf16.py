@@ -12,7 +12,7 @@ import torch
 from app.config import ModelConfig
 from app.models import load_model
 from app.models.loader import resolve_dtype
-from tests.model.conftest import PROMPTS, assert_tracks_transformers, engine_greedy_with_logprobs
+from tests.model.conftest import PROMPTS, assert_tracks_transformers, engine_greedy_with_logprobs, keeping_transformers_copy
 
 pytestmark = pytest.mark.model
 
@@ -40,7 +40,7 @@ def loaded_bf16():
         loaded = load_model(ModelConfig(dtype="bfloat16"))
     assert (loaded.dtype, loaded.weight_dtype) == (torch.bfloat16, None)
     assert next(loaded.model.parameters()).dtype == torch.bfloat16
-    return loaded
+    return keeping_transformers_copy(loaded)
 
 
 def test_auto_is_bf16_where_bf16_is_native_without_our_kernels_and_fp32_elsewhere(kernels_off):

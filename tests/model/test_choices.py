@@ -6,6 +6,7 @@ import itertools
 import pytest
 
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from tests.model.conftest import transformers_model
 
 pytestmark = pytest.mark.model
 
@@ -111,7 +112,7 @@ async def test_echo_with_logprobs_gives_every_prompt_tokens_logprob_as_transform
     prompt = "The quick brown fox jumps over the lazy dog. " * 4 + "Then it"
     ids = loaded_fp32.tokenizer.encode(prompt)
     with torch.inference_mode():
-        reference = loaded_fp32.model(torch.tensor([ids], device=loaded_fp32.model.device)).logits[0].float().log_softmax(-1)  # [P, V]
+        reference = transformers_model(loaded_fp32)(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [P, V]
     for attempt in range(2):
         response = await _complete(server_fp32, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
         choice = response["choices"][0]

@@ -4,7 +4,7 @@ embedded model's bf16-rounded weights, `loaded_rounded`)."""
 import pytest
 
 from app.engine import Request, SamplingParams
-from tests.model.conftest import PROMPTS, greedy, hf_greedy, make_engine, run_engine
+from tests.model.conftest import PROMPTS, greedy, hf_greedy, make_engine, run_engine, transformers_model
 
 pytestmark = pytest.mark.model
 
@@ -112,7 +112,7 @@ def test_logprobs_match_transformers_scores(loaded_rounded):
     import torch
 
     with torch.inference_mode():
-        out = loaded_rounded.model.generate(
+        out = transformers_model(loaded_rounded).generate(
             torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
             output_logits=True, return_dict_in_generate=True,
         )

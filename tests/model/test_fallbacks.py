@@ -8,13 +8,13 @@ from app.config import ModelConfig
 from app.cpu.linear_kernels import onednn_supported
 from app.engine import Request
 from app.models import load_model
-from tests.model.conftest import PROMPTS, greedy, hf_greedy, make_engine, run_engine
+from tests.model.conftest import PROMPTS, greedy, hf_greedy, keeping_transformers_copy, make_engine, run_engine
 
 pytestmark = [pytest.mark.model, pytest.mark.cpu_only]
 
 
 def test_without_the_kernels_every_prompt_still_equals_generate_inside_a_batch(kernels_off):
-    loaded_fp32 = load_model(ModelConfig(dtype="float32"))  # its own copy: the shared one may be packed for our GEMM
+    loaded_fp32 = keeping_transformers_copy(load_model(ModelConfig(dtype="float32")))  # its own: the shared one may hold our GEMM
     engine = make_engine(loaded_fp32, max_model_len=512, max_num_batched_tokens=48, max_num_seqs=16)  # prefill in chunks beside decodes
     path = engine.runner.fast_path
     assert path.kernels.startswith("off") and path.attention is None

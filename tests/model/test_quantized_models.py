@@ -15,7 +15,8 @@ from app.cpu.linear_kernels import bf16_products_available
 from app.engine import Request
 from app.models import ModelLoadError, load_model
 from app.models.quantization import quantized_linear_bytes
-from tests.model.conftest import assert_tracks_transformers, engine_greedy_with_logprobs, greedy, make_engine, run_engine
+from tests.model.conftest import (assert_tracks_transformers, engine_greedy_with_logprobs, greedy, keeping_transformers_copy, make_engine,
+                                  run_engine, transformers_model)
 
 pytestmark = pytest.mark.model
 
@@ -49,8 +50,8 @@ def _load(method: str, dtype: str = "float32"):
 
 @functools.cache
 def _loaded(method: str):
-    """Each quantized model in fp32, loaded once for the module's tests."""
-    return _load(method)
+    """Each quantized model in fp32, loaded once for the module's tests (a copy as loaded kept for references)."""
+    return keeping_transformers_copy(_load(method))
 
 
 @pytest.fixture(scope="module", params=["bnb-int8", "bnb-nf4", "gptq"])
@@ -91,7 +92,7 @@ def test_quantized_output_is_fluent(quantized, loaded_fp32):
     for request in requests:
         prompt, output = request.prompt_token_ids, list(request.output_token_ids)
         with torch.inference_mode():
-            logits = loaded_fp32.model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
+            logits = transformers_model(loaded_fp32)(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()
         ppl = float(torch.nn.functional.cross_entropy(logits, torch.tensor(output)).exp())
         text = loaded.tokenizer.decode(output)
         assert ppl < 8, (method, text, ppl)
