@@ -31,7 +31,7 @@ class Relayed:
 
     def __init__(self) -> None:
         self._responses: set = set()
-        self._cut: set = set()  # responses cut_all cancelled while they were in flight
+        self._cut_in_flight: set = set()  # the responses cut_all cancelled
         self.cut = False
 
     def __len__(self) -> int:
@@ -48,18 +48,18 @@ class Relayed:
             raise
         finally:
             self._responses.discard(response)
-            self._cut.discard(response)
+            self._cut_in_flight.discard(response)
 
     def cut_all(self) -> int:
         self.cut = True
         responses = list(self._responses)
         for response in responses:
             response.cancel()
-        self._cut.update(responses)
+        self._cut_in_flight.update(responses)
         return len(responses)
 
     def was_cut(self, response) -> bool:
-        return response in self._cut
+        return response in self._cut_in_flight
 
 
 class RemoteModel:
