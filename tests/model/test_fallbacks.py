@@ -8,20 +8,21 @@ from app.config import ModelConfig
 from app.cpu.linear_kernels import onednn_supported
 from app.engine import Request
 from app.models import load_model
-from tests.model.conftest import PROMPTS, greedy, hf_greedy, keeping_transformers_copy, make_engine, run_engine
+from tests.model.conftest import PROMPTS, greedy, hf_greedy, make_engine, run_engine
 
 pytestmark = [pytest.mark.model, pytest.mark.cpu_only]
 
 
-def test_without_the_kernels_every_prompt_still_equals_generate_inside_a_batch(kernels_off):
-    loaded_fp32 = keeping_transformers_copy(load_model(ModelConfig(dtype="float32")))  # its own: the shared one may hold our GEMM
-    engine = make_engine(loaded_fp32, max_model_len=512, max_num_batched_tokens=48, max_num_seqs=16)  # prefill in chunks beside decodes
+def test_without_the_kernels_every_prompt_still_equals_generate_inside_a_batch(kernels_off, loaded_fp32):
+    # the engine's own model: the shared one may hold our GEMM (its copy as transformers built it is the reference)
+    own = load_model(ModelConfig(dtype="float32"))
+    engine = make_engine(own, max_model_len=512, max_num_batched_tokens=48, max_num_seqs=16)  # prefill in chunks beside decodes
     path = engine.runner.fast_path
     assert path.kernels.startswith("off") and path.attention is None
     assert path.parts["rms_norm"] == "torch" and path.parts["argmax"] == "torch"
     assert path.parts["linear"].startswith("onednn" if onednn_supported() else "torch")
-    prompts = [loaded_fp32.tokenizer.encode(p) for p in PROMPTS[:6]]
-    requests = [Request(f"fallback-{i}", ids, greedy(12), loaded_fp32.eos_token_ids) for i, ids in enumerate(prompts)]
+    prompts = [own.tokenizer.encode(p) for p in PROMPTS[:6]]
+    requests = [Request(f"fallback-{i}", ids, greedy(12), own.eos_token_ids) for i, ids in enumerate(prompts)]
     outputs = run_engine(engine, requests)
     for request, ids in zip(requests, prompts):
         assert outputs[request.request_id] == hf_greedy(loaded_fp32, ids, 12), request.request_id
