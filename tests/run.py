@@ -29,7 +29,7 @@ CLUSTER_TESTS = ("tests/deploy",)  # a two-node Ray cluster of their own, starte
 # The computing tests as two runs of about equal time (each alone on one thread, 2-core AVX2 EPYC: the first 263 s
 # with test_bench_profile.py's ~19 s, the second 231 s without it): while the Ray runs wait on Serve, both cores
 # compute, and neither run is left computing alone at the end. A new file in tests/model goes to the second run.
-FIRST_RUNS_MODEL_FILES = ("tests/model/test_quantized_models.py", "tests/model/zoo", "tests/model/test_structured_outputs.py")
+FIRST_RUNS_MODEL_FILES = ("tests/model/test_quantized_models.py", "tests/model/zoo", "tests/model/test_speculative.py")
 COMPUTE_TIERS = (
     ("tests/unit", *FIRST_RUNS_MODEL_FILES),
     ("tests/model", *(f"--ignore={path}" for path in FIRST_RUNS_MODEL_FILES)),

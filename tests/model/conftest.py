@@ -1,4 +1,5 @@
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -80,14 +81,22 @@ def run_engine(engine: LLMEngine, requests: list[Request], group: bool = True) -
     return {r.request_id: list(r.output_token_ids) for r in requests}
 
 
+PARITY_TOKENS = 16  # the length of the fp32 greedy references several files compare with (each computed once)
+_GREEDY_REFERENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(prompt, length): tokens}
+
+
 def hf_greedy(loaded, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """transformers' own generate, the reference every mode must equal."""
+    """transformers' own generate, the reference every mode must equal. Computed once per model, prompt and
+    length for the session: a reference costs a full fp32 forward per token, and several files ask for the same."""
     model = transformers_model(loaded)
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids], device=model.device), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
-        )
-    return out[0, len(prompt_ids) :].tolist()
+    known = _GREEDY_REFERENCES.setdefault(model, {})
+    key = (tuple(prompt_ids), max_tokens)
+    if key not in known:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt_ids], device=model.device), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False)
+        known[key] = out[0, len(prompt_ids) :].tolist()
+    return list(known[key])
 
 
 def engine_greedy_with_logprobs(loaded, prompts: list[str], max_tokens: int, **engine_fields) -> tuple[list[Request], dict]:

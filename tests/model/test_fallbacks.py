@@ -8,7 +8,7 @@ from app.config import ModelConfig
 from app.cpu.linear_kernels import onednn_supported
 from app.engine import Request
 from app.models import load_model
-from tests.model.conftest import PROMPTS, greedy, hf_greedy, make_engine, run_engine
+from tests.model.conftest import PARITY_TOKENS, PROMPTS, greedy, hf_greedy, make_engine, run_engine
 
 pytestmark = [pytest.mark.model, pytest.mark.cpu_only]
 
@@ -22,7 +22,8 @@ def test_without_the_kernels_every_prompt_still_equals_generate_inside_a_batch(k
     assert path.parts["rms_norm"] == "torch" and path.parts["argmax"] == "torch"
     assert path.parts["linear"].startswith("onednn" if onednn_supported() else "torch")
     prompts = [own.tokenizer.encode(p) for p in PROMPTS[:6]]
-    requests = [Request(f"fallback-{i}", ids, greedy(12), own.eos_token_ids) for i, ids in enumerate(prompts)]
+    # the greedy parity test's prompts and length: the same references (tests/model/test_greedy_parity.py)
+    requests = [Request(f"fallback-{i}", ids, greedy(PARITY_TOKENS), own.eos_token_ids) for i, ids in enumerate(prompts)]
     outputs = run_engine(engine, requests)
     for request, ids in zip(requests, prompts):
-        assert outputs[request.request_id] == hf_greedy(loaded_fp32, ids, 12), request.request_id
+        assert outputs[request.request_id] == hf_greedy(loaded_fp32, ids, PARITY_TOKENS), request.request_id

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from app.engine import Request, SamplingParams
-from tests.model.conftest import PROMPTS, hf_greedy
+from tests.model.conftest import PARITY_TOKENS, PROMPTS, hf_greedy
 
 pytestmark = pytest.mark.model
 
@@ -22,8 +22,9 @@ async def test_greedy_equals_hf_generate(server_fp32, loaded_fp32):
     """Through the whole server path: AsyncEngine, the engine process, paged attention; the prompts sent together
     (the engine is batch-invariant: each answers as it would alone, tests/model/test_engine_modes.py)."""
     prompts = [loaded_fp32.tokenizer.encode(prompt) for prompt in PROMPTS[:6]]
-    got = await asyncio.gather(*(_engine_tokens(server_fp32, ids, max_tokens=16, temperature=0, ignore_eos=True) for ids in prompts))
-    mismatched = [PROMPTS[i] for i, ids in enumerate(prompts) if got[i] != hf_greedy(loaded_fp32, ids, 16)]
+    got = await asyncio.gather(*(_engine_tokens(server_fp32, ids, max_tokens=PARITY_TOKENS, temperature=0, ignore_eos=True)
+                               for ids in prompts))
+    mismatched = [PROMPTS[i] for i, ids in enumerate(prompts) if got[i] != hf_greedy(loaded_fp32, ids, PARITY_TOKENS)]
     assert not mismatched, f"differs from transformers generate for {mismatched}"
 
 
