@@ -37,7 +37,7 @@ async def _complete_all(model: str, prompts: list[str]) -> list[dict]:
 
 def _our_kernels_run() -> bool:
     """Asked only where two answers differ: the question imports torch, which this process otherwise never loads
-    (each ``serve.run`` pickles the app, and cloudpickle scans every loaded module as it does)."""
+    (``serve.run`` and ``serve.status`` pickle with cloudpickle, which scans every loaded module each time)."""
     from app.cpu.ops import unavailable_reason
 
     return unavailable_reason() is None
