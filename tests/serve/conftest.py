@@ -31,14 +31,14 @@ def app_args() -> dict:
     """The shipped config, with the bf16 model in fp32: batched == alone must hold exactly, and bf16
     rounding depends on how many rows a matmul has (a near-tie can then flip a greedy token). Steps of
     256 tokens (the GPTQ build's 128): each engine's warm-up runs one step of the whole budget, and the suite
-    starts many. The
-    speculative twins draft at every step (``adaptive: false``): on a fast target the policy may find the
-    draft model too dear and draft nothing, which would leave their equality tests nothing to verify. For
-    the same reason a sequence waits for its draft model's answer however long it takes: on two cores the
-    draft replica answers a batch of 16 calls in 1.5-3 s, past the shipped 500 ms wait. Both models skip
-    their load-time parity check (~14 s and ~5 s of the app's start on two cores), which the model tier runs
-    at the same settings: the GPTQ model's in tests/model/test_quantized_models.py, the embedded model's at
-    the start of the ``server_fp32`` fixture (tests/model/conftest.py), which fails if it does."""
+    starts many. The speculative twins draft at every step (``adaptive: false``): on a fast target the policy
+    may find the draft model too dear and draft nothing, which would leave their equality tests nothing to
+    verify. For the same reason a sequence waits for its draft model's answer however long it takes: on two
+    cores the draft replica answers a batch of 16 calls in 1.5-3 s, past the shipped 500 ms wait. Both models
+    skip their load-time parity check (~1 s and ~2.3 s of CPU in the app's start on a 2-core AVX2 EPYC), which
+    the model tier runs at the same settings: the GPTQ model's in tests/model/test_quantized_models.py, the
+    embedded model's at the start of the ``server_fp32`` fixture (tests/model/conftest.py), which fails if it
+    does."""
     config = yaml.safe_load(open("configs/smollm2-cpu.yaml"))
     config["models"][0]["model"]["dtype"] = "float32"
     for model in config["models"]:
