@@ -90,10 +90,10 @@ def stop_cluster(head: subprocess.Popen) -> None:
     """Every process of the node's session killed at once: the node is the test's own, and nothing on it needs to
     end cleanly (a SIGTERM to ``ray start --block`` first drains what runs there, tens of seconds on two cores)."""
     for _ in range(3):  # a process forked while the others were being killed is caught by the next pass
-        for pid in session_processes(head.pid):
+        for pid in {head.pid, *session_processes(head.pid)}:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    head.wait(10)
+    head.wait(30)  # once, with the whole suite running, the head's own process outlived a 10 s wait after its kill
 
 
 def serve_cli(address: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -38,9 +39,31 @@ DEPLOY_TIMEOUT_S = 180  # the poll returns once RUNNING: slack for a loaded, slo
 NUM_REQUESTS = 16
 
 
+NODE_ATTEMPTS = 3
+NODE_START_TIMEOUT_S = 180  # one attempt, on a loaded 2-core CI machine
+
+
 def start_node(command: list[str], env: dict[str, str], log_path: pathlib.Path) -> subprocess.Popen:
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:
         return subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def join_node(command: Callable[[], list[str]], env: dict[str, str], log_path: pathlib.Path, address: str) -> subprocess.Popen:
+    """Start the joining node (``command()``: its ports fresh each time), again if its start fails: a node's raylet
+    gives its dashboard agent ~15 s to report its ports and gives up on the node past that, and on a 2-core machine
+    busy with the rest of the suite the agent's imports alone have taken that long. A start that fails so is Ray's
+    start-up race, not the deployment under test; one that never ends fails the test."""
+    for _ in range(NODE_ATTEMPTS):
+        node, deadline = start_node(command(), env, log_path), time.monotonic() + NODE_START_TIMEOUT_S
+        while node.poll() is None and time.monotonic() < deadline:
+            if len(alive_nodes(address, env)) == 2:
+                return node
+            time.sleep(0.5)
+        failed = node.poll() is not None  # rather than still starting at the deadline: no second try then
+        stop_cluster(node)
+        if not failed:
+            break
+    pytest.fail(f"the second node did not join:\n{log_path.read_text()[-3000:]}")
 
 
 @pytest.fixture
@@ -73,10 +96,10 @@ def two_nodes():
     try:
         address = f"http://127.0.0.1:{dashboard}"
         wait_for_dashboard(address, head_log)  # the head is up: its GCS takes the second node
-        worker = start_node(
-            [str(BIN / "ray"), "start", f"--address=127.0.0.1:{gcs}", *common, *own_ports(), "--resources",
-             json.dumps({"node_b": 1})],
-            env, pathlib.Path(temp_dir) / "worker.log",
+        worker = join_node(
+            lambda: [str(BIN / "ray"), "start", f"--address=127.0.0.1:{gcs}", *common, *own_ports(), "--resources",
+                     json.dumps({"node_b": 1})],
+            env, pathlib.Path(temp_dir) / "worker.log", address,
         )  # fmt: skip
         yield address, env, pathlib.Path(temp_dir)
     finally:
@@ -108,15 +131,20 @@ def placement(address: str, env: dict[str, str], timeout_s: float) -> dict:
             if application.get("status") in ("RUNNING", "DEPLOY_FAILED") or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        listed = http.get("/api/v0/nodes", params={"limit": 100})
-        listed.raise_for_status()
     replicas = [
         {"deployment": name, "state": r["state"], "node_id": r.get("node_id"), "log": r.get("log_file_path")}
         for name, deployment in application.get("deployments", {}).items() for r in deployment.get("replicas", [])
     ]
-    alive = [n for n in listed.json()["data"]["result"]["result"] if n["state"] == "ALIVE"]
-    nodes = {n["node_id"]: sorted(n["resources_total"]) for n in alive}
+    nodes = {n["node_id"]: sorted(n["resources_total"]) for n in alive_nodes(address, env)}
     return {"status": application.get("status"), "replicas": replicas, "nodes": nodes}
+
+
+def alive_nodes(address: str, env: dict[str, str]) -> list[dict]:
+    """The cluster's alive nodes, as the dashboard's REST API lists them (``ray list nodes`` reads the same)."""
+    with httpx.Client(base_url=address, headers=auth_headers(env), timeout=10) as http:
+        listed = http.get("/api/v0/nodes", params={"limit": 100})
+    listed.raise_for_status()
+    return [n for n in listed.json()["data"]["result"]["result"] if n["state"] == "ALIVE"]
 
 
 def served(log: pathlib.Path) -> bool:
