@@ -13,6 +13,7 @@ tests/deploy/cluster.py's. It is also the test of ``serve deploy`` / ``serve sta
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import pathlib
 import shutil
@@ -27,7 +28,7 @@ import pytest
 import yaml
 
 from tests.deploy.cluster import (
-    BIN, ROOT, app_config, app_status, cluster_env, free_port, serve_cli, stop_cluster, wait_for_dashboard,
+    BIN, ROOT, app_config, app_status, cluster_env, dashboard_up, free_port, serve_cli, stop_cluster,
 )  # fmt: skip
 
 pytestmark = pytest.mark.serve
@@ -48,22 +49,23 @@ def start_node(command: list[str], env: dict[str, str], log_path: pathlib.Path) 
         return subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def join_node(command: Callable[[], list[str]], env: dict[str, str], log_path: pathlib.Path, address: str) -> subprocess.Popen:
-    """Start the joining node (``command()``: its ports fresh each time), again if its start fails: a node's raylet
-    gives its dashboard agent ~15 s to report its ports and gives up on the node past that, and on a 2-core machine
-    busy with the rest of the suite the agent's imports alone have taken that long. A start that fails so is Ray's
-    start-up race, not the deployment under test; one that never ends fails the test."""
+def start_until_up(command: Callable[[], list[str]], env: dict[str, str], log_path: pathlib.Path,
+                   up: Callable[[], bool], what: str) -> subprocess.Popen:
+    """Start a node (``command()``: its own ports fresh each time) until ``up()``, again if its start fails: a node's
+    raylet gives its dashboard agent ~15 s to report its ports and gives up on the node past that, and on a 2-core
+    machine busy with the rest of the suite the agent's imports alone have taken that long. A start that fails so is
+    Ray's start-up race, not the deployment under test; one still going at the deadline fails the test."""
     for _ in range(NODE_ATTEMPTS):
         node, deadline = start_node(command(), env, log_path), time.monotonic() + NODE_START_TIMEOUT_S
         while node.poll() is None and time.monotonic() < deadline:
-            if len(alive_nodes(address, env)) == 2:
+            if up():
                 return node
             time.sleep(0.5)
         failed = node.poll() is not None  # rather than still starting at the deadline: no second try then
         stop_cluster(node)
         if not failed:
             break
-    pytest.fail(f"the second node did not join:\n{log_path.read_text()[-3000:]}")
+    pytest.fail(f"{what} did not start:\n{log_path.read_text()[-3000:]}")
 
 
 @pytest.fixture
@@ -85,28 +87,32 @@ def two_nodes():
                 f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
                 f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]  # fmt: skip
 
-    head_log = pathlib.Path(temp_dir) / "head.log"
-    head = start_node(
-        [str(BIN / "ray"), "start", "--head", *common, *own_ports(), f"--port={gcs}", "--resources",
-         json.dumps({"node_a": 1}), "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dashboard}", f"--ray-client-server-port={free_port()}"],
-        env, head_log,
-    )  # fmt: skip
-    worker = None
+    address = f"http://127.0.0.1:{dashboard}"
+    head = worker = None
     try:
-        address = f"http://127.0.0.1:{dashboard}"
-        wait_for_dashboard(address, head_log)  # the head is up: its GCS takes the second node
-        worker = join_node(
+        head = start_until_up(
+            lambda: [str(BIN / "ray"), "start", "--head", *common, *own_ports(), f"--port={gcs}", "--resources",
+                     json.dumps({"node_a": 1}), "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                     f"--dashboard-port={dashboard}", f"--ray-client-server-port={free_port()}"],
+            env, pathlib.Path(temp_dir) / "head.log", lambda: dashboard_up(address), "the head",
+        )  # fmt: skip
+        worker = start_until_up(  # the head is up: its GCS takes the second node
             lambda: [str(BIN / "ray"), "start", f"--address=127.0.0.1:{gcs}", *common, *own_ports(), "--resources",
                      json.dumps({"node_b": 1})],
-            env, pathlib.Path(temp_dir) / "worker.log", address,
+            env, pathlib.Path(temp_dir) / "worker.log", lambda: _joined(address, env), "the second node",
         )  # fmt: skip
         yield address, env, pathlib.Path(temp_dir)
     finally:
-        if worker is not None:
-            stop_cluster(worker)  # the joined node first, then the head (its own session each)
-        stop_cluster(head)
+        for node in (worker, head):  # the joined node first, then the head (its own session each)
+            if node is not None:
+                stop_cluster(node)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _joined(address: str, env: dict[str, str]) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return len(alive_nodes(address, env)) == 2
+    return False
 
 
 def auth_headers(env: dict[str, str]) -> dict[str, str]:
