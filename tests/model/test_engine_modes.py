@@ -1,10 +1,10 @@
-"""Every batching mode equals transformers' generate, and batching never changes a request's output (greedy; fp32 on the
+"""Every batching mode gives transformers' greedy output, and batching never changes a request's output (greedy; fp32 on the
 embedded model's bf16-rounded weights, `loaded_rounded`)."""
 
 import pytest
 
 from app.engine import Request, SamplingParams
-from tests.model.conftest import PROMPTS, greedy, hf_greedy, make_engine, run_engine, transformers_model
+from tests.model.conftest import PROMPTS, greedy, hf_greedy_divergence, make_engine, run_engine, transformers_model
 
 pytestmark = pytest.mark.model
 
@@ -16,21 +16,18 @@ def prompt_ids(loaded_rounded):
     return [loaded_rounded.tokenizer.encode(p) for p in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def references(loaded_rounded, prompt_ids):
-    return [hf_greedy(loaded_rounded, ids, MAX_TOKENS) for ids in prompt_ids]
-
-
 @pytest.mark.parametrize("mode", ["none", "dynamic", "continuous"])
-def test_every_mode_equals_hf_generate(loaded_rounded, prompt_ids, references, mode):
+def test_every_mode_gives_transformers_greedy_tokens(loaded_rounded, prompt_ids, mode):
     # A small token budget makes the long prompt's prefill span several steps, mixed with decodes.
     engine = make_engine(loaded_rounded, batching=mode, max_num_batched_tokens=32, max_num_seqs=16)
     # "none" runs one sequence after another, a step per token each: every other prompt is enough there
     chosen = list(range(len(prompt_ids)))[:: 2 if mode == "none" else 1]
     requests = [Request(f"{mode}-{i}", prompt_ids[i], greedy(MAX_TOKENS), loaded_rounded.eos_token_ids) for i in chosen]
     outputs = run_engine(engine, requests)
-    mismatched = [PROMPTS[i] for i, r in zip(chosen, requests) if outputs[r.request_id] != references[i]]
-    assert not mismatched, f"{mode}: differs from transformers generate for {mismatched}"
+    differences = {PROMPTS[i]: hf_greedy_divergence(loaded_rounded, prompt_ids[i], outputs[r.request_id], MAX_TOKENS)
+                   for i, r in zip(chosen, requests)}
+    differences = {prompt: where for prompt, where in differences.items() if where}
+    assert not differences, f"{mode}: differs from transformers' greedy output: {differences}"
     assert engine.stats()["num_steps"] >= MAX_TOKENS
 
 
@@ -73,7 +70,7 @@ def test_shared_prefix_hits_the_cache_with_unchanged_outputs(loaded_rounded):
     out = run_engine(engine, [second])["p1"]
     assert engine.stats()["prefix_cache_hit_tokens"] - hits_before >= 16 * (len(system) // 16)
     assert second.num_cached_tokens >= 16
-    assert out == hf_greedy(loaded_rounded, system + questions[1], 12)
+    assert hf_greedy_divergence(loaded_rounded, system + questions[1], out, 12) is None
 
 
 def test_every_block_is_free_after_aborts_and_completions(loaded_rounded):
