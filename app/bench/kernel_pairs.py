@@ -20,7 +20,8 @@ from typing import Callable
 from torch import nn
 
 from app.bench.load import LoadSpec, make_prompts
-from app.config import EngineConfig, ModelConfig
+from app.bench.profile_steps import engine_holding
+from app.config import ModelConfig
 from app.engine import LLMEngine, Request, SamplingParams
 from app.cpu.decoder import DecoderLayerForward
 from app.cpu.norm import fused_norm_forwards
@@ -32,7 +33,7 @@ def run_kernel_pairs(spec: LoadSpec, kernel: str, batches: list[int], dtype: str
     prompts = [loaded.tokenizer.encode(p) for p in make_prompts(LoadSpec(**{**spec.__dict__, "num_requests": max(batches)}))]
     report: dict = {"kernel": kernel, "dtype": dtype, "pairs": pairs, "steps_per_block": steps, "batches": {}}
     for batch in batches:
-        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=batch))
+        engine = engine_holding(loaded, prompts[:batch], _new_tokens(pairs, steps), max_num_seqs=batch)
         switch, replaced = _SWITCHES[kernel](engine.runner.model)
         report["batches"][batch] = row = {"replaced": replaced, **_pairs(engine, switch, prompts[:batch], pairs, steps)}
         print(f"{kernel}, batch {batch}: ours {row['ours_step_ms']} ms, torch {row['torch_step_ms']} ms a step (medians); "
@@ -69,8 +70,12 @@ def _rotary_switch(model: nn.Module) -> tuple[Callable[[bool], None], int]:
 _SWITCHES = {"norm": _norm_switch, "rotary": _rotary_switch}
 
 
+def _new_tokens(pairs: int, steps: int) -> int:
+    return 2 * pairs * steps + 64
+
+
 def _pairs(engine: LLMEngine, use: Callable[[bool], None], prompts: list[list[int]], pairs: int, steps: int) -> dict:
-    total = 2 * pairs * steps + 64
+    total = _new_tokens(pairs, steps)
     params = SamplingParams(max_tokens=total, min_tokens=total, temperature=0, ignore_eos=True)
     engine.add_requests([Request(f"pairs-{i}", p, params) for i, p in enumerate(prompts)])
     for _ in range(8):

@@ -10,6 +10,7 @@ Figures for the README's "what limits us" come from here.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -18,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 from app.bench.load import LoadSpec, make_prompts
 from app.config import EngineConfig, ModelConfig
 from app.engine import LLMEngine, Request, SamplingParams
-from app.models import load_model
+from app.models import LoadedModel, load_model
 
 PROFILED_STEPS = 5  # steps under the profiler: parsing its trace costs ~0.5 s a step on two cores
 _TOP_OPS = 12
@@ -32,7 +33,8 @@ def run_step_profile(spec: LoadSpec, batches: list[int], dtype: str, steps: int,
     prompts = [loaded.tokenizer.encode(p) for p in make_prompts(LoadSpec(**{**spec.__dict__, "num_requests": max(batches)}))]
     kernels = kernels or {}
     report: dict = {"dtype": dtype, **kernels, "threads": torch.get_num_threads(), "batches": {}}
-    engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(batches), **kernels))  # one start for every batch size
+    # one start for every batch size
+    engine = engine_holding(loaded, prompts, _new_tokens(steps, profiled_steps), max_num_seqs=max(batches), **kernels)
     for batch in batches:
         report["batches"][batch] = _profile_batch(engine, prompts[:batch], steps, profiled_steps)
         row = report["batches"][batch]
@@ -42,8 +44,23 @@ def run_step_profile(spec: LoadSpec, batches: list[int], dtype: str, steps: int,
     return report
 
 
+def engine_holding(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, **engine_fields) -> LLMEngine:
+    """An engine whose KV pool holds every prompt and ``new_tokens`` after each, and no more: the default pool (1 GiB
+    on a CPU, room for the model's whole context) costs ~2 s of CPU to zero at start, and its size changes no step's
+    work. Its context is the longest of these sequences."""
+    context = max(len(prompt) for prompt in prompts) + new_tokens
+    loaded = dataclasses.replace(loaded, max_model_len=min(loaded.max_model_len, context))
+    block = EngineConfig.block_size
+    blocks = sum(-(-(len(prompt) + new_tokens) // block) for prompt in prompts)
+    return LLMEngine(loaded, EngineConfig(num_kv_blocks=blocks, **engine_fields))
+
+
+def _new_tokens(steps: int, profiled_steps: int) -> int:
+    return steps + profiled_steps + 64  # enough tokens that every timed step is a decode of the whole batch
+
+
 def _profile_batch(engine: LLMEngine, prompts: list[list[int]], steps: int, profiled_steps: int) -> dict:
-    total = steps + profiled_steps + 64  # enough tokens that every timed step is a decode of the whole batch
+    total = _new_tokens(steps, profiled_steps)
     params = SamplingParams(max_tokens=total, min_tokens=total, temperature=0, ignore_eos=True)
     engine.add_requests([Request(f"profile-{i}", p, params) for i, p in enumerate(prompts)])
     while engine.stats()["num_waiting"] or engine.counters.last_step_tokens != len(prompts):

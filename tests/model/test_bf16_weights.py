@@ -5,11 +5,11 @@ Runs on every CPU our kernels run on: the loader is told bf16 is not native (as 
 import pytest
 import torch
 
-from app.config import EngineConfig, ModelConfig
-from app.engine import LLMEngine, Request, SamplingParams
+from app.config import ModelConfig
+from app.engine import Request, SamplingParams
 from app.cpu.ops import available as kernels_available, unavailable_reason
 from app.models import load_model
-from tests.model.conftest import PROMPTS, hf_greedy_divergence
+from tests.model.conftest import PROMPTS, hf_greedy_divergence, make_engine
 from tests.model.test_bf16 import native_bf16
 
 pytestmark = [pytest.mark.model, pytest.mark.cpu_only]
@@ -31,7 +31,7 @@ def test_bf16_resolves_to_bf16_weights_on_fp32_activations_where_bf16_is_not_nat
 
 @pytest.mark.skipif(not kernels_available(), reason=f"the CPU kernels cannot run here: {unavailable_reason()}")
 def test_engine_with_bf16_weights_gives_transformers_greedy_tokens_on_the_same_rounded_weights(loaded_bf16):
-    engine = LLMEngine(loaded_bf16, EngineConfig(max_num_seqs=8, batch_invariant=True))  # one kernel: exact equality
+    engine = make_engine(loaded_bf16, max_num_seqs=8)  # batch-invariant (one kernel): exact equality
     packed = [m for m in loaded_bf16.model.modules() if getattr(m, "kernel", None) is not None]
     assert packed and all(m.packed_weight.dtype == torch.bfloat16 for m in packed if hasattr(m, "packed_weight"))
 
