@@ -24,8 +24,6 @@ import logging
 
 import torch
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
 from app.cpu.linear import GatedMLPForward, PackedSiblingLinear, linear_add
 from app.cpu.rotary import modeling_rotary, rotary_for
 
@@ -47,7 +45,7 @@ class DecoderLayerForward:
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         original = modeling_rotary(attn)
         self.rotary = (rotary_for(original) if rotary_kernel else None) or original
-        self.attention = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
+        self.attention = _attention_functions()[attn.config._attn_implementation]
         # bound forwards (a fused one where a module has it): the module calls' own cost was the point
         self.input_norm, self.post_norm = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
         self.mlp = layer.mlp.forward
@@ -116,7 +114,7 @@ def _qualifies(layer: nn.Module) -> bool:
         return False
     if not all(hasattr(attn, name) for name in ("head_dim", "scaling", "layer_idx", "config")):
         return False
-    if attn.config._attn_implementation not in ALL_ATTENTION_FUNCTIONS:
+    if attn.config._attn_implementation not in _attention_functions():
         return False
     if modeling_rotary(attn) is None:
         return False
@@ -137,22 +135,31 @@ def _same_bits(layer: nn.Module, candidate: DecoderLayerForward) -> bool:
     angles = torch.rand(1, _CHECK_TOKENS, attn.head_dim, generator=generator) * 10
     embeddings = (angles.cos(), angles.sin())
     name = attn.config._attn_implementation
-    module_calls, candidate_calls = _AttentionArguments(ALL_ATTENTION_FUNCTIONS[name]), _AttentionArguments(candidate.attention)
+    functions = _attention_functions()
+    module_calls, candidate_calls = _AttentionArguments(functions[name]), _AttentionArguments(candidate.attention)
     try:
-        ALL_ATTENTION_FUNCTIONS[name] = module_calls  # the module looks its attention up on each call
+        functions[name] = module_calls  # the module looks its attention up on each call
         expected = type(layer).forward(layer, x, attention_mask=None, position_embeddings=embeddings)
-        del ALL_ATTENTION_FUNCTIONS[name]
+        del functions[name]
         candidate.attention = candidate_calls
         got = candidate(x, attention_mask=None, position_embeddings=embeddings)
     except Exception:  # noqa: BLE001 - another signature or layout: leave the layer as it is
         return False
     finally:
-        if name in ALL_ATTENTION_FUNCTIONS._local_mapping:
-            del ALL_ATTENTION_FUNCTIONS[name]
+        if name in functions._local_mapping:
+            del functions[name]
         candidate.attention = candidate_calls.inner
     expected = expected[0] if isinstance(expected, tuple) else expected
     same_arguments = module_calls.calls == candidate_calls.calls
     return same_arguments and isinstance(got, torch.Tensor) and got.shape == expected.shape and torch.equal(got, expected)
+
+
+def _attention_functions():
+    """transformers' attention registry (imported here: importing app.cpu, as the kernels' light users do, then
+    needs torch alone, not transformers' modeling code, ~3 s of CPU)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
 
 
 # What the decoder layer's caller hands down per call (the one-frame forward passes the caller's on as they are).
