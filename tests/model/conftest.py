@@ -14,12 +14,19 @@ from tests.prompts import PROMPTS  # noqa: F401 (the model tier's tests import i
 from tests.model.references import keeping_transformers_copy, transformers_model  # noqa: F401 (as PROMPTS)
 
 
+# A served engine's KV pool in the tests: one whole context of the embedded model (8,192 tokens, 360 MiB in fp32),
+# which the tests' few sequences never fill. The default (1 GiB on a CPU) costs ~2 s of CPU at each start, zeroed
+# and backed with huge pages.
+SERVED_KV_MB = 400
+
+
 @pytest.fixture(scope="session")
 def server_fp32():
     """The real embedded model in fp32 (exact comparisons), behind the real engine, batch-invariant; its start runs
     the load-time parity check (engine.parity_check, on by default) and fails if the check does."""
     # 256-token steps: the warm-up runs one step of the whole budget, in fp32
-    engine = EngineConfig(max_num_batched_tokens=256, batch_invariant=True, torch_threads=TORCH_THREADS)
+    engine = EngineConfig(max_num_batched_tokens=256, batch_invariant=True, torch_threads=TORCH_THREADS,
+                          kv_cache_memory_mb=SERVED_KV_MB)
     server = ModelServer(ServedModelConfig(model=ModelConfig(dtype="float32"), engine=engine))
     yield server
     server.shutdown(timeout_s=5)

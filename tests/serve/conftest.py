@@ -23,6 +23,7 @@ FAKE_BASE = f"{BASE}/fake"
 FAKE_MODELS = ["fake-a", "fake-b"]
 FRAGILE_MODEL = "fake-fragile"  # the one whose replica a test kills
 FAKE_TWIN = "fake-a-ngram"  # fake-a's speculative twin: the same model under a second name
+FP32_KV_MB = 400  # the embedded model's whole context in fp32 KV (360 MiB), not the shipped 1 GiB: ~2 s less to start
 TEST_STEP_TOKENS = 256  # real engines' step budget in tests (their warm-up runs one full step)
 GPTQ_STEP_TOKENS = 128
 
@@ -41,6 +42,7 @@ def app_args() -> dict:
     does."""
     config = yaml.safe_load(open("configs/smollm2-cpu.yaml"))
     config["models"][0]["model"]["dtype"] = "float32"
+    config["models"][0]["engine"]["kv_cache_memory_mb"] = FP32_KV_MB
     for model in config["models"]:
         model.setdefault("engine", {})["max_num_batched_tokens"] = TEST_STEP_TOKENS
         model["engine"]["parity_check"] = False
