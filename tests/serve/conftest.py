@@ -23,7 +23,7 @@ FAKE_BASE = f"{BASE}/fake"
 FAKE_MODELS = ["fake-a", "fake-b"]
 FRAGILE_MODEL = "fake-fragile"  # the one whose replica a test kills
 FAKE_TWIN = "fake-a-ngram"  # fake-a's speculative twin: the same model under a second name
-FP32_KV_MB = 400  # the embedded model's whole context in fp32 KV (360 MiB), not the shipped 1 GiB: ~2 s less to start
+FP32_KV_MB = 400  # the embedded model's whole context in fp32 KV (360 MiB), not the shipped 1 GiB (1.9 s of CPU to zero)
 TEST_STEP_TOKENS = 256  # real engines' step budget in tests (their warm-up runs one full step)
 GPTQ_STEP_TOKENS = 128
 
