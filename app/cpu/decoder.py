@@ -24,6 +24,7 @@ import logging
 
 import torch
 from torch import nn
+
 from app.cpu.linear import GatedMLPForward, PackedSiblingLinear, linear_add
 from app.cpu.rotary import modeling_rotary, rotary_for
 
@@ -156,7 +157,7 @@ def _same_bits(layer: nn.Module, candidate: DecoderLayerForward) -> bool:
 
 def _attention_functions():
     """transformers' attention registry (imported here: importing app.cpu, as the kernels' light users do, then
-    needs torch alone, not transformers' modeling code, ~3 s of CPU)."""
+    needs torch alone, not transformers' modeling code: ~5 s of CPU)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS
