@@ -1,5 +1,5 @@
-"""Every batching mode gives transformers' greedy output, and batching never changes a request's output (greedy; fp32 on the
-embedded model's bf16-rounded weights, `loaded_rounded`)."""
+"""Every batching mode gives transformers' greedy output, and batching never changes a request's output (greedy;
+fp32 on the embedded model's bf16-rounded weights, `loaded_rounded`)."""
 
 import pytest
 
@@ -24,9 +24,8 @@ def test_every_mode_gives_transformers_greedy_tokens(loaded_rounded, prompt_ids,
     chosen = list(range(len(prompt_ids)))[:: 2 if mode == "none" else 1]
     requests = [Request(f"{mode}-{i}", prompt_ids[i], greedy(MAX_TOKENS), loaded_rounded.eos_token_ids) for i in chosen]
     outputs = run_engine(engine, requests)
-    differences = {PROMPTS[i]: hf_greedy_divergence(loaded_rounded, prompt_ids[i], outputs[r.request_id], MAX_TOKENS)
-                   for i, r in zip(chosen, requests)}
-    differences = {prompt: where for prompt, where in differences.items() if where}
+    differences = {PROMPTS[i]: where for i, r in zip(chosen, requests)
+                   if (where := hf_greedy_divergence(loaded_rounded, prompt_ids[i], outputs[r.request_id], MAX_TOKENS))}
     assert not differences, f"{mode}: differs from transformers' greedy output: {differences}"
     assert engine.stats()["num_steps"] >= MAX_TOKENS
 

@@ -24,8 +24,8 @@ async def test_greedy_tokens_are_transformers_own(server_fp32, loaded_fp32):
     prompts = [loaded_fp32.tokenizer.encode(prompt) for prompt in PROMPTS[:6]]
     got = await asyncio.gather(*(_engine_tokens(server_fp32, ids, max_tokens=PARITY_TOKENS, temperature=0, ignore_eos=True)
                                for ids in prompts))
-    differences = {PROMPTS[i]: hf_greedy_divergence(loaded_fp32, ids, got[i], PARITY_TOKENS) for i, ids in enumerate(prompts)}
-    differences = {prompt: where for prompt, where in differences.items() if where}
+    differences = {PROMPTS[i]: where for i, ids in enumerate(prompts)
+                   if (where := hf_greedy_divergence(loaded_fp32, ids, got[i], PARITY_TOKENS))}
     assert not differences, f"differs from transformers' greedy output: {differences}"
 
 
