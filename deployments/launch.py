@@ -12,7 +12,7 @@ This starts that local Ray itself: without the dashboard unless ``--dashboard`` 
 for its usage statistics alone; ``serve status`` and ``serve deploy``, which ask the dashboard, need the flag), with
 the controller's loop at 0.5 s and Serve's direct ingress on (``SERVE_ENV``; a variable already set keeps its value),
 then hands over to ``serve run``, which finds Ray started and runs the config on it; Ctrl-C stops both, as with
-``serve run``. Given a cluster (``--address`` or ``RAY_ADDRESS``) or a ``runtime_env`` for ``ray.init``
+``serve run``. A node that times out during startup is started again (:func:`init_local_ray`). Given a cluster (``--address`` or ``RAY_ADDRESS``) or a ``runtime_env`` for ``ray.init``
 (``--runtime-env``, ``--runtime-env-json``, ``--working-dir``), it starts nothing: the command is ``serve run``, with
 ``SERVE_ENV`` in this process's environment (a cluster's processes take theirs from its ``ray start``).
 """
@@ -33,6 +33,10 @@ SERVE_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
 DASHBOARD_FLAG = "--dashboard"
+# On a busy machine a local Ray's node can fail to start: its raylet gives its dashboard agent ~15 s to report its ports
+# and aborts past that (Ray 2.60, not configurable), and ray.init raises at the end of its own 30 s wait, saying this.
+NODE_START_TIMED_OUT = "timed out during startup"
+RAY_START_ATTEMPTS = 3
 # serve run's options that decide how it calls ray.init itself
 _OWN_RAY_INIT = ("--address", "-a", "--runtime-env", "--runtime-env-json", "--working-dir")
 
@@ -51,10 +55,26 @@ def main(argv: list[str] | None = None) -> None:
 
         from deployments.ray_compat import serve_namespace
 
-        ray.init(namespace=serve_namespace(), include_dashboard=dashboard)
+        init_local_ray(namespace=serve_namespace(), include_dashboard=dashboard)
     from ray.serve.scripts import cli
 
     cli.main(["run", *args], prog_name="serve")
+
+
+def init_local_ray(**options) -> None:
+    """``ray.init(**options)`` starting a local Ray, again (up to ``RAY_START_ATTEMPTS`` times) where its node timed out
+    during startup; any other failure raises at once."""
+    import ray
+
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(**options)
+            return
+        except Exception as error:  # Ray raises a bare Exception for it
+            if NODE_START_TIMED_OUT not in str(error) or attempt == RAY_START_ATTEMPTS:
+                raise
+            print(f"Ray's node did not start ({error}): starting it again", file=sys.stderr, flush=True)
+            ray.shutdown()
 
 
 def starts_local_ray(args: list[str], environ) -> bool:

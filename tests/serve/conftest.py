@@ -68,33 +68,14 @@ def fake_app_args() -> dict:
     return {"server_factory": "tests.serve.fake_model:fake_model_server", "models": models}
 
 
-RAY_START_ATTEMPTS = 3
-
-
-def start_ray() -> None:
-    """``ray.init``, again where the node failed to start. On a machine busy with the suite's other runs a node's
-    raylet can abort before it registers: it gives its dashboard agent ~15 s to report its ports (Ray 2.60, not
-    configurable), and ray.init then raises at the end of its own 30 s wait. tests/deploy starts its nodes again the
-    same way."""
-    import ray
-
-    for attempt in range(1, RAY_START_ATTEMPTS + 1):
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024 * 1024)
-            return
-        except Exception as error:  # Ray raises a bare Exception for it
-            if "timed out during startup" not in str(error) or attempt == RAY_START_ATTEMPTS:
-                raise
-            print(f"Ray's node did not start ({error}): starting one again", flush=True)
-            ray.shutdown()
-
-
 @pytest.fixture(scope="session")
 def serve_cluster():
     import ray
     from ray import serve
 
-    start_ray()
+    from deployments.launch import init_local_ray  # make serve's start: a node that times out starting starts again
+
+    init_local_ray(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024 * 1024)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     yield {"gcs_address": ray.get_runtime_context().gcs_address}
     # The cluster goes whole: serve.shutdown() would first drain every replica left (~15 s on two cores), which

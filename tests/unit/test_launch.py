@@ -53,3 +53,33 @@ def test_a_cluster_in_the_environment_is_joined_by_serve_run(calls):
     calls["environ"]["RAY_ADDRESS"] = "head:6379"
     launch.main(["serve_config.yaml"])
     assert "ray.init" not in calls and calls["serve"] == ["run", "serve_config.yaml"]
+
+
+def test_a_node_that_times_out_starting_is_started_again_and_any_other_failure_raises(monkeypatch):
+    seen = []
+    timed_out = Exception("The current node timed out during startup. This could happen because some of the raylet "
+                          "failed to startup or the GCS has become overloaded.")  # Ray 2.60's words
+
+    def init(failures: list[Exception]):
+        def call(**options):
+            seen.append(options)
+            if failures:
+                raise failures.pop(0)
+        return call
+
+    monkeypatch.setattr(ray, "shutdown", lambda: seen.append("shutdown"))
+    monkeypatch.setattr(ray, "init", init([timed_out, timed_out]))
+    launch.init_local_ray(namespace="serve")
+    assert seen == [{"namespace": "serve"}, "shutdown"] * 2 + [{"namespace": "serve"}]
+
+    seen.clear()
+    monkeypatch.setattr(ray, "init", init([timed_out] * launch.RAY_START_ATTEMPTS))
+    with pytest.raises(Exception, match="timed out during startup"):
+        launch.init_local_ray()
+    assert seen.count({}) == launch.RAY_START_ATTEMPTS
+
+    seen.clear()
+    monkeypatch.setattr(ray, "init", init([RuntimeError("Address already in use")]))
+    with pytest.raises(RuntimeError, match="Address already in use"):
+        launch.init_local_ray()
+    assert seen == [{}]
