@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def init_local_ray(**options) -> None:
     """``ray.init(**options)`` starting a local Ray, again (up to ``RAY_START_ATTEMPTS`` times) where its node timed out
-    during startup; any other failure raises at once."""
+    during startup; any other failure raises at once. What a failed start left running (its GCS) is Ray's to stop:
+    each start registers its processes to be killed when this process exits, and they share its fate."""
     import ray
 
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
