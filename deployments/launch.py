@@ -12,9 +12,10 @@ This starts that local Ray itself: without the dashboard unless ``--dashboard`` 
 for its usage statistics alone; ``serve status`` and ``serve deploy``, which ask the dashboard, need the flag), with
 the controller's loop at 0.5 s and Serve's direct ingress on (``SERVE_ENV``; a variable already set keeps its value),
 then hands over to ``serve run``, which finds Ray started and runs the config on it; Ctrl-C stops both, as with
-``serve run``. A node that times out during startup is started again (:func:`init_local_ray`). Given a cluster (``--address`` or ``RAY_ADDRESS``) or a ``runtime_env`` for ``ray.init``
+``serve run``. Given a cluster (``--address`` or ``RAY_ADDRESS``) or a ``runtime_env`` for ``ray.init``
 (``--runtime-env``, ``--runtime-env-json``, ``--working-dir``), it starts nothing: the command is ``serve run``, with
-``SERVE_ENV`` in this process's environment (a cluster's processes take theirs from its ``ray start``).
+``SERVE_ENV`` in this process's environment (a cluster's processes take theirs from its ``ray start``). A local node
+that times out during startup is started again (:func:`init_local_ray`).
 """
 
 from __future__ import annotations
