@@ -14,8 +14,9 @@ order and with the bits of adding them after.
 
 Only layers of the Llama family's exact shape qualify: children ``self_attn``, ``mlp``,
 ``input_layernorm``, ``post_attention_layernorm``; an attention of exactly q/k/v/o projections
-whose q/k/v share one packed GEMM (so fp32 CPU weights, not quantized ones); no hooks. Anything
-else (q/k norms, sandwich norms, a KV cache object) keeps the module's own ``forward``.
+whose q/k/v share one packed GEMM (so fp32 CPU weights, not quantized ones); no hooks; no clamp of q/k/v
+(OLMo's ``clip_qkv``: the test input may never reach it). Anything else (q/k norms, sandwich norms, a KV cache
+object) keeps the module's own ``forward``.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ def _qualifies(layer: nn.Module) -> bool:
         return False
     if attn.config._attn_implementation not in _attention_functions():
         return False
+    if getattr(attn.config, "clip_qkv", None) is not None:
+        return False  # OLMo clamps q, k and v before RoPE: a test input rarely reaches the clip, real activations do
     if modeling_rotary(attn) is None:
         return False
     return not any(_has_hooks(m) for m in layer.modules())

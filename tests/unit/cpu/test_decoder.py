@@ -3,7 +3,7 @@
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, OlmoConfig, OlmoForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from app.config import EngineConfig
@@ -75,6 +75,29 @@ def test_layers_of_another_shape_keep_their_forward():
     model.model.layers[1].mlp.register_forward_hook(lambda *args: None)  # a hook would be skipped
     assert fuse_decoder_layers(model) == 1
     assert _fused(model) == [model.model.layers[2]]
+
+
+@pytest.mark.parametrize("clip_qkv", [None, 1.0])
+def test_olmo_layers_that_clamp_q_k_v_keep_their_forward(clip_qkv):
+    """OLMo's layer has the Llama layer's shape; with ``clip_qkv`` its attention clamps q, k and v before RoPE,
+    which a test input may never reach (the fusing check's q stays under 1) while real activations do."""
+    torch.manual_seed(0)
+    config = OlmoConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, clip_qkv=clip_qkv)
+    model = OlmoForCausalLM(config).eval()
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        layer.self_attn.q_proj.weight[:, 3] = 0.2  # a feature real checkpoints carry outliers in
+    register_paged_attention(model)
+    pack_cpu_linears(model, batch_invariant=unavailable_reason() is None)
+    assert fuse_decoder_layers(model) == (2 if clip_qkv is None else 0)
+    x = torch.randn(1, 5, 64)
+    x[..., 3] += 400  # the outlier itself: q then passes the clip
+    angles = torch.rand(1, 5, 16)
+    embeddings = (angles.cos(), angles.sin())
+    with torch.inference_mode():
+        expected = type(layer).forward(layer, x, attention_mask=None, position_embeddings=embeddings)
+        _assert_same(layer(x, attention_mask=None, position_embeddings=embeddings), expected)
 
 
 def test_unpacked_projections_keep_the_modules_forward():
