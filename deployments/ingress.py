@@ -317,7 +317,11 @@ class OpenAIIngress:
         if request.stream:
             events = response_stream.response_events(body, self._stream(request, "chat"), response_id, created, request_id)
             return await sse_response(events, request_id, named=True)
-        return JSONResponse(responses.response_object(body, await self._call(request, "chat"), response_id, created))
+        try:
+            chat = await self._call(request, "chat")
+        except APIError as error:  # the chat request's names: max_tokens, messages
+            raise responses.named_for_responses(error) from None
+        return JSONResponse(responses.response_object(body, chat, response_id, created))
 
     async def _respond_generate(self, raw: Request, request_id: str):
         request = parse_body(await self._read_body(raw), GenerateRequest)

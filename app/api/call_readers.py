@@ -21,6 +21,7 @@ from typing import Any
 
 import regex
 
+from app.api.errors import NOT_JSON
 from app.api.growing import grow_attribute, grow_item
 MARKER, END = "<tool_call>", "</tool_call>"
 # A call object's head up to its arguments' first character: the name is whole once this matches
@@ -68,7 +69,7 @@ def _name(head) -> str | None:
     """A head's function name, or None where it does not decode to text (a bad escape, a raw control character)."""
     try:
         name = json.loads(f'"{head.group(1)}"')
-    except json.JSONDecodeError:
+    except NOT_JSON:
         return None
     return name if _is_text(name) else None
 
@@ -264,7 +265,7 @@ def _whole_call(body: str) -> tuple[str, str] | None:
     """A block's JSON read whole: (name, arguments text), or None if it is no call."""
     try:
         value = json.loads(body.strip())
-    except json.JSONDecodeError:
+    except NOT_JSON:
         return None
     return call_from(value, ("arguments", "parameters"))
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 from app.engine.errors import (EngineDeadError, EngineOverloadedError, EngineQueueTimeoutError, EngineShutdownError,
                                GrammarFailedError, ReplicaDrainingError, RequestFailedError)
 
+# What json.loads raises on text it cannot read: not JSON (JSONDecodeError is a ValueError), nested past the parser's
+# depth (RecursionError), an integer of 4,300+ digits (ValueError). A JSON string inside a body, or a model's output,
+# can be any of these: each is an answer (a 400, or text that is no call), never a 500.
+NOT_JSON = (ValueError, RecursionError)
+
 _TYPES = {
     400: "invalid_request_error",
     404: "invalid_request_error",  # as OpenAI types an unknown model (code model_not_found)

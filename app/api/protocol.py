@@ -332,7 +332,7 @@ def parse_body(raw: bytes | str | dict, model_cls: type[_Strict]) -> Any:
     """Parse a request body into ``model_cls``, turning every problem into a 400 naming the field."""
     if not isinstance(raw, dict):
         try:
-            raw = json.loads(raw or b"")
+            raw = json.loads(raw or b"", parse_constant=refuse_json_constant)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
         except (RecursionError, ValueError) as exc:  # nested past the parser's depth; an integer of 4,300+ digits
@@ -347,6 +347,11 @@ def parse_body(raw: bytes | str | dict, model_cls: type[_Strict]) -> Any:
     if hasattr(request, "_reject_unsupported"):
         request._reject_unsupported()
     return request
+
+
+def refuse_json_constant(name: str) -> None:
+    """Python's json reads NaN and Infinity, which JSON has not: echoed back, they would fail the answer's encoding."""
+    raise ValueError(f"{name} is not JSON (JSON has no NaN or Infinity)")
 
 
 MAX_NESTING = 64  # levels of objects and lists in a body: a schema deeper than this is no schema a model follows

@@ -11,7 +11,7 @@ from typing import AsyncIterator
 
 from app.api.errors import APIError, to_api_error
 from app.api.growing import grow_item
-from app.api.responses import call_item, logprobs_of, message_item, response_dict, usage_of
+from app.api.responses import call_item, logprobs_of, message_item, named_for_responses, response_dict, usage_of
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,8 @@ async def response_events(body: dict, chunks: AsyncIterator[dict], response_id: 
             for event in stream.take(chunk):
                 yield event
     except Exception as exc:  # noqa: BLE001 - told in the stream: its headers are sent
+        if isinstance(exc, APIError):
+            named_for_responses(exc)
         if not stream.sequence:
             raise  # nothing sent yet: the request's own HTTP error
         error = to_api_error(exc, request_id)

@@ -246,18 +246,24 @@ def usage_of(usage: dict | None) -> dict | None:
 
 def parse_request(raw: bytes) -> tuple[dict, Any]:
     """A response request's body and the chat request it asks for (400s as the chat endpoints give them)."""
-    from app.api.protocol import ChatCompletionRequest, parse_body, require_plain_text
+    from app.api.protocol import ChatCompletionRequest, parse_body, refuse_json_constant, require_plain_text
 
     try:
-        body = json.loads(raw or b"")
+        body = json.loads(raw or b"", parse_constant=refuse_json_constant)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if isinstance(body, dict):
         require_plain_text(body)  # what is only echoed back too: a lone surrogate would fail the answer's encoding
     try:
         return body, parse_body(chat_body(body), ChatCompletionRequest)
-    except APIError as error:  # named as the response request names it
-        for chat_name, name in _NAMES:
-            error.message = error.message.replace(chat_name, name)
-            error.param = error.param.replace(chat_name, name, 1) if error.param else error.param
-        raise
+    except APIError as error:
+        raise named_for_responses(error) from None
+
+
+def named_for_responses(error: APIError) -> APIError:
+    """A chat request's error (its parse, or the model's answer: a prompt past the context) named as the response
+    request names its fields."""
+    for chat_name, name in _NAMES:
+        error.message = error.message.replace(chat_name, name)
+        error.param = error.param.replace(chat_name, name, 1) if error.param else error.param
+    return error

@@ -13,7 +13,7 @@ import functools
 import json
 from typing import Any
 
-from app.api.errors import APIError
+from app.api.errors import NOT_JSON, APIError
 from app.api.schemas import closed
 
 # What the JSON grammar allows between tokens (a schema's own "x-guidance" options override these).
@@ -92,8 +92,8 @@ def _from_structured_outputs(structured: dict[str, Any] | None):
     if kind == "json":
         try:
             schema = json.loads(value) if isinstance(value, str) else value
-        except json.JSONDecodeError as exc:
-            raise APIError(400, f"structured_outputs.json is not valid JSON: {exc}", param=param) from None
+        except NOT_JSON as exc:
+            raise APIError(400, f"structured_outputs.json is not valid JSON: {str(exc) or 'nested too deeply'}", param=param) from None
         if not isinstance(schema, dict):
             raise APIError(400, "structured_outputs.json must be a JSON schema object", param=param)
         return ("json", json.dumps(closed(schema))), param

@@ -79,11 +79,13 @@ async def named_call_chunks(chunks: AsyncIterator[dict], name: str) -> AsyncIter
 
 async def required_call_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dict]:
     """One choice of a chat under ``tool_choice: required``: each call as soon as its name is whole (its ``index``,
-    ``id`` and name), then its arguments as they come, as vLLM streams them; the finish is ``tool_calls``."""
-    reader, sent = ListReader(), []  # sent[i]: how much of call i's arguments went out
+    ``id`` and name), then its arguments as they come, as vLLM streams them; the finish is ``tool_calls``. An answer cut
+    short before its first call's name is whole is content at the finish, as the non-streamed message has it."""
+    reader, sent, text = ListReader(), [], ""  # sent[i]: how much of call i's arguments went out
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             choice = chunk["choices"][0]
+            text += choice["delta"].get("content") or ""
             reader.feed(choice["delta"].get("content") or "")
             entries = call_entries([(name, arguments) for name, arguments in reader.calls], sent)
             if entries or choice["logprobs"]:
@@ -91,7 +93,8 @@ async def required_call_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dic
                 yield {**chunk, "choices": [{**choice, "delta": delta, "finish_reason": None}]}
             if choice["finish_reason"] is not None:
                 finish = "tool_calls" if sent and choice["finish_reason"] == "stop" else choice["finish_reason"]
-                yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": None, "finish_reason": finish}]}
+                delta = {"content": text} if text and not sent else {}
+                yield {**chunk, "choices": [{**choice, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
 
 _CALL_MARKERS = {"mistral": MISTRAL_MARKER}  # Hermes, Qwen3-Coder: their readers

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from app.api.errors import APIError
+from app.api.errors import NOT_JSON, APIError
 from app.api.call_readers import PYTHON_TAG, HermesReader, ListReader, call_from
 from app.api.schemas import closed, tools_schema
 from app.api.xml_calls import XmlReader
@@ -153,7 +153,7 @@ def mistral_calls(body: str) -> tuple[list[tuple[str, str]], str]:
         return found, body[reader.end:] if reader.end is not None else ""
     try:
         listed, end = json.JSONDecoder().raw_decode(body.lstrip())
-    except json.JSONDecodeError:
+    except NOT_JSON:
         listed, end = None, 0
     others = [call_from(item, ("arguments",)) for item in listed[len(found):]] if isinstance(listed, list) else [None]
     if not all(others):
@@ -187,7 +187,7 @@ def schemas_of(tools: list[Tool] | None) -> dict[str, dict]:
 def _json_or_none(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except NOT_JSON:
         return None
 
 
@@ -243,7 +243,7 @@ def render_for_template(messages: list[dict], tools: list[Tool]) -> list[dict]:
 def loaded_arguments(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except (json.JSONDecodeError, TypeError):
+    except (*NOT_JSON, TypeError):
         return arguments
 
 

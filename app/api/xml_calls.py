@@ -18,6 +18,7 @@ from typing import Any
 import regex
 
 from app.api.call_readers import ContentAndBlocks
+from app.api.errors import NOT_JSON
 from app.api.growing import grow_attribute
 
 _MARKER, _END, _FUNCTION_END, _PARAMETER_END = "<tool_call>", "</tool_call>", "</function>", "</parameter>"
@@ -150,7 +151,7 @@ def typed(value: str, schema: dict | None) -> Any:
         return value.strip().lower() == "true"
     try:
         parsed = json.loads(value)
-    except json.JSONDecodeError:
+    except NOT_JSON:
         return value
     if "integer" in kinds and isinstance(parsed, float) and parsed.is_integer():
         return int(parsed)

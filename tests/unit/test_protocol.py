@@ -191,6 +191,8 @@ def test_logit_bias_keys_must_be_token_ids():
     ('{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}", None, "invalid_json"),  # past Python's 4,300 digits
     ('{"prompt": "x", "metadata": ' + "[" * 3000 + "]" * 3000 + "}", None, "invalid_json"),  # past the parser's depth
     ('{"prompt": "x", "structured_outputs": {"json": ' + '{"items": ' * 70 + "{}" + "}" * 70 + "}}", None, "invalid_json"),
+    ('{"prompt": "x", "temperature": NaN}', None, "invalid_json"),  # Python's json reads it; JSON has no NaN
+    ('{"prompt": "x", "metadata": {"a": -Infinity}}', None, "invalid_json"),
 ])
 def test_bodies_no_tokenizer_or_serializer_could_take_are_400s(raw, param, code):
     request_cls = ChatCompletionRequest if "messages" in raw else CompletionRequest
@@ -223,3 +225,10 @@ def test_openai_features_not_served_are_taken_unset_and_refused_when_asked(field
     with pytest.raises(APIError) as info:
         parse_body({**CHAT, field: asked}, ChatCompletionRequest)
     assert (info.value.status, info.value.param) == (400, field) and "not supported" in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["[" * 3000, "9" * 5000])  # past the parser's depth; past Python's 4,300 digits
+def test_json_inside_a_json_string_that_python_cannot_read_is_a_400_naming_the_field(text):
+    with pytest.raises(APIError) as info:
+        parse_body(json.dumps({"prompt": "x", "structured_outputs": {"json": text}}), CompletionRequest).grammar()
+    assert (info.value.status, info.value.param) == (400, "structured_outputs.json")

@@ -136,6 +136,23 @@ async def test_a_failure_after_the_stream_began_is_an_error_event_then_response_
     assert events[-1]["response"]["status"] == "failed" and "engine gone" not in json.dumps(events)  # no internals
 
 
+@pytest.mark.parametrize("began", [False, True])
+async def test_the_models_400_names_the_response_requests_fields_before_the_stream_began_or_after(began):
+    async def chunks():
+        if began:
+            yield {"model": "m", "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None, "logprobs": None}]}
+        raise APIError(400, "the prompt has 9 tokens and max_tokens asks for 9000. Lower max_tokens", param="max_tokens")
+
+    events = response_stream.response_events({"model": "m"}, chunks(), "resp_1", 0, "req-1")
+    if began:
+        error = [e async for e in events][-2]
+        assert (error["type"], error["param"]) == ("error", "max_output_tokens") and "max_tokens" not in error["message"]
+    else:
+        with pytest.raises(APIError) as raised:
+            [e async for e in events]
+        assert raised.value.param == "max_output_tokens" and "Lower max_output_tokens" in raised.value.message
+
+
 async def test_logprobs_asked_by_include_come_with_the_text_streamed_or_not(tools_server):
     whole, events = await _whole_and_events(tools_server, _replayed("Sunny.", include=["message.output_text.logprobs"], top_logprobs=1))
     logprobs = whole["output"][0]["content"][0]["logprobs"]

@@ -160,3 +160,11 @@ async def test_required_calls_stream_as_they_come_and_assemble_to_the_whole_answ
     if not cut:
         assert [json.loads(c["arguments"]) for c in streamed.values()] == [{"city": "Oslo", "note": 'a "}" brace'}, {}]
     assert deltas[-1]["finish_reason"] == whole["finish_reason"] == ("length" if cut else "tool_calls")
+
+
+async def test_a_required_call_cut_short_before_its_name_is_whole_is_the_same_content_streamed_or_not(tools_server):
+    whole, chunks = await _whole_and_streamed(tools_server, _body(REQUIRED, tool_choice="required", max_tokens=12))
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    assert not any(d["delta"].get("tool_calls") for d in deltas) and "tool_calls" not in whole["message"]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == whole["message"]["content"] == REQUIRED[:12]
+    assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "length"

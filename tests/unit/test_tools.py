@@ -206,3 +206,12 @@ def test_a_mistral_answer_keeps_its_special_call_marker_in_the_text_for_the_pars
     auto = serving._chat_plans(parse_body({**CHAT, "tools": [WEATHER]}, ChatCompletionRequest))[0]
     plain = serving._chat_plans(parse_body(CHAT, ChatCompletionRequest))[0]
     assert (auto.sampling.skip_special_tokens, plain.sampling.skip_special_tokens) == (False, True)
+
+
+@pytest.mark.parametrize("arguments", ["[" * 3000 + "]" * 3000, "9" * 5000])  # past the parser's depth; 4,300+ digits
+def test_json_python_cannot_read_is_no_call_in_an_answer_and_text_in_history(arguments):
+    text = f'<tool_call>\n{{"arguments": {arguments}, "name": "get_weather"}}\n</tool_call>'  # read whole: keys reversed
+    assert parse_calls(text, "hermes") == (text, [])
+    history = [{"role": "assistant", "content": None,
+                "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}]
+    assert arguments in render_for_template(history, [])[0]["content"]
