@@ -77,6 +77,12 @@ def test_tool_choice_resolves_or_is_a_400_naming_it():
     with pytest.raises(APIError, match="already constrains"):
         parse_body({**CHAT, "tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
                    ChatCompletionRequest)
+    for constrained in ({"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "[ab]"}}):
+        with pytest.raises(APIError, match="no tool could be called") as refused:  # tools would be dropped silently
+            parse_body({**CHAT, "tools": [WEATHER], **constrained}, ChatCompletionRequest)
+        assert refused.value.param == next(iter(constrained))
+        assert parse_body({**CHAT, "tools": [WEATHER], "tool_choice": "none", **constrained}, ChatCompletionRequest).grammar()
+    assert parse_body({**CHAT, "tools": [WEATHER], "response_format": {"type": "text"}}, ChatCompletionRequest)
 
 
 def _accepted(schema: dict, text: str) -> bool:
