@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api.errors import APIError, to_api_error
-from app.api.protocol import parse_body
+from app.api.protocol import json_object, parse_body
 from deployments.ray_compat import serve_request_id
 
 logger = logging.getLogger(__name__)
@@ -26,10 +26,15 @@ def request_id_of(raw: Request | None = None) -> str:
     return serve_request_id(raw.headers if raw is not None else None)
 
 
-async def parsed(body: Any, request_cls: type):
+async def parsed(body: Any, request_cls: type, stream: bool | None = None):
     """The request, parsed off the event loop, where the streams of the model this replica hosts wait: a large body's
-    validation, and a structured output's grammar where a check needs it (tens of ms for a large schema)."""
-    return await asyncio.to_thread(parse_body, body, request_cls)
+    validation, and a structured output's grammar where a check needs it (tens of ms for a large schema). ``stream``:
+    a handle method's own (its body a dict, or JSON text or bytes as HTTP sends it)."""
+    def parse():
+        given = body if stream is None else {**json_object(body), "stream": stream}
+        return parse_body(given, request_cls)
+
+    return await asyncio.to_thread(parse)
 
 
 def reported(exc: BaseException, request_id: str) -> APIError:

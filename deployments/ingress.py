@@ -27,8 +27,7 @@ from ray.serve.handle import DeploymentHandle
 
 from app.api import response_stream, responses
 from app.api.errors import APIError, to_api_error
-from app.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest,
-                              parse_body)
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
 from app.config import ServedModelConfig
 from app.engine.errors import EngineOverloadedError
 from app.metrics import render
@@ -50,6 +49,9 @@ api = FastAPI(title="llm-serve", description="OpenAI-compatible LLM serving on R
 _PROBE_TIMEOUT_S = 10
 _METRICS_TIMEOUT_S = 5  # within Prometheus' default scrape timeout (10 s): the others' figures still arrive
 _READY_TIMEOUT_S = 5  # a readiness probe answers within this (Kubernetes: timeoutSeconds above it)
+# A model's card, the first time it is asked for: a deployment with no replica (starting, or being replaced after a
+# crash) would hold the call until one comes up; Serve's router waits that long
+_CARD_TIMEOUT_S = 5
 
 
 # Helpers come before the deployment class: Serve pickles the class by value when it is decorated,
@@ -219,30 +221,30 @@ class OpenAIIngress:
 
     # ---- Python handle API ----------------------------------------------------------------
     @raises_api_errors
-    async def completions(self, body: dict) -> dict:
-        return await self._call(await parsed({**body, "stream": False}, CompletionRequest), "completion")
+    async def completions(self, body: dict | str | bytes) -> dict:
+        return await self._call(await parsed(body, CompletionRequest, stream=False), "completion")
 
     @streams_api_errors
-    async def completions_stream(self, body: dict) -> AsyncIterator[dict]:
-        async for chunk in self._stream(await parsed({**body, "stream": True}, CompletionRequest), "completion"):
+    async def completions_stream(self, body: dict | str | bytes) -> AsyncIterator[dict]:
+        async for chunk in self._stream(await parsed(body, CompletionRequest, stream=True), "completion"):
             yield chunk
 
     @raises_api_errors
-    async def chat(self, body: dict) -> dict:
-        return await self._call(await parsed({**body, "stream": False}, ChatCompletionRequest), "chat")
+    async def chat(self, body: dict | str | bytes) -> dict:
+        return await self._call(await parsed(body, ChatCompletionRequest, stream=False), "chat")
 
     @streams_api_errors
-    async def chat_stream(self, body: dict) -> AsyncIterator[dict]:
-        async for chunk in self._stream(await parsed({**body, "stream": True}, ChatCompletionRequest), "chat"):
+    async def chat_stream(self, body: dict | str | bytes) -> AsyncIterator[dict]:
+        async for chunk in self._stream(await parsed(body, ChatCompletionRequest, stream=True), "chat"):
             yield chunk
 
     @raises_api_errors
-    async def generate(self, body: dict) -> dict:
-        return await self._generate(parse_body({**body, "stream": False}, GenerateRequest))
+    async def generate(self, body: dict | str | bytes) -> dict:
+        return await self._generate(await parsed(body, GenerateRequest, stream=False))
 
     @streams_api_errors
-    async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
-        request = parse_body({**body, "stream": True}, GenerateRequest)
+    async def generate_stream(self, body: dict | str | bytes) -> AsyncIterator[dict]:
+        request = await parsed(body, GenerateRequest, stream=True)
         async for chunk in as_generate_chunks(self._stream(request.to_completion(), "completion")):
             yield chunk
 
@@ -276,11 +278,20 @@ class OpenAIIngress:
         return PlainTextResponse(render(by_model), media_type="text/plain; version=0.0.4")
 
     async def _models(self) -> dict:
-        cards = await asyncio.gather(*(route.model_card(name) for name, route in self._routes.items()))
-        return {"object": "list", "data": list(cards)}
+        """Every model whose card is known or comes within ``_CARD_TIMEOUT_S``; one that has not answered yet (no
+        replica up) is left out, with a warning, rather than hold the list."""
+        cards = await asyncio.gather(*(self._model_card(name) for name in self._routes), return_exceptions=True)
+        for name, card in zip(self._routes, cards):
+            if isinstance(card, BaseException):
+                logger.warning("/v1/models leaves %s out: %s", name, card)
+        return {"object": "list", "data": [card for card in cards if not isinstance(card, BaseException)]}
 
     async def _model_card(self, name: str) -> dict:
-        return await self._served(name).model_card(name)
+        try:
+            return await asyncio.wait_for(self._served(name).model_card(name), timeout=_CARD_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineOverloadedError(f"the model {name!r} has no replica answering yet (starting, or being "
+                                        f"replaced); retry") from None
 
     def _route_for(self, model: str | None):
         if self._draining:  # Serve is stopping this replica: the client retries and reaches another one
@@ -324,7 +335,7 @@ class OpenAIIngress:
         return JSONResponse(responses.response_object(body, chat, response_id, created))
 
     async def _respond_generate(self, raw: Request, request_id: str):
-        request = parse_body(await self._read_body(raw), GenerateRequest)
+        request = await parsed(await self._read_body(raw), GenerateRequest)
         if request.stream:
             chunks = self._stream(request.to_completion(), "completion")
             return await sse_response(as_generate_chunks(chunks), request_id)

@@ -68,6 +68,7 @@ class RemoteModel:
     def __init__(self, handle: DeploymentHandle, relayed: Relayed | None = None) -> None:
         self.handle = handle
         self.relayed = relayed if relayed is not None else Relayed()
+        self._cards: dict[str, dict] = {}  # a card is the model's (name, source, context): asked for once
 
     async def call(self, kind: str, request) -> dict:
         for delay_s in (*DRAINING_RETRY_DELAYS_S, None):
@@ -103,7 +104,9 @@ class RemoteModel:
             await asyncio.sleep(delay_s)
 
     async def model_card(self, name: str) -> dict:
-        return await self.handle.model_card.remote(name)
+        if name not in self._cards:
+            self._cards[name] = await self.handle.model_card.remote(name)
+        return self._cards[name]
 
     async def stats(self) -> dict:
         return await self.handle.stats.remote()

@@ -335,15 +335,7 @@ class DetokenizeRequest(_Strict):
 
 def parse_body(raw: bytes | str | dict, model_cls: type[_Strict]) -> Any:
     """Parse a request body into ``model_cls``, turning every problem into a 400 naming the field."""
-    if not isinstance(raw, dict):
-        try:
-            raw = json.loads(raw or b"", parse_constant=refuse_json_constant)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
-        except (RecursionError, ValueError) as exc:  # nested past the parser's depth; an integer of 4,300+ digits
-            raise APIError(400, f"request body cannot be read: {str(exc) or 'nested too deeply'}", code="invalid_json") from None
-        if not isinstance(raw, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    raw = json_object(raw)
     require_plain_text(raw)
     try:
         request = model_cls.model_validate(raw)
@@ -352,6 +344,23 @@ def parse_body(raw: bytes | str | dict, model_cls: type[_Strict]) -> Any:
     if hasattr(request, "_reject_unsupported"):
         request._reject_unsupported()
     return request
+
+
+def json_object(raw: Any) -> dict:
+    """A body as a dict: given as one (a handle call), or JSON text or bytes; a 400 if it is no JSON object."""
+    if isinstance(raw, dict):
+        return raw
+    if not isinstance(raw, (str, bytes, bytearray)) and raw is not None:
+        raise APIError(400, f"request body must be a JSON object, not {type(raw).__name__}", code="invalid_json")
+    try:
+        raw = json.loads(raw or b"", parse_constant=refuse_json_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    except (RecursionError, ValueError) as exc:  # nested past the parser's depth; an integer of 4,300+ digits
+        raise APIError(400, f"request body cannot be read: {str(exc) or 'nested too deeply'}", code="invalid_json") from None
+    if not isinstance(raw, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    return raw
 
 
 def refuse_json_constant(name: str) -> None:
