@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.config.model import DTYPE_ALIASES
+from app.config.model import DTYPE_ALIASES, SERVED_NAME_PATTERN
 
 BATCHING_MODES = ("none", "dynamic", "continuous")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")  # auto: the dtype the model computes in (bf16 products: bfloat16)
@@ -68,8 +68,9 @@ class SpecConfig:
             raise ValueError("engine.speculative.max_draft_wait_ms must be a number >= 0")
         if not isinstance(self.adaptive, bool):
             raise ValueError("engine.speculative.adaptive must be true or false")
-        if self.served_name is not None and (not isinstance(self.served_name, str) or not self.served_name):
-            raise ValueError("engine.speculative.served_name must be a non-empty string (or unset)")
+        if self.served_name is not None and (not isinstance(self.served_name, str) or not SERVED_NAME_PATTERN.match(self.served_name)):
+            raise ValueError(f"engine.speculative.served_name must be a name clients can send as \"model\" (letters, digits "
+                             f"and ._-/: up to 128 characters), or unset; got {self.served_name!r}")
         if self.served_name is not None and not self.enabled:
             raise ValueError("engine.speculative.served_name needs a drafter (drafter: ngram or model)")
         if (self.drafter == "model") != (self.draft is not None):

@@ -45,7 +45,8 @@ class ReplicaConfig:
         return self.num_replicas == "auto" or bool(self.autoscaling_config)
 
     def __post_init__(self) -> None:
-        if self.num_replicas != "auto" and (not isinstance(self.num_replicas, int) or self.num_replicas < 1):
+        if self.num_replicas != "auto" and (not isinstance(self.num_replicas, int) or isinstance(self.num_replicas, bool)
+                                            or self.num_replicas < 1):
             raise ValueError(f"replica.num_replicas must be an integer >= 1 or 'auto', got {self.num_replicas!r}")
         if self.num_cpus < 0 or (self.num_gpus is not None and self.num_gpus < 0):
             raise ValueError("replica.num_cpus and replica.num_gpus must not be negative")
@@ -100,6 +101,8 @@ class ServedModelConfig:
         return [self.model.name] + [spec.served_name for spec in self.engine.drafters if spec.served_name]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.default_sampling, dict):
+            raise ValueError(f"default_sampling must be a mapping of sampling fields to values, got {self.default_sampling!r}")
         unknown = sorted(set(self.default_sampling) - set(SAMPLING_DEFAULT_KEYS))
         if unknown:
             raise ValueError(f"default_sampling: unknown key(s) {', '.join(unknown)} (known: {', '.join(SAMPLING_DEFAULT_KEYS)})")
@@ -109,6 +112,9 @@ class ServedModelConfig:
             self.replica.max_ongoing_requests = engine.max_num_seqs + engine.max_queued_requests + engine.max_batch_size
         # Each request is one ongoing request at the replica while it streams; a smaller cap than the
         # batch window would make Serve hold back requests the batcher is waiting for.
+        if self.model.device == "cuda" and self.replica.num_gpus == 0:
+            raise ValueError("model.device: cuda with replica.num_gpus: 0: Ray would give the replica no GPU and still let "
+                             "it take one unseen; set num_gpus (unset: 1), or device: cpu")
         shares_a_gpu = self.replica.num_gpus is not None and 0 < self.replica.num_gpus < 1
         if shares_a_gpu and not (self.engine.kv_cache_memory_mb or self.engine.num_kv_blocks):
             raise ValueError(

@@ -44,6 +44,12 @@ def test_dtype_aliases_are_normalised():
         ({"models": [{"default_sampling": {"temperature": "hot"}}]}, "default_sampling.temperature must be a number"),
         ({"models": [{"default_sampling": {"top_p": 0}}]}, r"default_sampling.top_p: top_p must be in \(0, 1\]"),
         ({"models": [{"default_sampling": {"top_k": 2.5}}]}, "default_sampling.top_k must be an integer"),
+        ({"models": [{"default_sampling": ["temperature", 0.2]}]}, "default_sampling must be a mapping"),
+        ({"models": [{"default_sampling": None}]}, "default_sampling must be a mapping"),
+        ({"models": [{"replica": {"num_replicas": True}}]}, "replica.num_replicas must be an integer"),  # YAML's true
+        # Ray would reserve no GPU and leave CUDA_VISIBLE_DEVICES alone: the replica would take one unseen
+        ({"models": [{"model": {"device": "cuda"}, "replica": {"num_gpus": 0}}]}, "model.device: cuda with replica.num_gpus: 0"),
+        ({"models": [{"engine": {"speculative": {"drafter": "ngram", "served_name": "a b"}}}]}, "served_name must be a name clients"),
         (
             {"models": [{"engine": {"max_batch_size": 32}, "replica": {"max_ongoing_requests": 8}}]},
             "max_ongoing_requests .* must be at least engine.max_batch_size",
