@@ -74,6 +74,25 @@ def rope_scaled_context(config: Any, native: int | None) -> tuple[int, str] | No
     return best
 
 
+def asked_past_stated_context(config: Any, native: int) -> tuple[int | None, str] | None:
+    """For a ``max_model_len`` asked for past the stated context ``native``: (the longest one taken, or None for none,
+    why), where the rope scaling decides it.
+
+    Linear scaling's frequencies are fixed (transformers computes every position the same in any pass), so a context up
+    to ``native x factor`` is served exactly; it is taken only when asked for, since checkpoints differ on whether
+    ``max_position_embeddings`` already counts the factor (Gemma 3's and DeepSeek-Coder's do, LongChat's does not).
+    Dynamic NTK recomputes its frequencies from a pass's largest position once past ``native``: none is taken."""
+    kinds = {(rope.get("rope_type") or rope.get("type")): rope for rope in _rope_parameters(config)}
+    if "dynamic" in kinds:
+        return None, (f"dynamic NTK rope scaling recomputes its frequencies from a forward pass's largest position past "
+                      f"{native}, which a batched engine step cannot reproduce per request")
+    factor = (kinds.get("linear") or {}).get("factor")
+    if factor and factor > 1:
+        return int(native * factor), (f"linear rope scaling, factor {factor:g}: up to {int(native * factor)} is served "
+                                      f"exactly, if this checkpoint's max_position_embeddings does not count the factor")
+    return None
+
+
 def packed_step_limit(config: Any) -> tuple[int, str] | None:
     """The most tokens one engine step may pack for this architecture (its layers read positions within the pass)."""
     return _temperature_tuning(config)

@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from app.config import ModelConfig
 from app.engine import host_cpus
 from app.engine.text_config import text_config
-from app.models.exact_context import exact_context_limit, rope_scaled_context
+from app.models.exact_context import asked_past_stated_context, exact_context_limit, rope_scaled_context
 from app.models.generation_defaults import checkpoint_sampling_defaults
 from app.models.quantization import QuantizationError, from_pretrained_kwargs
 from app.quiet import quiet_gptqmodel
@@ -320,10 +320,12 @@ def _context_length(config: ModelConfig, model: torch.nn.Module, source: str) ->
             return exact
         return int(native)
     if native is not None and config.max_model_len > native:
-        raise ModelLoadError(
-            f"model {source!r}: max_model_len {config.max_model_len} exceeds the model's context of {native} tokens"
-            + (f" ({how})" if how else "")
-        )
+        ceiling, how = asked_past_stated_context(model_config, native) or (None, how)
+        if ceiling is None or config.max_model_len > ceiling:
+            raise ModelLoadError(
+                f"model {source!r}: max_model_len {config.max_model_len} exceeds the model's context of {native} tokens"
+                + (f" ({how})" if how else "")
+            )
     if exact is not None and config.max_model_len > exact:
         raise ModelLoadError(f"model {source!r}: max_model_len {config.max_model_len} is past the {exact} tokens this model "
                              f"is served exactly to: {why}; set model.max_model_len to at most {exact}")

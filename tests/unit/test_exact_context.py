@@ -5,7 +5,7 @@ import pytest
 from transformers import Gemma3TextConfig, LlamaConfig, Llama4TextConfig, Phi3Config, Qwen2Config
 
 from app.engine.runner import _require_steps_within_the_packed_limit
-from app.models.exact_context import exact_context_limit, rope_scaled_context
+from app.models.exact_context import asked_past_stated_context, exact_context_limit, rope_scaled_context
 
 
 def test_most_architectures_have_no_limit():
@@ -49,6 +49,15 @@ def test_yarn_extends_the_context_to_its_original_length_times_its_factor():
         config = LlamaConfig(max_position_embeddings=4096, rope_parameters=rope and {**rope, "rope_theta": 1e4})
         assert rope_scaled_context(config, 4096) is None
     assert rope_scaled_context(qwen, None) is None
+
+
+def test_a_longer_context_asked_for_is_taken_up_to_a_linear_factor_and_never_past_dynamic_ntk():
+    linear = LlamaConfig(max_position_embeddings=4096, rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0})
+    assert asked_past_stated_context(linear, 4096)[0] == 16384  # LongChat's and Vicuna-16k's configs
+    dynamic = LlamaConfig(max_position_embeddings=4096, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    ceiling, why = asked_past_stated_context(dynamic, 4096)
+    assert ceiling is None and "dynamic NTK" in why
+    assert asked_past_stated_context(LlamaConfig(), 4096) is None
 
 @pytest.mark.parametrize("config, message", [
     ("DeepseekV3Config", "DeepseekV3Config cannot be served: it uses multi-head latent attention"),

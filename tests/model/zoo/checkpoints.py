@@ -62,6 +62,9 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "qwen2-yarn": ("Qwen2Config", {**SMALL, "max_position_embeddings": 16,
                                    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0,
                                                        "original_max_position_embeddings": 16}}),
+    # linear over 16 stated positions, factor 16: served to 16 unless asked for up to 256 (the zoo asks for 256)
+    "llama-linear": ("LlamaConfig", {**SMALL, "max_position_embeddings": 16,
+                                     "rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 16.0}}),
     # long factors from position 32 on: served to 32 tokens (app/models/exact_context.py)
     "phi3-longrope": ("Phi3Config", {**SMALL, "pad_token_id": 0, "original_max_position_embeddings": 32,
                                      "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,

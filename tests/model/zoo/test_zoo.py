@@ -196,6 +196,18 @@ def test_yarn_serves_its_scaled_context_and_no_further(zoo_dir, tokenizer):
         load_model(ModelConfig(source=str(path), dtype="float32", max_model_len=257))
 
 
+def test_linear_rope_serves_its_stated_context_and_up_to_its_factor_when_asked(zoo_dir, tokenizer):
+    """Linear scaling's frequencies are static too, but whether max_position_embeddings counts the factor differs by
+    checkpoint: the stated context by default, up to factor times it when asked (test_served_exactly asks for 256)."""
+    from app.models import ModelLoadError
+
+    path = build_checkpoint("llama-linear", zoo_dir, tokenizer)
+    assert load_model(ModelConfig(source=str(path), dtype="float32")).max_model_len == 16
+    with pytest.raises(ModelLoadError, match=r"max_model_len 257 exceeds the model's context of 16 tokens \(linear rope "
+                                             r"scaling, factor 16: up to 256 is served exactly"):
+        load_model(ModelConfig(source=str(path), dtype="float32", max_model_len=257))
+
+
 def test_a_checkpoint_missing_weights_is_refused_naming_them(zoo_dir, tokenizer, tmp_path):
     """transformers fills a weight the checkpoint lacks with random numbers and goes on (a quantized lm_head it cannot
     read, an older GPTQ layout read as a plain checkpoint): the loader refuses instead, naming what is missing."""
