@@ -92,6 +92,7 @@ class LLMEngine:
         self.token_cap = StepTokenCap(config.max_num_batched_tokens)
         self._groups = itertools.count()
         self._refused: list[RequestOutput] = []  # requests that failed at admission, reported by the next step
+        self._stalled_at: tuple[int, int] | None = None  # (waiting, running) when a step last had nothing to run
 
     # ---- the core contract driven by AsyncEngine ---------------------------------------------
     def add_requests(self, requests: list[Request]) -> None:
@@ -144,6 +145,7 @@ class LLMEngine:
             self.speculation.expire(self.scheduler.running, time.monotonic())
         refused, self._refused = self._refused, []
         scheduled = self.scheduler.schedule(self._decode_step_tokens(), self.token_cap.cap, self.step_cost.seconds)
+        self._stalled_at = None if scheduled.scheduled else (len(self.scheduler.waiting), len(self.scheduler.running))
         if not scheduled.scheduled:
             return refused
         keys = attended_keys(scheduled)  # read before the update advances the requests' positions
@@ -198,8 +200,12 @@ class LLMEngine:
 
     def idle_wait_s(self) -> float:
         """How long the driver may wait for a command before the next step: 0 while a step has work; while every
-        running sequence waits for drafts (and nothing waits for admission), until the first stops waiting."""
-        if self.speculation is None or self.scheduler.waiting or not self.scheduler.running:
+        running sequence waits for drafts, and no waiting request can be admitted (none waits, or a step admitted none
+        since the last request came or went: no slot or no blocks, which only a command or a draft's deadline frees),
+        until the first stops waiting."""
+        if self.speculation is None or not self.scheduler.running:
+            return 0.0
+        if self.scheduler.waiting and self._stalled_at != (len(self.scheduler.waiting), len(self.scheduler.running)):
             return 0.0
         if any(not r.awaiting_draft for r in self.scheduler.running):
             return 0.0

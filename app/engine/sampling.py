@@ -39,8 +39,10 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Sample, and for requests that ask, the sampled token's logprob under the model's raw distribution."""
         logits = logits.float()  # [B, V]
-        raw = logits.clone() if any(r.sampling.logprobs is not None for r in requests) else None
-        tokens, sampled_from = self._sample(logits, requests)
+        # With logprobs asked, the masks go on a copy and the caller's rows stay raw: rows sampled again alone after a
+        # batch-mate failed (runner._isolated) then give the same logprobs as in the batch.
+        raw = logits if any(r.sampling.logprobs is not None for r in requests) else None
+        tokens, sampled_from = self._sample(logits.clone() if raw is not None else logits, requests)
         logprobs = token_logprobs(raw, tokens, requests) if raw is not None else [None] * len(requests)
         for row, (ids, probs) in sampled_from.items():  # draft calls: what the target will verify against
             logprobs[row] = TokenLogprob(tokens[row], math.log(probs[ids.index(tokens[row])]), [], (ids, probs))

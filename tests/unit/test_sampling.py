@@ -136,3 +136,16 @@ def test_a_row_of_nan_logits_raises_rather_than_giving_a_token():
         assert alone == [1] if temperature == 0 else 0 <= alone[0] < 3
     with pytest.raises(ValueError, match="no token can be drawn"):
         draw_rows(torch.tensor([[0.5, 0.5], [0.0, 0.0]]), [None, None])
+
+
+def test_a_row_sampled_again_after_its_batch_mate_failed_reports_the_logprobs_it_has_alone():
+    """The min_tokens mask (EOS, token 0 here, is the top choice) must not reach the rows the runner samples again:
+    the logprobs are the model's raw distribution's, EOS among the top ones, in the batch or not."""
+    logits = torch.tensor([[3.0, 0.0, 1.0, 2.0], [float("nan")] * 4])
+    request = _req("a", temperature=0, min_tokens=2, max_tokens=4, logprobs=2)
+    expected = Sampler().sample_with_logprobs(logits[:1].clone(), [request])
+    rows = logits.clone()
+    with pytest.raises(ValueError, match="no token can be"):
+        Sampler().sample_with_logprobs(rows, [request, _req("b", temperature=0)])
+    tokens, [logprob] = Sampler().sample_with_logprobs(rows[:1], [request])  # as runner._isolated does
+    assert (tokens, [logprob]) == expected and logprob.top[0][0] == 0
