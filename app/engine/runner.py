@@ -62,6 +62,10 @@ def require_attention_decoder(model_config) -> None:
     if getattr(model_config, "kv_lora_rank", None):
         raise UnsupportedArchitectureError(f"{name} cannot be served: it uses multi-head latent attention (kv_lora_rank, as "
                                            "DeepSeek-V2/V3 do), keys and values of different sizes, which the paged KV pool does not hold")
+    missing = [key for key in ("num_attention_heads", "num_hidden_layers") if not isinstance(getattr(model_config, key, None), int)]
+    if missing:  # RWKV and other recurrent models state no attention heads
+        raise UnsupportedArchitectureError(f"{name} cannot be served: its config states no {' or '.join(missing)}; the paged "
+                                           "engine serves decoders of attention layers")
 
 
 @dataclass

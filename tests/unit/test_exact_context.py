@@ -63,6 +63,7 @@ def test_a_longer_context_asked_for_is_taken_up_to_a_linear_factor_and_never_pas
     ("DeepseekV3Config", "DeepseekV3Config cannot be served: it uses multi-head latent attention"),
     ("Qwen3NextConfig", r"Qwen3NextConfig cannot be served: it has linear_attention layers \(layer 0, 1, 2,"),
     ("Gemma4TextConfig", "Gemma4TextConfig cannot be served: its attention layers have head sizes of their own"),
+    ("RwkvConfig", "RwkvConfig cannot be served: its config states no num_attention_heads"),
 ])
 def test_layers_the_paged_pool_cannot_hold_are_refused_by_name(config, message):
     """Refused when the engine is built, before any forward: the message names the architecture and what it has."""
