@@ -30,7 +30,8 @@ _WHY_UNSET = {"previous_response_id": "this server keeps no responses: send the 
 _LOGPROBS = "message.output_text.logprobs"
 _INCLUDABLE = (_LOGPROBS, "reasoning.encrypted_content")  # no reasoning items are made: nothing to include
 # The chat request's names in its 400s, as the response request names them
-_NAMES = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"), ("messages", "input"))
+_NAMES = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"), ("messages", "input"),
+          ("verbosity", "text.verbosity"))
 
 
 def chat_body(body: Any) -> dict:
@@ -60,6 +61,8 @@ def chat_body(body: Any) -> dict:
     response_format = _response_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
+    if isinstance(body.get("text"), dict) and body["text"].get("verbosity") is not None:
+        chat["verbosity"] = body["text"]["verbosity"]  # refused there, as the chat field is
     chat.update(_logprobs(body.get("include"), body.get("top_logprobs")))
     if chat.get("stream"):
         chat["stream_options"] = {"include_usage": True}  # response.completed carries the usage
@@ -155,6 +158,9 @@ def _chat_tool(tool: Any, index: int) -> dict:
         raise APIError(400, f"tools[{index}] of type {kind!r} is not supported: function tools only", param=f"tools[{index}]")
     if not isinstance(tool.get("name"), str) or not tool["name"]:
         raise APIError(400, f"tools[{index}].name is required: the function's name", param=f"tools[{index}].name")
+    unknown = sorted(set(tool) - {"type", "name", "description", "parameters", "strict"})
+    if unknown:  # a misspelt "parameters" would otherwise make a function of no arguments
+        raise APIError(400, f"unknown field tools[{index}].{unknown[0]}", param=f"tools[{index}].{unknown[0]}")
     function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}
     return {"type": "function", "function": function}
 

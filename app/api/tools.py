@@ -57,6 +57,10 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+_TOOL_KEYS = {"type", "function"}
+_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+
+
 def parse_tools(tools: list[Any] | None) -> list[Tool]:
     parsed = []
     for i, tool in enumerate(tools or []):
@@ -64,7 +68,13 @@ def parse_tools(tools: list[Any] | None) -> list[Tool]:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise APIError(400, "each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": ...}}",
                            param=f"tools[{i}]")
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        for key, known, where in ((set(tool), _TOOL_KEYS, f"tools[{i}]"), (set(function), _FUNCTION_KEYS, f"tools[{i}].function")):
+            if key - known:  # a misspelt "parameters" would otherwise make a function of no arguments
+                unknown = sorted(key - known)[0]
+                raise APIError(400, f"Unrecognized request argument supplied: {where}.{unknown} (known: {', '.join(sorted(known))})",
+                               param=f"{where}.{unknown}", code="unknown_parameter")
+        parameters = function.get("parameters")
+        parameters = {"type": "object", "properties": {}} if parameters is None else parameters
         if not isinstance(parameters, dict):
             raise APIError(400, "a function's parameters must be a JSON schema object", param=f"tools[{i}].function.parameters")
         parsed.append(Tool(function["name"], function.get("description") or "", parameters))

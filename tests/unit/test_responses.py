@@ -53,6 +53,8 @@ def test_input_items_become_the_chat_messages_with_instructions_first():
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "as a string"),
     ({"input": None}, "input is required"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
+    ({"tools": [{**WEATHER, "paramters": {}}]}, "tools[0].paramters"),  # a misspelt field: no tool of no arguments
+    ({"text": {"verbosity": "low"}}, "text.verbosity is not supported"),  # as chat's verbosity
 ])
 def test_what_the_chat_path_cannot_do_is_a_400_naming_it(extra, named):
     with pytest.raises(APIError) as refused:

@@ -74,6 +74,12 @@ def test_tool_choice_resolves_or_is_a_400_naming_it():
         resolve_choice("required", [])
     with pytest.raises(APIError, match="unique"):
         parse_tools([WEATHER, WEATHER])
+    misspelt = {"type": "function", "function": {"name": "f", "paramters": {"type": "object"}}}
+    for bad, param in ((misspelt, "tools[0].function.paramters"), ({**WEATHER, "bogus": 1}, "tools[0].bogus"),
+                       ({"type": "function", "function": {"name": "f", "parameters": []}}, "tools[0].function.parameters")):
+        with pytest.raises(APIError) as refused:  # not a function of no arguments
+            parse_tools([bad])
+        assert (refused.value.status, refused.value.param) == (400, param)
     with pytest.raises(APIError, match="already constrains"):
         parse_body({**CHAT, "tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
                    ChatCompletionRequest)
