@@ -25,7 +25,6 @@ from deployments.ingress import OpenAIIngress
 from deployments.replica import LLMServer
 
 DEFAULT_AUTOSCALING = {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16}
-ROUTER_MAX_ONGOING_REQUESTS = 1000  # a router that hosts no model only relays: its limit is the models'
 RETRY_AFTER_S = 1  # Serve's own 503 (its queue at a caller is full) tells clients when to come back, as ours do
 # Serve runs a replica's code on an event loop of its own thread by default, so every streamed chunk crosses
 # threads to reach the loop that writes HTTP. Ours never blocks its loop (bodies parse and engines stop on worker
@@ -75,14 +74,21 @@ def ingress_options(config: AppConfig, local: ServedModelConfig | None) -> dict[
     # Serve's queue in front of the ingress (at the HTTP proxy) holds requests for every model
     queued = [served.replica.max_queued_requests for served in config.models]
     max_queued = -1 if -1 in queued else sum(queued)
-    if local is None:
+    # what the other models' deployments take at their largest: relayed by any one ingress replica, however few
+    relayed = sum(fleet_capacity(served) for served in config.models if served is not local)
+    if local is None:  # a router that hosts no model only relays (one replica: it does little per request)
         return {"ray_actor_options": {"num_cpus": 0, **_runtime_env()},
-                "max_ongoing_requests": ROUTER_MAX_ONGOING_REQUESTS, **_backpressure(max_queued)}
+                "max_ongoing_requests": relayed, **_backpressure(max_queued)}
     options = {key: value for key, value in replica_options(local).items() if key != "name"}
-    relayed = sum(served.replica.max_ongoing_requests for served in config.models if served is not local)
     options["max_ongoing_requests"] += relayed
     options.update(_backpressure(max_queued))
     return options
+
+
+def fleet_capacity(served: ServedModelConfig) -> int:
+    """The requests a model's deployment takes at once at its largest: each replica's limit times its most replicas."""
+    most = autoscaling_config(served)["max_replicas"] if served.replica.autoscaled else served.replica.num_replicas
+    return served.replica.max_ongoing_requests * most
 
 
 def replica_options(served: ServedModelConfig) -> dict[str, Any]:

@@ -204,3 +204,16 @@ def test_architectures_that_overflow_float16_are_refused_in_it_and_never_given_i
     loader._refuse_unstable_float16(Gemma2Config(), torch.bfloat16, "google/gemma-2-2b-it")
     loader._refuse_unstable_float16(LlamaConfig(), torch.float16, "llama")
     loader._refuse_unstable_float16(None, torch.float16, "unreadable")  # the load itself reports such a checkpoint
+
+
+def test_the_ingress_takes_what_every_model_it_relays_to_takes_at_its_largest():
+    """However few ingress replicas run, they never hold back a model deployment that has scaled out."""
+    from deployments.builder import ingress_options
+
+    models = [{"model": "a", "replica": {"max_ongoing_requests": 200, "num_replicas": "auto", "autoscaling_config": {"max_replicas": 6}}},
+              {"model": "b", "replica": {"max_ongoing_requests": 100, "num_replicas": 3}},
+              {"model": "c", "replica": {"max_ongoing_requests": 150, "num_replicas": "auto"}}]  # Serve's default max: 4
+    router = AppConfig.from_dict({"ingress_hosts_first_model": False, "models": models})
+    assert ingress_options(router, None)["max_ongoing_requests"] == 200 * 6 + 100 * 3 + 150 * 4
+    hosting = AppConfig.from_dict({"models": models})
+    assert ingress_options(hosting, hosting.models[0])["max_ongoing_requests"] == 200 + 100 * 3 + 150 * 4
