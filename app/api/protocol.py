@@ -240,11 +240,6 @@ class ChatCompletionRequest(_SamplingFields):
         if choice not in (None, "auto") and (self.response_format or self.structured_outputs):
             raise APIError(400, "a required or named tool call already constrains the output; drop response_format "
                            "or structured_outputs", param="tool_choice")
-        if choice == "auto" and super().grammar() is not None:  # the format holds every answer: no call could be written
-            field = "response_format" if self.response_format else "structured_outputs"
-            raise APIError(400, f"{field} holds every answer to its format, so with tool_choice auto no tool could be "
-                           f"called: set tool_choice to \"none\" to answer in the format, or to \"required\" or a "
-                           f"named function to call a tool", param=field)
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         for name, why in _FEATURES_NOT_SERVED.items():

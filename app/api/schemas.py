@@ -69,8 +69,15 @@ def _combined_definitions(schema: Any, combining: bool = False) -> set[str]:
 
 
 def tools_schema(parameters: list[tuple[str, dict]], parallel: bool) -> dict:
-    """The schema of ``required``'s output: a list of ``{"name", "arguments"}`` calls, each tool's parameters under
-    the root's ``$defs`` with its own definitions beside them (a 400 where two tools define one name differently)."""
+    """The schema of ``required``'s output: a list of ``{"name", "arguments"}`` calls (``call_schema``)."""
+    one = call_schema(parameters)
+    calls = one.pop("anyOf")
+    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if parallel else {"maxItems": 1}), **one}
+
+
+def call_schema(parameters: list[tuple[str, dict]]) -> dict:
+    """The schema of one ``{"name", "arguments"}`` call of any of the tools, each tool's parameters under the root's
+    ``$defs`` with its own definitions beside them (a 400 where two tools define one name differently)."""
     defs: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
     calls = []
     for i, (name, schema) in enumerate(parameters):
@@ -84,8 +91,7 @@ def tools_schema(parameters: list[tuple[str, dict]], parallel: bool) -> dict:
         defs["$defs"][own] = body
         calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/{own}"}},
                       "required": ["name", "arguments"], "additionalProperties": False})
-    root = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-    return {**root, **{key: value for key, value in defs.items() if value}}
+    return {"anyOf": calls, **{key: value for key, value in defs.items() if value}}
 
 
 def _rerooted(value: Any, own: str) -> Any:

@@ -24,6 +24,7 @@ from app.api.fanout import MAX_CHOICES, best_candidates, choice_seed, gather_or_
 from app.api.logprobs import LogprobFormatter, next_text_offset
 from app.api.prompts import Prompts
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _SamplingFields
+from app.api.structured import request_format
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
 from app.engine.request import TokenLogprob
 from app.engine.async_engine import Admit
@@ -159,6 +160,11 @@ class OpenAIServing:
         prepared = self._prepare("chatcmpl", self.prompts.chat(request), request, request.requested_max_tokens)
         if self.tool_parser == "mistral" and request.tool_choice_resolved() == "auto":  # [TOOL_CALLS] is a special token
             prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)  # kept for the parser, as vLLM
+        found_format = request_format(request.response_format, request.structured_outputs)
+        if found_format is not None and request.tool_choice_resolved() == "auto":  # the format holds the answer, not calls
+            grammar = tools.answer_or_calls(found_format, request.parsed_tools(), self.tool_parser,
+                                            request.parallel_tool_calls is not False)
+            prepared.sampling = dataclasses.replace(prepared.sampling, grammar=grammar)
         return self._fan_out([prepared], request.n)
 
     def _completion_plans(self, request: CompletionRequest) -> list[_Prepared]:

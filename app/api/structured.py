@@ -24,15 +24,27 @@ _ANY_OBJECT = json.dumps({"type": "object"})  # json_object: any JSON object
 
 def request_grammar(response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None) -> str | None:
     """The llguidance grammar a request's output must follow, or None for free text."""
-    from_format = _from_response_format(response_format)
-    from_extra = _from_structured_outputs(structured_outputs)
-    if from_format is not None and from_extra is not None:
-        raise APIError(400, "give either response_format or structured_outputs, not both", param="structured_outputs")
-    found = from_format or from_extra
+    found = request_format(response_format, structured_outputs)
     if found is None:
         return None
     (kind, text), param = found
     return compiled(kind, text, param)
+
+
+def request_format(response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None):
+    """((kind, text), the field that gave it) of a request's format, or None for free text."""
+    from_format = _from_response_format(response_format)
+    from_extra = _from_structured_outputs(structured_outputs)
+    if from_format is not None and from_extra is not None:
+        raise APIError(400, "give either response_format or structured_outputs, not both", param="structured_outputs")
+    return from_format or from_extra
+
+
+def json_in_lark(schema_text: str) -> str:
+    """A JSON schema as a Lark grammar's ``%json`` value, held to the separators JSON_OPTIONS gives (its own
+    "x-guidance" options still override them)."""
+    schema = json.loads(schema_text)
+    return "%json " + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}})
 
 
 # The keys each response_format type takes (json_object's "schema": llama.cpp's and Together's form, honoured)
@@ -116,6 +128,8 @@ def _grammar(kind: str, text: str) -> tuple[str | None, str | None]:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         elif kind == "grammar":  # GBNF rules are written `name ::= ...`; Lark's `name: ...` (also `?name:`)
             grammar = llguidance.grammar_from("gbnf" if "::=" in text else "lark", text)
+        elif kind == "lark":  # ours (app/api/tools.py), whatever its JSON holds
+            grammar = llguidance.grammar_from("lark", text)
         else:  # regex, choice
             grammar = llguidance.grammar_from(kind, text)
     except ValueError as exc:

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.api.errors import NOT_JSON, APIError
-from app.api.call_readers import PYTHON_TAG, HermesReader, ListReader, call_from
-from app.api.schemas import closed, tools_schema
+from app.api.call_readers import END, MARKER, PYTHON_TAG, HermesReader, ListReader, call_from
+from app.api.schemas import call_schema, closed, tools_schema
+from app.api.structured import compiled, json_in_lark
 from app.api.xml_calls import XmlReader
 from app.config.model import TOOL_PARSERS
 _TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
@@ -111,6 +112,23 @@ def forced_schema(choice: str | Tool, tools: list[Tool], parallel: bool) -> dict
     if choice != "required":
         return None
     return tools_schema([(t.name, closed(t.parameters)) for t in tools], parallel)
+
+
+def answer_or_calls(found_format: tuple[tuple[str, str], str], tools: list[Tool], parser: str, parallel: bool) -> str:
+    """The grammar of ``tool_choice: auto`` beside a response format: an answer in the format, or the model's tool
+    calls (Hermes blocks, each call's arguments held to its tool's schema), whichever the model begins; the format
+    holds the answer, not the calls, as OpenAI applies it. Other call formats, and formats other than JSON: a 400."""
+    (kind, text), param = found_format
+    keep = "set tool_choice to \"none\" to answer in the format, or to \"required\" or a named function to call a tool"
+    if parser != "hermes":
+        raise APIError(400, f"{param} beside tools under tool_choice auto is served for models that write Hermes tool "
+                       f"calls; this one writes {parser}'s: {keep}", param=param)
+    if kind != "json":
+        raise APIError(400, f"{param}: only a JSON format can stand beside tools under tool_choice auto, not a {kind}: "
+                       f"{keep}", param=param)
+    call = f'"{MARKER}\\n" {json_in_lark(json.dumps(call_schema([(t.name, closed(t.parameters)) for t in tools])))} "\\n{END}"'
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    return compiled("lark", f"start: answer | calls\nanswer: {json_in_lark(text)}\ncalls: {calls}\ncall: {call}\n", param)
 
 
 def forced_calls(text: str, choice: str | Tool) -> list[ToolCall]:

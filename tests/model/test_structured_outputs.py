@@ -158,3 +158,31 @@ async def test_a_grammar_the_vocabulary_cannot_follow_is_a_400_and_its_neighbour
     error = to_api_error(failed)
     assert (error.status, error.code) == (400, "invalid_grammar"), error.message
     assert beside["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+async def test_under_tool_choice_auto_a_format_holds_the_answer_and_each_call_its_tools_schema(server_fp32):
+    """The Lark grammar of an answer in the format or Hermes calls (app/api/tools.py: answer_or_calls) through the real
+    tokenizer and engine: whichever the model begins, the answer parses as the format's object, or the call as its
+    tool's, and with parallel_tool_calls false the grammar ends after one call (greedy, the model calls here)."""
+    import asyncio
+
+    from app.api.protocol import ChatCompletionRequest, parse_body
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+    questions = ["What is the weather in Oslo? Call get_weather.", "Describe Paris as JSON."]
+    bodies = [{"messages": [{"role": "user", "content": q}], "tools": [weather], "max_tokens": 60, "temperature": 0,
+               "parallel_tool_calls": False,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}}
+              for q in questions]
+    answers = await asyncio.gather(*(server_fp32.serving.chat(parse_body(b, ChatCompletionRequest)) for b in bodies))
+    for answer in answers:
+        choice = answer["choices"][0]
+        calls = choice["message"].get("tool_calls")
+        if calls:
+            [call] = calls
+            assert call["function"]["name"] == "get_weather" and len(json.loads(call["function"]["arguments"])["city"]) <= 20
+            assert choice["finish_reason"] == "tool_calls"
+        else:
+            assert list(json.loads(choice["message"]["content"])) == ["city", "population_millions", "capital"], choice
+    assert any(answer["choices"][0]["message"].get("tool_calls") for answer in answers)  # the format alone allows none

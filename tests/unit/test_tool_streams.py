@@ -168,3 +168,14 @@ async def test_a_required_call_cut_short_before_its_name_is_whole_is_the_same_co
     assert not any(d["delta"].get("tool_calls") for d in deltas) and "tool_calls" not in whole["message"]
     assert "".join(d["delta"].get("content") or "" for d in deltas) == whole["message"]["content"] == REQUIRED[:12]
     assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "length"
+
+
+def test_a_json_format_beside_tools_under_auto_reaches_the_engine_as_an_answer_or_calls(tools_server):
+    import llguidance
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    body = _body(response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+    [plan] = tools_server.serving._chat_plans(parse_body(body, ChatCompletionRequest))
+    for text in ('{"city": "Oslo"}', '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'):
+        matcher = llguidance.LLMatcher(llguidance.LLTokenizer("byte"), plan.sampling.grammar)
+        assert matcher.consume_tokens(list(text.encode())) and matcher.is_accepting(), text

@@ -8,7 +8,9 @@ import pytest
 
 from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest, parse_body
-from app.api.tools import forced_calls, forced_schema, parse_calls, parse_tools, render_for_template, resolve_choice
+from app.api.structured import request_format
+from app.api.tools import (answer_or_calls, forced_calls, forced_schema, parse_calls, parse_tools, render_for_template,
+                           resolve_choice)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -83,12 +85,40 @@ def test_tool_choice_resolves_or_is_a_400_naming_it():
     with pytest.raises(APIError, match="already constrains"):
         parse_body({**CHAT, "tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
                    ChatCompletionRequest)
-    for constrained in ({"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "[ab]"}}):
-        with pytest.raises(APIError, match="no tool could be called") as refused:  # tools would be dropped silently
-            parse_body({**CHAT, "tools": [WEATHER], **constrained}, ChatCompletionRequest)
-        assert refused.value.param == next(iter(constrained))
-        assert parse_body({**CHAT, "tools": [WEATHER], "tool_choice": "none", **constrained}, ChatCompletionRequest).grammar()
-    assert parse_body({**CHAT, "tools": [WEATHER], "response_format": {"type": "text"}}, ChatCompletionRequest)
+
+
+
+def _grammar_accepts(grammar: str, text: str) -> bool:
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer("byte"), grammar)
+    return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+
+FORECAST = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": {
+    "type": "object", "properties": {"city": {"type": "string"}, "high": {"type": "integer"}}, "required": ["city", "high"]}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_under_auto_a_response_format_holds_the_answer_and_leaves_the_calls_to_their_schemas(parallel):
+    """As OpenAI applies it (the Agents SDK's output type beside its tools): the answer follows the format, or the
+    model calls a tool; the format alone would leave the model no way to write a call."""
+    request = parse_body({**CHAT, "tools": [WEATHER, TIME], "response_format": FORECAST}, ChatCompletionRequest)
+    found = request_format(request.response_format, request.structured_outputs)
+    grammar = answer_or_calls(found, request.parsed_tools(), "hermes", parallel)
+    assert _grammar_accepts(grammar, '{"city": "Oslo", "high": 12}') and _grammar_accepts(grammar, CALL)
+    assert _grammar_accepts(grammar, CALL + "\n" + CALL) == parallel
+    for wrong in ("It is sunny.", '{"city": "Oslo"}', CALL.replace("Oslo", "5").replace('"5"', "5"),
+                  CALL.replace("get_weather", "get_news")):
+        assert not _grammar_accepts(grammar, wrong)
+
+
+def test_under_auto_a_format_beside_calls_the_grammar_cannot_hold_is_a_400_naming_what_to_do():
+    regex = parse_body({**CHAT, "tools": [WEATHER], "structured_outputs": {"regex": "[ab]"}}, ChatCompletionRequest)
+    with pytest.raises(APIError, match="only a JSON format") as refused:
+        answer_or_calls(request_format(None, regex.structured_outputs), regex.parsed_tools(), "hermes", True)
+    assert refused.value.param == "structured_outputs.regex"
+    with pytest.raises(APIError, match="this one writes mistral's"):
+        answer_or_calls(request_format(FORECAST, None), regex.parsed_tools(), "mistral", True)
 
 
 def _accepted(schema: dict, text: str) -> bool:
