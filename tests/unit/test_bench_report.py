@@ -355,3 +355,12 @@ def test_the_mixed_workload_sends_the_long_prompt_once_every_stream_has_streamed
     assert [b for _, b in mock_server if b["max_tokens"] == 16][1]["prompt"] != long[0]["prompt"]  # no prefix cache hit
     assert result["num_requests"] == load.MIXED_STREAMS and result["streamed_chunks"] == result["output_tokens"] == 8 * 256
     assert result["mixed"]["long_prompt_tokens"] == 7 and result["mixed"]["stream_gap_max_ms"] >= 0
+
+
+def test_a_sources_command_names_no_path_of_the_machine_it_ran_on():
+    from app.bench.report_sources import portable
+
+    command = ("python -m app.bench peer --out /work/main/results/bench/run-1/ours.json "
+               "--model-source /root/.cache/llm-serve/bench-llama-371m-seed0 --other results/bench/x.json")
+    assert portable(command) == ("python -m app.bench peer --out results/bench/run-1/ours.json "
+                                 "--model-source $LLM_SERVE_CACHE/bench-llama-371m-seed0 --other results/bench/x.json")
