@@ -140,14 +140,20 @@ def choose_int4_kernels(choice: str, batch_invariant: bool, shapes: list[tuple[i
         if batch_invariant and choice not in FIXED_ORDER_INT4:
             raise ValueError(f"engine.batch_invariant needs a fixed-order kernel, and engine.cpu_gptq_kernel is {choice!r}: "
                              "use auto or int4-avx512-bf16")
+        takes = getattr(kernels[choice], "group_sizes", None)
+        refused = sorted({g for *_, g in shapes} - set(takes)) if takes else []
+        if refused:
+            raise ValueError(f"engine.cpu_gptq_kernel {choice!r} does not take this checkpoint's group size {refused[0]} "
+                             f"(it takes {', '.join(map(str, takes))}): use auto")
         return dict.fromkeys(shapes, kernels[choice])
     fixed = [kernels[name] for name in FIXED_ORDER_INT4 if name in kernels]
     if batch_invariant or len(kernels) < 2:
         return dict.fromkeys(shapes, fixed[0]) if fixed else None
-    incumbent = fixed[0].name if fixed else "torch-int4"
     chosen = {}
     for group_size in sorted({g for *_, g in shapes}):
-        timed = {name: TimedOnDense(kernel, group_size) for name, kernel in kernels.items()}
+        taking = {name: kernel for name, kernel in kernels.items() if group_size in getattr(kernel, "group_sizes", (group_size,))}
+        incumbent = fixed[0].name if fixed else "torch-int4" if "torch-int4" in taking else next(iter(taking))
+        timed = {name: TimedOnDense(kernel, group_size) for name, kernel in taking.items()}
         linear_shapes = [LinearShape(n, k, weight_bytes=0.5) for n, k, g in shapes if g == group_size]
         decisions = kernel_choice.choose(linear_shapes, timed, incumbent, f"gptq-int4 group {group_size}",
                                          build_id() if available() else None)

@@ -64,6 +64,7 @@ class Int4Weights:
 
 class TorchInt4Kernel:
     name = "torch-int4"
+    group_sizes = (32, 64, 128, 256)  # what torch's op takes (a checkpoint's 16, 48, 96 are not)
 
     def pack(self, q: Int4Weights) -> tuple[torch.Tensor, torch.Tensor, int]:
         n = q.codes.shape[0]

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 MARGIN = 0.10  # a challenger must be at least this much faster than the incumbent to replace it,
 MIN_CPU_SHARE = 0.8  # of its threads' time the timing must get, else other work skewed it: nothing is kept
 MIN_GAIN_S = 5e-6  # and by this much per call: below it (tiny shapes) the timing is mostly call overhead and noise
+TIMING_WAIT_S = 120  # at most this long for another process's timing (a model's families take a few seconds each)
 STREAM_BYTES = 24 << 20  # distinct weight bytes a timed pass runs over: past the caches, as a model's layers are
 COMPUTE_BOUND_ROWS = 128  # from this many rows a product is bound by arithmetic, not by streaming its weights
 MAX_COPIES = 32  # about a model's layer count: small shapes stay in cache in a real step too
@@ -188,28 +189,49 @@ def choose_timed(keys: list[str], timer: Callable[[str], dict[str, dict[str, flo
     decider = decider or (lambda times: decide(times, incumbent))
     cache = cache or ChoiceCache()
     machine = machine_key(kernel_build)
-    decisions, measured = {}, {}
-    started, cpu_started = time.perf_counter(), time.process_time()
-    for key in keys:
+
+    def cached(key: str) -> dict | None:
         entry = _decided_again(cache.get(machine, family, key), decider)
-        if not usable(entry):
-            # decided on the times as cached (0.1 us), so a replica reading the cache decides as this one did
-            us = {bucket: {name: round(s * 1e6, 1) for name, s in by_kernel.items()} for bucket, by_kernel in timer(key).items()}
-            entry = {"choice": decider(_seconds(us)), "measured": time.strftime("%Y-%m-%d %H:%M"), "us": us}
-            measured[key] = entry
-        decisions[key] = entry["choice"]
-    if not measured:
+        return entry if usable(entry) else None
+
+    decisions = {key: entry["choice"] for key in keys if (entry := cached(key)) is not None}
+    if len(decisions) == len(keys):
         return decisions
-    wall = time.perf_counter() - started
-    share = (time.process_time() - cpu_started) / (wall * _cpus_for_threads())
+    with cache.timing():  # one timing at a time on the machine: replicas starting together would disturb each other's
+        measured = {}
+        started, cpu_started = time.perf_counter(), time.process_time()
+        for key in (key for key in keys if key not in decisions):
+            entry = cached(key)  # timed by another replica while this one waited
+            if entry is None:
+                # decided on the times as cached (0.1 us), so a replica reading the cache decides as this one did
+                us = {bucket: {name: round(s * 1e6, 1) for name, s in by_kernel.items()} for bucket, by_kernel in timer(key).items()}
+                entry = {"choice": decider(_seconds(us)), "measured": time.strftime("%Y-%m-%d %H:%M"), "us": us}
+                measured[key] = entry
+            decisions[key] = entry["choice"]
+        if not measured:
+            return decisions
+        return _kept(decisions, measured, cache, machine, family, incumbent, what, time.perf_counter() - started,
+                     time.process_time() - cpu_started)
+
+
+def _kept(decisions: dict, measured: dict, cache: "ChoiceCache", machine: str, family: str, incumbent: str, what: str,
+          wall: float, cpu: float) -> dict[str, dict[str, str]]:
+    """The decisions, cached and logged where the timing had the CPU to itself; else the incumbent where timed now."""
+    share = cpu / (wall * _cpus_for_threads())
     if share < MIN_CPU_SHARE:
         logger.warning("%s timing disturbed by other work on this machine (it had %.0f%% of its %d threads' time): "
                        "our kernels kept everywhere; timed again at the next start", what, 100 * share, torch.get_num_threads())
-        return {key: dict.fromkeys(choice, incumbent) if key in measured else choice for key, choice in decisions.items()}
+        return {key: _incumbent_where_it_ran(measured[key], incumbent) if key in measured else choice
+                for key, choice in decisions.items()}
     cache.put(machine, family, measured)
     logger.info("%s timed on this CPU in %.1f s (%s, %.0f%% of its threads' time, cached in %s):\n%s", what, wall,
                 family, 100 * share, cache.path, describe_table(measured))
     return decisions
+
+
+def _incumbent_where_it_ran(entry: dict, incumbent: str) -> dict[str, str]:
+    """Per bucket the incumbent, or where it failed here (left out of the timing) the fastest that ran."""
+    return {bucket: incumbent if incumbent in times else min(times, key=times.get) for bucket, times in entry["us"].items()}
 
 
 def _cpus_for_threads() -> float:
@@ -223,7 +245,7 @@ def _decided_again(entry: dict | None, decider: Callable[[dict[str, dict[str, fl
     """A cached entry with today's rule applied to its times as measured (a rule change needs no timing); None for
     an entry this code did not write (a hand edit, another tool): timed again."""
     if entry is None or "us" not in entry:
-        return entry
+        return None
     try:
         return {**entry, "choice": decider(_seconds(entry["us"]))}
     except (AttributeError, KeyError, TypeError, ValueError):
@@ -301,6 +323,29 @@ class ChoiceCache:
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
+
+    @contextlib.contextmanager
+    def timing(self, wait_s: float = TIMING_WAIT_S):
+        """Held while a process on this machine times candidates; the next waits for it (up to ``wait_s``, then times
+        anyway) and then finds in the cache what it would have timed, where the two shared it."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(self.path.with_suffix(".timing.lock"), "w")
+        except OSError:  # a read-only home: nothing is cached either
+            yield
+            return
+        with lock:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        logger.warning("another process has been timing kernels for %.0f s: timing beside it", wait_s)
+                        break
+                    time.sleep(0.05)
+            yield
 
     @contextlib.contextmanager
     def _locked(self):

@@ -118,3 +118,19 @@ def test_a_kernel_this_cpu_lacks_is_refused_with_what_it_runs(monkeypatch):
     monkeypatch.setattr("app.cpu.gptq.available_int4_kernels", lambda: {"dequant-fp32": DequantKernel(torch.float32)})
     with pytest.raises(ValueError, match="does not run.*it runs: auto, torch, dequant-fp32"):
         choose_int4_kernels("int4-avx512-bf16", False, [(64, 128, 32)])
+
+
+def test_a_group_size_torchs_op_does_not_take_is_never_given_to_it(monkeypatch):
+    """torch's int4 op takes groups of 32-256: a checkpoint's 16, 48 or 96 go to the kernels that take any, whether
+    asked for by name (refused at load, not at the first forward) or chosen by ``auto``."""
+    kernels = {"torch-int4": TorchInt4Kernel(), "dequant-fp32": DequantKernel(torch.float32)}
+    monkeypatch.setattr("app.cpu.gptq.available_int4_kernels", lambda: kernels)
+    with pytest.raises(ValueError, match="does not take this checkpoint's group size 48"):
+        choose_int4_kernels("torch-int4", False, [(64, 96, 48)])
+    timed = []
+    monkeypatch.setattr(kernel_choice, "choose", lambda shapes, candidates, incumbent, family, build:
+                        timed.append((sorted(candidates), incumbent)) or {s.key: dict.fromkeys((b.name for b in BUCKETS), incumbent)
+                                                                           for s in shapes})
+    chosen = choose_int4_kernels("auto", False, [(64, 96, 48), (64, 128, 32)])
+    assert timed == [(["dequant-fp32", "torch-int4"], "torch-int4"), (["dequant-fp32"], "dequant-fp32")]
+    assert chosen[(64, 96, 48)] is kernels["dequant-fp32"] and chosen[(64, 128, 32)] is kernels["torch-int4"]

@@ -1,6 +1,8 @@
 """The Linear kernel bake-off: the decision on fake timings, its cache, the row routing, every candidate against
 torch on every row bucket, and the batch-invariant mode."""
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -167,6 +169,37 @@ def test_a_restart_reading_the_cache_decides_as_the_timing_start_did(tmp_path, m
     restarted = choose_timed(["shape"], no_timing, "ours", "fp32", None, lambda entry: entry is not None,
                              ChoiceCache(cache.path))
     assert restarted == timed
+
+
+def test_replicas_starting_together_time_one_after_the_other_and_the_second_reads_the_first(tmp_path, monkeypatch):
+    """Two timings at once on a 2-core machine each get half of it: both read as disturbed and neither is cached.
+    The second waits for the first, then finds the shape in the cache."""
+    import threading
+
+    from app.cpu.kernel_choice import choose_timed
+
+    monkeypatch.setattr(kernel_choice, "MIN_CPU_SHARE", 0.0)
+    times = {bucket.name: {"ours": 9e-6, "theirs": 2e-6} for bucket in BUCKETS}
+    running, overlaps, timings = [], [], []
+
+    def timer(key):
+        running.append(key)
+        overlaps.append(len(running) > 1)
+        time.sleep(0.2)
+        running.remove(key)
+        timings.append(key)
+        return times
+
+    decided = []
+    replicas = [threading.Thread(target=lambda: decided.append(choose_timed(
+        ["shape"], timer, "ours", "fp32", None, lambda entry: entry is not None, ChoiceCache(tmp_path / "choices.json"))))
+        for _ in range(2)]
+    for replica in replicas:
+        replica.start()
+    for replica in replicas:
+        replica.join()
+    assert timings == ["shape"] and overlaps == [False]
+    assert decided[0] == decided[1] == {"shape": dict.fromkeys((b.name for b in BUCKETS), "theirs")}
 
 
 def test_replicas_saving_together_merge_their_shapes(tmp_path):
@@ -383,3 +416,15 @@ def test_the_kernels_temp_folder_is_this_users_own(tmp_path, monkeypatch):
     private.mkdir(exist_ok=True)
     private.chmod(0o777)  # another user could write here: never loaded from, never built in
     assert private not in build._kernel_dirs()
+
+
+def test_a_disturbed_timing_keeps_the_incumbent_only_where_it_ran(tmp_path, monkeypatch):
+    """An incumbent that fails here is left out of the timing: where the timing is not kept, the fastest that ran
+    takes its buckets, never a kernel known to fail."""
+    from app.cpu.kernel_choice import choose_timed
+
+    monkeypatch.setattr(kernel_choice.time, "process_time", lambda: 0.0)  # the timing got none of the CPU
+    times = {bucket.name: {"dequant-fp32": 4e-5, "dequant-bf16": 3e-5} for bucket in BUCKETS}  # torch-int4 failed
+    decided = choose_timed(["s"], lambda key: times, "torch-int4", "f", None, lambda entry: entry is not None,
+                           ChoiceCache(tmp_path / "choices.json"))
+    assert decided == {"s": dict.fromkeys((bucket.name for bucket in BUCKETS), "dequant-bf16")}
