@@ -7,11 +7,13 @@ cores are its own is not known here; so does an engine on a GPU. A CPU list (``"
 and sets the team to its length, as vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` does; ``none`` never binds.
 
 The binding is made by the thread that runs the engine's steps, for its own team (libgomp keeps a team per calling
-thread), after the model is loaded and warmed up; threads the engine starts later inherit its first CPU.
+thread), after the model is loaded and warmed up; threads the engine starts later inherit its first CPU, unless
+started inside ``spawning_unbound``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -19,6 +21,7 @@ from app.config.engine import THREADS_BIND_NONE, listed_cpus
 from app.cpu.ops import OPS, load_ops
 
 logger = logging.getLogger(__name__)
+_allowed_before_binding: set[int] = set()  # what the engine's thread could run on before its team was bound
 
 
 def binding_plan(setting: str, threads: int, allowed: list[int], device_type: str = "cpu") -> tuple[list[int] | None, str]:
@@ -51,11 +54,28 @@ def bind_engine_threads(setting: str, threads: int, device_type: str) -> str:
         return description
     if (reason := load_ops()) is not None:
         return f"not bound: the CPU kernels, which bind them, are off ({reason})"
+    _allowed_before_binding.update(allowed)
     bound = OPS.bind_threads(cpus)
     if bound != len(cpus):
         logger.warning("engine threads: %d of %d bound to their CPUs", bound, len(cpus))
         return f"{bound} of {len(cpus)} bound to their CPUs"
     return description
+
+
+@contextlib.contextmanager
+def spawning_unbound():
+    """Threads started inside run on every CPU the engine's thread had before its team was bound, not on the one CPU
+    it is bound to now (a thread inherits its creator's CPUs): a pool the engine starts late, llguidance's for
+    grammar masks, spreads over the machine."""
+    if not _allowed_before_binding or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    bound = os.sched_getaffinity(0)  # the calling thread's own
+    os.sched_setaffinity(0, _allowed_before_binding)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, bound)
 
 
 def _ranges(cpus: list[int]) -> str:

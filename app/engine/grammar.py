@@ -121,7 +121,10 @@ class Grammars:
         if self._executor is None:
             import llguidance
 
-            self._executor = llguidance.LLExecutor()
+            from app.cpu.threads import spawning_unbound
+
+            with spawning_unbound():  # its worker threads: every CPU, not the engine thread's bound one
+                self._executor = llguidance.LLExecutor()
         return self._executor
 
 

@@ -78,12 +78,28 @@ for setting in ("none", "auto"):  # none first: a binding, once made, stays
     torch.ones(1 << 22).sum()  # torch's own parallel region: the same team
     tasks = affinities()
     seen[setting] = {"said": said, "allowed": allowed, "before": before, "main": tasks[str(os.getpid())], "tasks": tasks}
+
+
+def spawned_cpus(unbound):  # the CPUs of a thread the bound engine thread starts, inside spawning_unbound or not
+    import contextlib, threading
+    from app.cpu.threads import spawning_unbound
+
+    box = {}
+    with spawning_unbound() if unbound else contextlib.nullcontext():
+        thread = threading.Thread(target=lambda: box.update(cpus=sorted(os.sched_getaffinity(0))))
+        thread.start()
+    thread.join()
+    return box["cpus"]
+
+
+seen["spawned"] = {"unbound": spawned_cpus(True), "inherited": spawned_cpus(False), "main": affinities()[str(os.getpid())]}
 print(json.dumps(seen))
 """
 
 
 def _bound_threads() -> dict:
-    """Each setting's read-back, ``none`` then ``auto``, in one child process (importing torch is most of its time)."""
+    """Each setting's read-back, ``none`` then ``auto``, then threads started after it, in one child process (importing
+    torch is most of its time)."""
     done = subprocess.run([sys.executable, "-c", _READ_BACK], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
@@ -104,3 +120,7 @@ def test_each_thread_of_the_team_runs_on_its_own_cpu_and_nothing_else_is_bound()
         assert all(cpus == seen["before"] for cpus in seen["tasks"].values() if cpus not in allowed)
         assert unbound["said"].startswith("not bound") and unbound["main"] != allowed[0]
         assert all(cpus == unbound["before"] for cpus in unbound["tasks"].values())
+    # a thread the engine starts late (llguidance's pool) gets every CPU inside spawning_unbound; the engine's stays bound
+    spawned = both["spawned"]
+    assert spawned["unbound"] == seen["allowed"] and spawned["inherited"] == seen["allowed"][:1]
+    assert spawned["main"] == allowed[0]
