@@ -24,6 +24,12 @@ OURS_PORT=8100
 NAIVE_PORT=8001
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
+# One sitting per folder: the report takes the medians of every result file in it, and a second sitting's rounds
+# would mix with the first's (another hour, or another machine)
+if compgen -G "$OUT/*.json" > /dev/null; then
+    echo "$OUT already holds a sitting's results: give OUT (or BENCH_RUN) a new folder" >&2
+    exit 1
+fi
 
 # A worktree of revision $1 (made once, outside this checkout), printed.
 worktree() {

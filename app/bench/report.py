@@ -26,7 +26,7 @@ from app.bench.report_tables import (
 )  # fmt: skip
 
 WORKLOAD_TEXT = {
-    "W1": "32 streaming `/v1/completions` requests sent at once, ~64-token prompts of random common words (fixed seed), "
+    "W1": "32 streaming `/v1/completions` requests sent at once, 56-token prompts of random common words (fixed seed, each workload its own), "
           "128 new tokens each (`ignore_eos`, `min_tokens`), greedy",
     "W2": "the same, 8 requests one at a time",
     "W3": "32 chats at once through `/v1/chat/completions`, all starting with the same ~400-token system prompt, each "

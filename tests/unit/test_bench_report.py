@@ -364,3 +364,17 @@ def test_a_sources_command_names_no_path_of_the_machine_it_ran_on():
                "--model-source /root/.cache/llm-serve/bench-llama-371m-seed0 --other results/bench/x.json")
     assert portable(command) == ("python -m app.bench peer --out results/bench/run-1/ours.json "
                                  "--model-source $LLM_SERVE_CACHE/bench-llama-371m-seed0 --other results/bench/x.json")
+
+
+def test_each_phase_of_a_run_sends_prompts_of_its_own():
+    """A server keeps what it computed for earlier phases: a phase repeating another's prompts would be served from
+    the prefix cache of a server whose blocks are smaller than a prompt (ours), not of one whose are larger (vLLM)."""
+    from app.bench.load import PHASE_SEEDS, LoadSpec, make_prompts, workload_spec
+
+    spec = LoadSpec()
+    phases = {name: set(make_prompts(workload_spec(name, spec))) for name in ("W1", "W2", "W5")}
+    phases["warm-up"] = set(make_prompts(LoadSpec(num_requests=2, seed=spec.seed + PHASE_SEEDS["warm-up"])))
+    phases["sweep"] = set(make_prompts(LoadSpec(num_requests=8, seed=spec.seed + PHASE_SEEDS["sweep"] + 1)))
+    seen = [prompt for prompts in phases.values() for prompt in prompts]
+    assert len(seen) == len(set(seen)) == 32 + 8 + 8 + 2 + 8
+    assert make_prompts(workload_spec("W1", spec)) == make_prompts(spec)  # W1 as it always was
