@@ -170,6 +170,10 @@ class CompletionRequest(_SamplingFields):
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens 0 generates nothing: it is taken with echo (the prompt and, with logprobs, "
                            "its tokens' logprobs)", param="max_tokens")
+        prompts = len(self.prompt) if self.prompt and not isinstance(self.prompt, str) and not isinstance(self.prompt[0], int) else 1
+        if prompts * (self.best_of or self.n) > MAX_CHOICES:  # before any is tokenized: a list can hold millions
+            raise APIError(400, f"{prompts} prompts x {self.best_of or self.n} choices is more than {MAX_CHOICES} generations; "
+                           "send fewer at once", param="prompt")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs

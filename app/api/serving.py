@@ -20,7 +20,7 @@ from typing import AsyncIterator
 from app.api import tool_streams, tools
 from app.api.errors import APIError, rejection_reason
 from app.api.fim import fim_prompt
-from app.api.fanout import MAX_CHOICES, best_candidates, choice_seed, gather_or_cancel, merged, num_prompts
+from app.api.fanout import best_candidates, choice_seed, gather_or_cancel, merged, num_prompts
 from app.api.logprobs import LogprobFormatter, next_text_offset
 from app.api.prompts import Prompts
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _SamplingFields
@@ -170,10 +170,7 @@ class OpenAIServing:
     def _completion_plans(self, request: CompletionRequest) -> list[_Prepared]:
         prompt = fim_prompt(self.tokenizer, request.prompt, request.suffix, self.model_name) if request.suffix else request.prompt
         prompts = self.prompts.completion(prompt)
-        candidates = request.best_of or request.n
-        if len(prompts) * candidates > MAX_CHOICES:
-            raise APIError(400, f"{len(prompts)} prompts x {candidates} choices is more than {MAX_CHOICES} generations; "
-                           "send fewer at once", param="n")
+        candidates = request.best_of or request.n  # prompts x candidates: at most MAX_CHOICES (checked at parse)
         prepared = [self._prepare("cmpl", ids, request, request.max_tokens) for ids in prompts]
         if request.echo:
             texts = request.prompt if isinstance(request.prompt, list) and isinstance(request.prompt[0], str) else (

@@ -42,6 +42,9 @@ _FINISH_REASONS = {
 
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # tokens a request may bias (OpenAI's limit): each is applied at every step
+MAX_STOP_TOKEN_IDS = 1024  # stop token ids: each token is checked against them
+MAX_STOP_CHARS = 1024  # characters of one stop string: the text is searched for each after every token
 # Integers a request may carry (seeds, counts): what torch and the wire formats hold, as OpenAI and vLLM bound them.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # A distribution over a few token ids: (ids, probabilities), the probabilities summing to 1.
@@ -98,7 +101,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop = tuple([self.stop] if isinstance(self.stop, str) else self.stop or ())
-        self.stop_token_ids = tuple(self.stop_token_ids or ())
+        self.stop_token_ids = tuple(dict.fromkeys(self.stop_token_ids or ()))  # each once: every token checks them
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
         self.logit_bias = tuple(sorted((int(token), float(value)) for token, value in bias))
         if self.top_k == -1:
@@ -117,6 +120,10 @@ class SamplingParams:
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "min_tokens must be in [0, max_tokens]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings are supported"),
+            # what each token and step checks or applies: bounded, so that one request cannot slow its batch's steps
+            (all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop", f"stop strings are at most {MAX_STOP_CHARS} characters"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, as OpenAI's does"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "logprobs",
              f"prompt logprobs must be in [0, {MAX_LOGPROBS}]"),

@@ -90,3 +90,31 @@ async def test_a_prompt_is_tokenized_off_the_event_loop(server, monkeypatch, str
 
 async def _drained(chunks) -> list:
     return [chunk async for chunk in chunks]
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("logit_bias", {str(token): 1 for token in range(301)}, "logit_bias"),  # each biased token is applied at every step
+    ("stop_token_ids", list(range(1025)), "stop_token_ids"),  # each token is checked against them
+    ("stop", ["x" * 1025], "stop"),  # the text is searched for each after every token
+])
+def test_what_every_step_applies_for_a_request_is_bounded(field, value, param):
+    body = {"prompt": "x", field: value}
+    with pytest.raises(APIError) as info:
+        parse_body(body, CompletionRequest).sampling_params(4)
+    assert (info.value.status, info.value.param) == (400, param)
+    shortened = {key: v[:-1] if isinstance(v, list) else dict(list(v.items())[:-1]) for key, v in {field: value}.items()}
+    shortened = {"stop": ["x" * 1024]} if field == "stop" else shortened
+    parse_body({"prompt": "x", **shortened}, CompletionRequest).sampling_params(4)  # at the bound: taken
+
+
+def test_repeated_stop_token_ids_count_once():
+    sampling = parse_body({"prompt": "x", "stop_token_ids": [5] * 5000}, CompletionRequest).sampling_params(4)
+    assert sampling.stop_token_ids == (5,)
+
+
+def test_more_prompts_than_choices_are_refused_before_any_is_tokenized():
+    with pytest.raises(APIError) as info:
+        parse_body({"prompt": ["a"] * 65, "n": 2}, CompletionRequest)
+    assert (info.value.status, info.value.param) == (400, "prompt") and "65 prompts x 2 choices" in info.value.message
+    assert parse_body({"prompt": ["a"] * 64, "n": 2}, CompletionRequest)
+    assert parse_body({"prompt": [1] * 500, "n": 128}, CompletionRequest)  # token ids: one prompt
