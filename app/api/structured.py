@@ -120,7 +120,14 @@ def _from_structured_outputs(structured: dict[str, Any] | None):
 
 @functools.lru_cache(maxsize=256)
 def _grammar(kind: str, text: str) -> tuple[str | None, str | None]:
-    """(grammar, None) or (None, why it cannot be used)."""
+    """(grammar, None) or (None, why it cannot be used), compiled where a long chain of references cannot overflow
+    the stack (app/engine/deep_stack.py)."""
+    from app.engine.deep_stack import on_a_deep_stack
+
+    return on_a_deep_stack(lambda: _compiled_grammar(kind, text))
+
+
+def _compiled_grammar(kind: str, text: str) -> tuple[str | None, str | None]:
     import llguidance
 
     try:

@@ -18,6 +18,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from app.engine.deep_stack import on_a_deep_stack
+
 # -inf as float32 bits: disallowed logits are overwritten with it by integer ops (a masked_fill over a 49k
 # vocabulary costs ~4x more on a CPU).
 _NEG_INF_BITS = int(torch.tensor(float("-inf")).view(torch.int32).item())
@@ -54,7 +56,8 @@ class Grammars:
 
         compiled = self._compiled.get(grammar)
         if compiled is None:
-            compiled = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+            tokenizer = self._llg_tokenizer()
+            compiled = on_a_deep_stack(lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0))
             if compiled.is_error():
                 raise GrammarError(f"the grammar cannot be used: {_short(compiled.get_error())}")
             self._compiled[grammar] = compiled

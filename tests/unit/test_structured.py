@@ -1,5 +1,7 @@
 """Structured-output fields at the API: what becomes a grammar, and each way a request is refused with a 400."""
 
+import os
+
 import pytest
 
 from app.api.errors import APIError
@@ -118,3 +120,36 @@ def test_what_combines_with_other_schemas_stays_open():
                  "properties": {"street": {"$ref": "#/$defs/Street", "description": "where"}}}  # pydantic v2's form
     grammar = _grammar({**CHAT, "structured_outputs": {"json": described}})
     assert _accepts(grammar, '{"street": {"name": "Main"}}') and not _accepts(grammar, '{"street": {"name": "Main", "no": 1}}')
+
+
+_CHAINED = """
+import json, sys
+from app.api.errors import APIError
+from app.api.protocol import ChatCompletionRequest, parse_body
+
+links = int(sys.argv[1])  # a schema of objects each holding the next: the compiler recurses once per link
+defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["x"]} for i in range(links)}
+defs[f"d{links}"] = {"type": "integer"}
+schema = {"$ref": "#/$defs/d0", "$defs": defs}
+body = {"messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "chain", "schema": schema}}}
+try:
+    print("compiled" if parse_body(json.dumps(body), ChatCompletionRequest).grammar() else "none")
+except APIError as error:
+    print("400", error.message[:80])
+"""
+
+
+def test_a_long_chain_of_references_compiles_where_it_crashed_the_process():
+    """On a thread's default stack (8 MB) llguidance's compiler overflowed at ~1,000 links and the process died (a
+    replica, and every request on it); in a child process here, so that a crash fails the test, not the run. (Far
+    longer chains: refused by llguidance's own size limit, "schema too large", a 400.)"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _CHAINED, "1500"], cwd=root, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, (done.returncode, done.stderr[-1000:])
+    assert done.stdout.strip() == "compiled"
