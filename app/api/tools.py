@@ -26,7 +26,7 @@ from typing import Any
 from app.api.errors import NOT_JSON, APIError
 from app.api.call_readers import END, MARKER, PYTHON_TAG, HermesReader, ListReader, call_from
 from app.api.schemas import call_schema, closed, tools_schema
-from app.api.structured import compiled, json_in_lark
+from app.api.structured import compiled, json_in_lark, require_compilable_size
 from app.api.xml_calls import XmlReader
 from app.config.model import TOOL_PARSERS
 _TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
@@ -126,7 +126,9 @@ def answer_or_calls(found_format: tuple[tuple[str, str], str], tools: list[Tool]
     if kind != "json":
         raise APIError(400, f"{param}: only a JSON format can stand beside tools under tool_choice auto, not a {kind}: "
                        f"{keep}", param=param)
-    call = f'"{MARKER}\\n" {json_in_lark(json.dumps(call_schema([(t.name, closed(t.parameters)) for t in tools])))} "\\n{END}"'
+    calls_schema = call_schema([(t.name, closed(t.parameters)) for t in tools])
+    require_compilable_size(calls_schema, "tools")
+    call = f'"{MARKER}\\n" {json_in_lark(json.dumps(calls_schema))} "\\n{END}"'
     calls = 'call ("\\n" call)*' if parallel else "call"
     return compiled("lark", f"start: answer | calls\nanswer: {json_in_lark(text)}\ncalls: {calls}\ncall: {call}\n", param)
 

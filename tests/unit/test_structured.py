@@ -136,14 +136,14 @@ body = {"messages": [{"role": "user", "content": "hi"}],
 try:
     print("compiled" if parse_body(json.dumps(body), ChatCompletionRequest).grammar() else "none")
 except APIError as error:
-    print("400", error.message[:80])
+    print("400", error.message)
 """
 
 
-def test_a_long_chain_of_references_compiles_where_it_crashed_the_process():
-    """On a thread's default stack (8 MB) llguidance's compiler overflowed at ~1,000 links and the process died (a
-    replica, and every request on it); in a child process here, so that a crash fails the test, not the run. (Far
-    longer chains: refused by llguidance's own size limit, "schema too large", a 400.)"""
+def test_a_long_chain_of_references_is_a_400_where_it_crashed_the_process():
+    """A 136 KB schema of 1,500 chained objects overflowed llguidance's compiler's stack and the process died (a
+    replica, and every request on it): now refused by the size limit, and grammars compile on a 1 GiB stack (app/engine/
+    deep_stack.py). In a child process here, so that a crash fails the test, not the run."""
     import subprocess
     import sys
     from pathlib import Path
@@ -152,4 +152,20 @@ def test_a_long_chain_of_references_compiles_where_it_crashed_the_process():
     done = subprocess.run([sys.executable, "-c", _CHAINED, "1500"], cwd=root, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0, (done.returncode, done.stderr[-1000:])
-    assert done.stdout.strip() == "compiled"
+    assert done.stdout.startswith("400 response_format is too large to compile"), done.stdout
+
+
+@pytest.mark.parametrize("structured, param", [
+    ({"json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1001)}}}, "structured_outputs.json"),
+    ({"json": {"enum": [f"v{i}" for i in range(2001)]}}, "structured_outputs.json"),
+    ({"json": {"type": "array", "prefixItems": [{"type": "object"} for _ in range(4096)]}}, "structured_outputs.json"),
+    ({"choice": [f"c{i}" for i in range(2001)]}, "structured_outputs.choice"),
+])
+def test_a_schema_the_engine_would_take_seconds_to_compile_is_a_400_and_one_at_the_limits_compiles(structured, param):
+    """The engine compiles a grammar for the vocabulary between its steps: an object of 10,000 optional properties took
+    25 s of it, with every request of the batch waiting."""
+    with pytest.raises(APIError) as refused:
+        parse_body({"prompt": "x", "structured_outputs": structured}, CompletionRequest).grammar()
+    assert (refused.value.status, refused.value.param) == (400, param) and "too large to compile" in refused.value.message
+    at_limit = {"type": "object", "properties": {f"p{i}": {"enum": [f"v{j}" for j in range(2 if i else 2000)]} for i in range(1000)}}
+    assert parse_body({"prompt": "x", "structured_outputs": {"json": at_limit}}, CompletionRequest).grammar()
