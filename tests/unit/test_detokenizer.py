@@ -30,3 +30,20 @@ def test_stop_string_is_cut_and_never_streamed():
     text, stopped, pieces = _feed("abc STOP def", stop=("STOP",))
     assert text == "abc " and stopped
     assert "S" not in "".join(pieces)
+
+
+class ByteTokenizer:
+    """Token i is byte i, decoded as UTF-8 with U+FFFD for bytes that are no character."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_a_multi_byte_character_waits_for_its_last_byte_and_bytes_that_are_none_go_out_without_growing_the_window():
+    detok = IncrementalDetokenizer(ByteTokenizer(), [ord("p")])
+    pieces = [detok.add_token(b)[0] for b in "é!".encode()]
+    assert pieces == ["", "é", "!"]  # the first byte of é waits for the second
+    for _ in range(1000):  # lone continuation bytes (a model biased to one): never a character
+        detok.add_token(0x80)
+    assert detok.text.startswith("é!\ufffd") and len(detok.text) > 990  # they went out, as U+FFFD
+    assert len(detok._ids) - detok._prefix_offset <= 12  # and each decode stayed a short window
