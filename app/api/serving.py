@@ -98,10 +98,14 @@ class OpenAIServing:
         ranked = len(plans) > request.n * num_prompts(plans)
         kept = best_candidates(plans, results, request.n) if ranked else list(zip(plans, results))
         shown = request.logprobs is not None  # best_of computed them for ranking only
-        choices = [_completion_choice((p.echo or "") + text, last.finish_reason,
-                                      self._completion_logprobs(lps, p) if shown else None, index)
-                   for index, (p, (text, last, lps)) in enumerate(kept)]
-        return self._response(plans, "text_completion", choices)
+
+        def answer() -> dict:
+            choices = [_completion_choice((p.echo or "") + text, last.finish_reason,
+                                          self._completion_logprobs(lps, p) if shown else None, index)
+                       for index, (p, (text, last, lps)) in enumerate(kept)]
+            return self._response(plans, "text_completion", choices)
+
+        return await _formatted(answer, shown)
 
     # ---- chat ---------------------------------------------------------------------------
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
@@ -131,12 +135,17 @@ class OpenAIServing:
         choice = request.tool_choice_resolved()
         one_call = request.parallel_tool_calls is False
         shown = request.parsed_tools()
-        choices = [{"index": p.index, "message": self._chat_message(text, choice, one_call, shown), "logprobs": self.logprob_format.chat(lps),
-                    "finish_reason": last.finish_reason} for p, (text, last, lps) in zip(plans, results)]
-        for entry in choices:  # a forced function's answer stops as any answer does (OpenAI, vLLM); the model's own calls
-            if choice in ("auto", "required") and entry["message"].get("tool_calls") and entry["finish_reason"] == "stop":
-                entry["finish_reason"] = "tool_calls"
-        return self._response(plans, "chat.completion", choices)
+
+        def answer() -> dict:
+            choices = [{"index": p.index, "message": self._chat_message(text, choice, one_call, shown),
+                        "logprobs": self.logprob_format.chat(lps), "finish_reason": last.finish_reason}
+                       for p, (text, last, lps) in zip(plans, results)]
+            for entry in choices:  # a forced function's answer stops as any answer does (OpenAI, vLLM); the model's own calls
+                if choice in ("auto", "required") and entry["message"].get("tool_calls") and entry["finish_reason"] == "stop":
+                    entry["finish_reason"] = "tool_calls"
+            return self._response(plans, "chat.completion", choices)
+
+        return await _formatted(answer, request.logprobs)
 
     def _chat_message(self, text: str, choice, one_call: bool = False, shown: list | None = None) -> dict:
         """The assistant's message; with tool calling, the calls read out of its text (app/api/tools.py). With
@@ -355,6 +364,12 @@ class OpenAIServing:
 
     async def detokenize(self, request: DetokenizeRequest) -> dict:
         return await self.prompts.detokenize(request)
+
+
+async def _formatted(answer, with_logprobs: bool) -> dict:
+    """``answer()``, off the event loop where it formats logprobs: an echoed 8k-token prompt's with 20 alternatives each
+    took 1 s, while every stream of the replica waited."""
+    return await asyncio.to_thread(answer) if with_logprobs else answer()
 
 
 def _completion_choice(text: str, finish_reason: str | None, logprobs: dict | None = None, index: int = 0) -> dict:

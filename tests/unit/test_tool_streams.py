@@ -179,3 +179,27 @@ def test_a_json_format_beside_tools_under_auto_reaches_the_engine_as_an_answer_o
     for text in ('{"city": "Oslo"}', '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'):
         matcher = llguidance.LLMatcher(llguidance.LLTokenizer("byte"), plan.sampling.grammar)
         assert matcher.consume_tokens(list(text.encode())) and matcher.is_accepting(), text
+
+
+async def test_a_non_streamed_answers_logprobs_are_formatted_off_the_event_loop(tools_server, monkeypatch):
+    """An echoed 8k-token prompt's logprobs with 20 alternatives each took 1 s to format: on the event loop, every
+    stream of the replica would wait. Formatting here waits for a task on the loop, which runs only if it is free."""
+    import asyncio
+    import threading
+
+    loop_ran = threading.Event()
+    formatter = tools_server.serving.logprob_format
+    original = formatter.chat
+
+    def slow_chat(logprobs):
+        assert loop_ran.wait(5), "the event loop was held while formatting"
+        return original(logprobs)
+
+    async def on_the_loop():
+        await asyncio.sleep(0.05)  # after the answer's tokens are in: while it is formatted
+        loop_ran.set()
+
+    monkeypatch.setattr(formatter, "chat", slow_chat)
+    body = parse_body(_body("Sunny.", logprobs=True, top_logprobs=2), ChatCompletionRequest)
+    answer, _ = await asyncio.gather(tools_server.serving.chat(body), on_the_loop())
+    assert answer["choices"][0]["logprobs"]["content"]
