@@ -9,12 +9,13 @@ says (an object listing its properties takes no others, as vLLM's default backen
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any
 
 from app.api.errors import NOT_JSON, APIError
 from app.api.schemas import closed
+from app.engine.bounded_cache import BoundedCache
+from app.engine.deep_stack import on_a_deep_stack
 
 # What the JSON grammar allows between tokens (a schema's own "x-guidance" options override these).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -125,13 +126,17 @@ def _from_structured_outputs(structured: dict[str, Any] | None):
     return (kind, value), param
 
 
-@functools.lru_cache(maxsize=256)
-def _grammar(kind: str, text: str) -> tuple[str | None, str | None]:
-    """(grammar, None) or (None, why it cannot be used), compiled where a long chain of references cannot overflow
-    the stack (app/engine/deep_stack.py)."""
-    from app.engine.deep_stack import on_a_deep_stack
+_COMPILED = BoundedCache(entries=256, size=64 << 20)  # (kind, text) -> (grammar, why not); 64 M characters in all
 
-    return on_a_deep_stack(lambda: _compiled_grammar(kind, text))
+
+def _grammar(kind: str, text: str) -> tuple[str | None, str | None]:
+    """(grammar, None) or (None, why it cannot be used), compiled once (kept), where a long chain of references cannot
+    overflow the stack (app/engine/deep_stack.py)."""
+    found = _COMPILED.get((kind, text))
+    if found is None:
+        found = on_a_deep_stack(lambda: _compiled_grammar(kind, text))
+        _COMPILED.put((kind, text), found, len(text) + len(found[0] or ""))
+    return found
 
 
 def _compiled_grammar(kind: str, text: str) -> tuple[str | None, str | None]:

@@ -11,19 +11,20 @@ pay nothing. A grammar that reaches its end allows only EOS, so the request stop
 
 from __future__ import annotations
 
-import collections
 import weakref
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from app.engine.bounded_cache import BoundedCache
 from app.engine.deep_stack import on_a_deep_stack
 
 # -inf as float32 bits: disallowed logits are overwritten with it by integer ops (a masked_fill over a 49k
 # vocabulary costs ~4x more on a CPU).
 _NEG_INF_BITS = int(torch.tensor(float("-inf")).view(torch.int32).item())
 _CACHED_GRAMMARS = 256
+_CACHED_GRAMMAR_CHARS = 64 << 20  # of the grammars' text in all (each up to a 4 MB request's schema)
 # llguidance's view of each tokenizer (~1 s to build), shared by every engine of the process on that tokenizer
 _LLG_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -48,7 +49,7 @@ class Grammars:
         self._eos = sorted(eos_token_ids) or None
         self._tokenizer = None
         self._executor = None
-        self._compiled: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._compiled = BoundedCache(entries=_CACHED_GRAMMARS, size=_CACHED_GRAMMAR_CHARS)
 
     def matcher(self, grammar: str):
         """A fresh matcher for ``grammar`` (a copy of the compiled one, so requests never share state)."""
@@ -60,10 +61,7 @@ class Grammars:
             compiled = on_a_deep_stack(lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0))
             if compiled.is_error():
                 raise GrammarError(f"the grammar cannot be used: {_short(compiled.get_error())}")
-            self._compiled[grammar] = compiled
-            if len(self._compiled) > _CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
-        self._compiled.move_to_end(grammar)
+            self._compiled.put(grammar, compiled, len(grammar))
         return compiled.deep_copy()
 
     def mask(self, logits: torch.Tensor, requests: Sequence) -> torch.Tensor:
