@@ -142,6 +142,8 @@ def _grammar(kind: str, text: str) -> tuple[str | None, str | None]:
 def _compiled_grammar(kind: str, text: str) -> tuple[str | None, str | None]:
     import llguidance
 
+    if kind in ("json", "choice") and (why := _too_large(json.loads(text))):
+        return None, why
     try:
         if kind == "json":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
@@ -158,28 +160,30 @@ def _compiled_grammar(kind: str, text: str) -> tuple[str | None, str | None]:
 
 
 def require_compilable_size(value: Any, param: str) -> None:
-    """A 400 naming ``param`` for a schema (or choice list) past what the engine compiles promptly (the limits above)."""
+    """A 400 naming ``param`` for a schema past what the engine compiles promptly (the limits above)."""
+    if why := _too_large(value):
+        raise APIError(400, f"{param} cannot be used: {why}", param=param, code="invalid_grammar")
+
+
+def _too_large(value: Any) -> str | None:
+    """Why a schema (or choice list) is past what the engine compiles promptly, or None."""
     nodes, pending = 0, [value]
-    too_large = (f"{param} is too large to compile without holding up the engine: at most {MAX_PROPERTIES} properties "
-                 f"in an object, {MAX_LISTED} enum values or choices, {MAX_SCHEMA_NODES} schema objects in all")
-    if isinstance(value, list) and len(value) > MAX_LISTED:
-        raise APIError(400, too_large, param=param, code="invalid_grammar")
-    while pending:
+    over = isinstance(value, list) and len(value) > MAX_LISTED
+    while pending and not over:
         node = pending.pop()
         if isinstance(node, dict):
             nodes += 1
             properties, enum = node.get("properties"), node.get("enum")
-            if (isinstance(properties, dict) and len(properties) > MAX_PROPERTIES) or nodes > MAX_SCHEMA_NODES or \
-                    (isinstance(enum, list) and len(enum) > MAX_LISTED):
-                raise APIError(400, too_large, param=param, code="invalid_grammar")
+            over = (isinstance(properties, dict) and len(properties) > MAX_PROPERTIES) or nodes > MAX_SCHEMA_NODES or \
+                (isinstance(enum, list) and len(enum) > MAX_LISTED)
             pending.extend(node.values())
         elif isinstance(node, list):
             pending.extend(node)
+    return (f"too large to compile without holding up the engine: at most {MAX_PROPERTIES} properties in an object, "
+            f"{MAX_LISTED} enum values or choices, {MAX_SCHEMA_NODES} schema objects in all") if over else None
 
 
 def compiled(kind: str, text: str, param: str) -> str:
-    if kind in ("json", "choice"):
-        require_compilable_size(json.loads(text), param)
     grammar, error = _grammar(kind, text)
     if error is not None:
         raise APIError(400, f"{param} cannot be used: {error.strip()}", param=param, code="invalid_grammar")
