@@ -12,7 +12,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api.errors import APIError, to_api_error
-from app.api.protocol import json_object, parse_body
+from app.api.bodies import json_object
+from app.api.protocol import parse_body
 from deployments.ray_compat import serve_request_id
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,6 @@ back as ``input`` each time, and ``previous_response_id`` is a 400 saying so. Ot
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
@@ -252,14 +251,11 @@ def usage_of(usage: dict | None) -> dict | None:
 
 def parse_request(raw: bytes) -> tuple[dict, Any]:
     """A response request's body and the chat request it asks for (400s as the chat endpoints give them)."""
-    from app.api.protocol import ChatCompletionRequest, parse_body, refuse_json_constant, require_plain_text
+    from app.api.bodies import json_object, require_plain_text
+    from app.api.protocol import ChatCompletionRequest, parse_body
 
-    try:
-        body = json.loads(raw or b"", parse_constant=refuse_json_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if isinstance(body, dict):
-        require_plain_text(body)  # what is only echoed back too: a lone surrogate would fail the answer's encoding
+    body = json_object(raw)
+    require_plain_text(body)  # what is only echoed back too: a lone surrogate would fail the answer's encoding
     try:
         return body, parse_body(chat_body(body), ChatCompletionRequest)
     except APIError as error:
