@@ -11,8 +11,8 @@ from typing import Any, AsyncIterator, Awaitable
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.api.errors import APIError, to_api_error
 from app.api.bodies import json_object
+from app.api.errors import APIError, to_api_error
 from app.api.protocol import parse_body
 from deployments.ray_compat import serve_request_id
 
