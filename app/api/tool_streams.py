@@ -85,8 +85,9 @@ async def required_call_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dic
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             choice = chunk["choices"][0]
-            text += choice["delta"].get("content") or ""
-            reader.feed(choice["delta"].get("content") or "")
+            piece = choice["delta"].get("content") or ""
+            text += piece
+            reader.feed(piece)
             entries = call_entries([(name, arguments) for name, arguments in reader.calls], sent)
             if entries or choice["logprobs"]:
                 delta = {"tool_calls": entries} if entries else {}
