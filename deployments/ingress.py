@@ -325,14 +325,11 @@ class OpenAIIngress:
         """The Responses API over the chat path (app/api/responses.py)."""
         body, request = await asyncio.to_thread(responses.parse_request, await self._read_body(raw))
         response_id, created = responses.new_ids()
-        if request.stream:
-            events = response_stream.response_events(body, self._stream(request, "chat"), response_id, created, request_id)
+        chunks = self._stream(request, "chat")  # streamed either way: the whole response is read from the stream
+        if body.get("stream"):
+            events = response_stream.response_events(body, chunks, response_id, created, request_id)
             return await sse_response(events, request_id, named=True)
-        try:
-            chat = await self._call(request, "chat")
-        except APIError as error:  # the chat request's names: max_tokens, messages
-            raise responses.named_for_responses(error) from None
-        return JSONResponse(responses.response_object(body, chat, response_id, created))
+        return JSONResponse(await response_stream.whole_response(body, chunks, response_id, created))
 
     async def _respond_generate(self, raw: Request, request_id: str):
         request = await parsed(await self._read_body(raw), GenerateRequest)

@@ -4,6 +4,7 @@ added, then the response completed; the event shapes are the openai SDK's (app/a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import uuid
@@ -42,6 +43,20 @@ async def response_events(body: dict, chunks: AsyncIterator[dict], response_id: 
         yield event
 
 
+async def whole_response(body: dict, chunks: AsyncIterator[dict], response_id: str, created: int) -> dict:
+    """The response (``stream: false``) read from the chat stream's chunks as the streamed one is, so that the two
+    agree item for item: text written after a call is a message item of its own, after the call's item. A failure is
+    the request's own HTTP error, named as the response request names its fields."""
+    stream = _ResponseStream(body, response_id, created)
+    try:
+        async with contextlib.aclosing(chunks):  # closed with this request (a client gone): the answer aborted at once
+            async for chunk in chunks:
+                stream.take(chunk)
+    except APIError as error:
+        raise named_for_responses(error) from None
+    return stream.end()[-1]["response"]
+
+
 class _ResponseStream:
     """The state of one streamed response: its output items in the order they began, the last one open."""
 
@@ -50,6 +65,7 @@ class _ResponseStream:
         self.model, self.items, self.usage, self.finish = body.get("model") or "", [], None, None
         self.open: dict | None = None  # the item taking text or arguments now
         self.calls: dict[int, dict] = {}  # chat tool-call index -> its output item
+        self.held_logprobs: list = []  # of whitespace after a call, until a message item begins
         self.sequence = 0
 
     def _event(self, kind: str, **fields) -> dict:
@@ -112,6 +128,11 @@ class _ResponseStream:
     def _text(self, text: str, logprobs: list) -> list[dict]:
         events = []
         if self.open is None or self.open["type"] != "message":
+            if self.items:  # text after a call: the whitespace between them is no message's (its logprobs go with what follows)
+                text, logprobs, self.held_logprobs = text.lstrip(), self.held_logprobs + logprobs, []
+                if not text:
+                    self.held_logprobs = logprobs
+                    return []
             events += self._open(message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress"))
         part = self.open["content"][0]
         grow_item(part, "text", text)

@@ -1,5 +1,5 @@
-"""OpenAI's Responses API (``POST /v1/responses``) over the chat path: a request becomes a chat request, its answer
-a response object (its stream's events: app/api/response_stream.py).
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat path: a request becomes a streamed chat request,
+and its chunks become the response, whole or as the stream's events (app/api/response_stream.py).
 
 What a chat request can say, a response request can: ``input`` (text, or items: messages, earlier
 ``function_call``s and their ``function_call_output``s), ``instructions`` (a system message first), sampling,
@@ -63,8 +63,9 @@ def chat_body(body: Any) -> dict:
     if isinstance(body.get("text"), dict) and body["text"].get("verbosity") is not None:
         chat["verbosity"] = body["text"]["verbosity"]  # refused there, as the chat field is
     chat.update(_logprobs(body.get("include"), body.get("top_logprobs")))
-    if chat.get("stream"):
-        chat["stream_options"] = {"include_usage": True}  # response.completed carries the usage
+    # Streamed whether the response is or not: a whole response is read from the stream as a streamed one is
+    # (app/api/response_stream.py), so the two hold the same items in the same order; the usage comes last
+    chat["stream"], chat["stream_options"] = True, {"include_usage": True}
     return chat
 
 
@@ -192,19 +193,6 @@ def _response_format(text: Any) -> dict | None:
 # ---- the answer ---------------------------------------------------------------------------------
 def new_ids() -> tuple[str, int]:
     return f"resp_{uuid.uuid4().hex}", int(time.time())
-
-
-def response_object(body: dict, chat: dict, response_id: str, created: int) -> dict:
-    """The response for a chat answer (one choice)."""
-    choice = chat["choices"][0]
-    message, items = choice["message"], []
-    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-    if message.get("content"):
-        logprobs = logprobs_of(choice.get("logprobs"))
-        items.append(message_item(f"msg_{uuid.uuid4().hex}", message["content"], status, logprobs))
-    for call in message.get("tool_calls") or []:
-        items.append(call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"], call["function"]["arguments"]))
-    return response_dict(body, response_id, created, chat["model"], status, items, usage_of(chat.get("usage")))
 
 
 def response_dict(body: dict, response_id: str, created: int, model: str, status: str, output: list, usage: dict | None,

@@ -91,7 +91,7 @@ async def _whole_and_events(server, body: dict) -> tuple[dict, list[dict]]:
     from pydantic import TypeAdapter
 
     whole_body, request = responses.parse_request(json.dumps(body).encode())
-    whole = responses.response_object(whole_body, await server.serving.chat(request), "resp_1", 0)
+    whole = await response_stream.whole_response(whole_body, server.serving.chat_stream(request), "resp_1", 0)
     stream_body, streamed = responses.parse_request(json.dumps({**body, "stream": True}).encode())
     events = [e async for e in response_stream.response_events(stream_body, server.serving.chat_stream(streamed), "resp_2", 0)]
     Response.model_validate(whole, strict=True)
@@ -126,6 +126,19 @@ async def test_an_answer_with_text_and_a_call_is_a_message_item_and_a_function_c
     message_done = kinds.index("response.output_item.done")
     call_added = [i for i, e in enumerate(events) if e["type"] == "response.output_item.added"][1]
     assert message_done < call_added and events[call_added]["item"]["id"] == final["output"][1]["id"]
+
+
+async def test_text_after_a_call_is_a_message_item_after_the_call_item_streamed_or_not(tools_server):
+    answer = ANSWER + " I will tell you when it answers."
+    whole, events = await _whole_and_events(tools_server, _replayed(answer))
+    items = [(item["type"], item.get("name"), item["content"][0]["text"] if item["type"] == "message" else item["arguments"])
+             for item in whole["output"]]
+    assert items == [("message", None, "Let me check."), ("function_call", "get_weather", '{"city": "Oslo"}'),
+                     ("message", None, "I will tell you when it answers.")]
+    def alike(output: list[dict]) -> list[dict]:  # each answer has ids of its own
+        return [{key: value for key, value in item.items() if key not in ("id", "call_id")} for item in output]
+
+    assert alike(events[-1]["response"]["output"]) == alike(whole["output"])
 
 
 async def test_a_failure_after_the_stream_began_is_an_error_event_then_response_failed():
