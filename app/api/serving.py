@@ -169,12 +169,20 @@ class OpenAIServing:
         prepared = self._prepare("chatcmpl", self.prompts.chat(request), request, request.requested_max_tokens)
         if self.tool_parser == "mistral" and request.tool_choice_resolved() == "auto":  # [TOOL_CALLS] is a special token
             prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)  # kept for the parser, as vLLM
-        found_format = request_format(request.response_format, request.structured_outputs)
-        if found_format is not None and request.tool_choice_resolved() == "auto":  # the format holds the answer, not calls
-            grammar = tools.answer_or_calls(found_format, request.parsed_tools(), self.tool_parser,
-                                            request.parallel_tool_calls is not False)
-            prepared.sampling = dataclasses.replace(prepared.sampling, grammar=grammar)
+        if request.tool_choice_resolved() == "auto":
+            grammar = self._auto_grammar(request)
+            if grammar is not None:
+                prepared.sampling = dataclasses.replace(prepared.sampling, grammar=grammar)
         return self._fan_out([prepared], request.n)
+
+    def _auto_grammar(self, request: ChatCompletionRequest) -> str | None:
+        """``tool_choice: auto``'s grammar, if any: beside a response format, the format holds the answer and each call
+        its tool's schema; else where a tool is strict, the text is free and calls follow their schemas."""
+        found_format = request_format(request.response_format, request.structured_outputs)
+        parallel = request.parallel_tool_calls is not False
+        if found_format is not None:
+            return tools.answer_or_calls(found_format, request.parsed_tools(), self.tool_parser, parallel)
+        return tools.strict_calls(request.parsed_tools(), self.tool_parser, parallel)
 
     def _completion_plans(self, request: CompletionRequest) -> list[_Prepared]:
         prompt = fim_prompt(self.tokenizer, request.prompt, request.suffix, self.model_name) if request.suffix else request.prompt

@@ -8,7 +8,9 @@
   ``hermes`` (``<tool_call>{"name", "arguments"}</tool_call>``, Qwen, Hermes, and the default), ``llama3_json``
   (a bare ``{"name", "parameters"}`` object, optionally after ``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS]``
   then a JSON list), ``qwen3_coder`` (XML-like blocks: app/api/xml_calls.py). Text the parser cannot read as a
-  call stays the answer's content: nothing is dropped.
+  call stays the answer's content: nothing is dropped. For Hermes, a tool's ``strict: true`` holds the calls to the
+  tools' schemas by a grammar while the text stays free (``strict_calls``); beside a JSON response format the
+  grammar is the format's answer or calls (``answer_or_calls``).
 - ``"none"`` (or no tools): plain chat; the tools are not shown to the model.
 
 A chat template that renders tools itself (its source mentions ``tools``) gets them as transformers passes them.
@@ -40,6 +42,7 @@ class Tool:
     name: str
     description: str
     parameters: dict[str, Any]
+    strict: bool = False  # OpenAI's strict mode: the arguments always follow the schema, under any tool_choice
 
     def as_openai(self) -> dict:
         return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
@@ -78,7 +81,9 @@ def parse_tools(tools: list[Any] | None) -> list[Tool]:
         parameters = {"type": "object", "properties": {}} if parameters is None else parameters
         if not isinstance(parameters, dict):
             raise APIError(400, "a function's parameters must be a JSON schema object", param=f"tools[{i}].function.parameters")
-        parsed.append(Tool(function["name"], function.get("description") or "", parameters))
+        if function.get("strict") not in (None, True, False):
+            raise APIError(400, "a function's strict must be true or false", param=f"tools[{i}].function.strict")
+        parsed.append(Tool(function["name"], function.get("description") or "", parameters, function.get("strict") is True))
     if len({t.name for t in parsed}) != len(parsed):
         raise APIError(400, "tool names must be unique", param="tools")
     return parsed
@@ -126,11 +131,37 @@ def answer_or_calls(found_format: tuple[tuple[str, str], str], tools: list[Tool]
     if kind != "json":
         raise APIError(400, f"{param}: only a JSON format can stand beside tools under tool_choice auto, not a {kind}: "
                        f"{keep}", param=param)
-    calls_schema = call_schema([(t.name, closed(t.parameters)) for t in tools])
+    calls = 'call (WS? call)*' if parallel else "call"
+    rules = f"start: answer | calls\nanswer: {json_in_lark(text)}\ncalls: {calls}\ncall: {_hermes_call(tools, strict_only=False)}\n"
+    return compiled("lark", rules + _WHITESPACE, param)
+
+
+def strict_calls(tools: list[Tool], parser: str, parallel: bool) -> str | None:
+    """The grammar of ``tool_choice: auto`` where a tool asks ``strict: true`` (the openai Agents SDK's default), as
+    OpenAI's strict mode promises: the answer stays free text, and a call the model begins (its Hermes marker) names
+    one of the tools, a strict tool's arguments held to its schema (another's to any object). The text runs lazily
+    up to a call's marker (llguidance's pattern for tools in text). None where no tool is strict, or the model writes
+    another call format (its calls then are the model's own, as vLLM leaves them under auto)."""
+    if parser != "hermes" or not any(tool.strict for tool in tools):
+        return None
+    calls = "call* TEXT" if parallel else "call? TEXT"  # every marker begins a call: one only, if not parallel
+    rules = (f"start: {calls}\nTEXT: /(?s:.*)/ & ~/(?s:.*){MARKER}(?s:.*)/\nbefore_call[lazy]: TEXT \"{MARKER}\"\n"
+             f"call: before_call {_hermes_call(tools, strict_only=True, marked=False)}\n")
+    return compiled("lark", rules + _WHITESPACE, "tools")
+
+
+_WHITESPACE = "WS: /[ \\t\\r\\n]+/\n"
+
+
+def _hermes_call(tools: list[Tool], strict_only: bool, marked: bool = True) -> str:
+    """A Hermes call block's rule body, as the chat template or this server's preamble writes it (whitespace inside
+    the markers optional): its JSON names one of the tools, and its arguments follow the tool's schema (closed:
+    app/api/schemas.py); with ``strict_only``, only a strict tool's do. ``marked``: the opening marker included."""
+    calls_schema = call_schema([(t.name, closed(t.parameters) if t.strict or not strict_only else {"type": "object"})
+                                for t in tools])
     require_compilable_size(calls_schema, "tools")
-    call = f'"{MARKER}\\n" {json_in_lark(json.dumps(calls_schema))} "\\n{END}"'
-    calls = 'call ("\\n" call)*' if parallel else "call"
-    return compiled("lark", f"start: answer | calls\nanswer: {json_in_lark(text)}\ncalls: {calls}\ncall: {call}\n", param)
+    opening = f'"{MARKER}" ' if marked else ""
+    return f'{opening}WS? {json_in_lark(json.dumps(calls_schema))} WS? "{END}"'
 
 
 def forced_calls(text: str, choice: str | Tool) -> list[ToolCall]:

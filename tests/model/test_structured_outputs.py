@@ -186,3 +186,30 @@ async def test_under_tool_choice_auto_a_format_holds_the_answer_and_each_call_it
         else:
             assert list(json.loads(choice["message"]["content"])) == ["city", "population_millions", "capital"], choice
     assert any(answer["choices"][0]["message"].get("tool_calls") for answer in answers)  # the format alone allows none
+
+
+async def test_under_tool_choice_auto_a_strict_tools_call_follows_its_schema(server_fp32):
+    """``strict: true`` under auto (app/api/tools.py: strict_calls) through the real tokenizer and engine: shown one
+    call with a city alone, the model (greedy) calls again with a city alone, leaving out the unit the schema
+    requires; with the tool strict, its call carries both, and the answer still ends as a call."""
+    import asyncio
+
+    from app.api.protocol import ChatCompletionRequest, parse_body
+
+    def body(strict: bool) -> dict:
+        weather = {"type": "function", "function": {"name": "get_weather", "strict": strict, "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"]}}}
+        shown = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                    {"role": "assistant", "content": None, "tool_calls": [shown]},
+                    {"role": "user", "content": "What is the weather in Oslo?"}]
+        return {"messages": messages, "tools": [weather], "max_tokens": 60, "temperature": 0}
+
+    free, strict = await asyncio.gather(*(server_fp32.serving.chat(parse_body(body(s), ChatCompletionRequest))
+                                          for s in (False, True)))
+    [free_call], [strict_call] = free["choices"][0]["message"]["tool_calls"], strict["choices"][0]["message"]["tool_calls"]
+    assert json.loads(free_call["function"]["arguments"]) == {"city": "Oslo"}  # what the model writes on its own
+    assert strict_call["function"]["name"] == "get_weather" and strict["choices"][0]["finish_reason"] == "tool_calls"
+    arguments = json.loads(strict_call["function"]["arguments"])
+    assert list(arguments) == ["city", "unit"] and arguments["city"] == "Oslo" and arguments["unit"] in ("celsius", "fahrenheit")

@@ -10,7 +10,7 @@ from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest, parse_body
 from app.api.structured import request_format
 from app.api.tools import (answer_or_calls, forced_calls, forced_schema, parse_calls, parse_tools, render_for_template,
-                           resolve_choice)
+                           resolve_choice, strict_calls)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -110,6 +110,24 @@ def test_under_auto_a_response_format_holds_the_answer_and_leaves_the_calls_to_t
     for wrong in ("It is sunny.", '{"city": "Oslo"}', CALL.replace("Oslo", "5").replace('"5"', "5"),
                   CALL.replace("get_weather", "get_news")):
         assert not _grammar_accepts(grammar, wrong)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_under_auto_a_strict_tools_calls_follow_its_schema_and_the_text_around_them_stays_free(parallel):
+    """OpenAI's strict mode (the openai Agents SDK sets it on every function tool): the model answers in text or
+    calls; every call it begins names one of the tools, a strict tool's arguments its schema, another's any object."""
+    strict_weather = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    request = parse_body({**CHAT, "tools": [strict_weather, TIME]}, ChatCompletionRequest)
+    grammar = strict_calls(request.parsed_tools(), "hermes", parallel)
+    any_time = '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
+    for free in ("It is sunny.", "", "a <tool_ b", "Let me check. " + CALL, CALL + "\nI will tell you.", any_time):
+        assert _grammar_accepts(grammar, free), free
+    assert _grammar_accepts(grammar, CALL + "\n" + CALL) == parallel
+    for wrong in (CALL.replace('"Oslo"', "5"), CALL.replace("get_weather", "get_news"),
+                  CALL.replace('"Oslo"}', '"Oslo", "days": 3}'), "Let me check. <tool_call> the weather"):
+        assert not _grammar_accepts(grammar, wrong), wrong
+    assert strict_calls(parse_body({**CHAT, "tools": [WEATHER]}, ChatCompletionRequest).parsed_tools(), "hermes", parallel) is None
+    assert strict_calls(request.parsed_tools(), "mistral", parallel) is None  # its calls stay the model's own
 
 
 def test_under_auto_a_format_beside_calls_the_grammar_cannot_hold_is_a_400_naming_what_to_do():
