@@ -156,7 +156,8 @@ def _compiler(variable: str, names: tuple[str, ...]) -> list[str] | None:
 
 def _kernel_dirs() -> list[Path]:
     """Where the compiled kernels may be: the cache, then a folder of this user's own in the temp directory (a read-only
-    home). Never a folder other users can write: a library planted there would be loaded and run."""
+    home). Never a folder other users can write (the cache's too: ``LLM_SERVE_CACHE`` may name a shared one): a
+    library planted there would be loaded and run."""
     found = []
     cache = cache_dir() / "kernels"
     private = Path(tempfile.gettempdir()) / f"llm-serve-kernels-{os.getuid()}"
@@ -165,11 +166,12 @@ def _kernel_dirs() -> list[Path]:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError:
             continue
-        if directory == cache or _own_and_private(directory):
+        if _trusted(directory):
             found.append(directory)
     return found
 
 
-def _own_and_private(directory: Path) -> bool:
+def _trusted(directory: Path) -> bool:
+    """Writable by this user or root alone (an image's cache, built as root, serves a user without a compiler)."""
     info = directory.stat()
-    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    return info.st_uid in (os.getuid(), 0) and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)

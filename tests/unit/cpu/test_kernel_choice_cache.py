@@ -174,6 +174,23 @@ def test_the_kernels_temp_folder_is_this_users_own(tmp_path, monkeypatch):
     assert private not in build._kernel_dirs()
 
 
+def test_a_cache_folder_other_users_can_write_is_never_where_kernels_are_loaded_from(tmp_path, monkeypatch):
+    """``LLM_SERVE_CACHE`` may name a shared folder (a team's model cache): its kernels folder, writable by the
+    group, could hold a planted library; the kernels then go to this user's own temp folder."""
+    import os
+
+    from app.cpu import build
+
+    monkeypatch.setattr(build, "cache_dir", lambda: tmp_path / "shared")
+    monkeypatch.setattr(build.tempfile, "gettempdir", lambda: str(tmp_path))
+    shared = tmp_path / "shared" / "kernels"
+    shared.mkdir(parents=True)
+    private = tmp_path / f"llm-serve-kernels-{os.getuid()}"
+    assert build._kernel_dirs() == [shared, private]
+    shared.chmod(0o775)
+    assert build._kernel_dirs() == [private]
+
+
 def test_a_disturbed_timing_keeps_the_incumbent_only_where_it_ran(tmp_path, monkeypatch):
     """An incumbent that fails here is left out of the timing: where the timing is not kept, the fastest that ran
     takes its buckets, never a kernel known to fail."""
