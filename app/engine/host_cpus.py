@@ -27,7 +27,7 @@ def usable_cpus(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> in
 
 def cgroup_cpu_quota(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> float | None:
     """CPUs' worth of time per period this process's cgroup (or any cgroup above it) allows; None: no limit."""
-    quotas = [q for q in (_v2_quota(root, self_cgroup), _v1_quota(root)) if q is not None]
+    quotas = [q for q in (_v2_quota(root, self_cgroup), _v1_quota(root, self_cgroup)) if q is not None]
     return min(quotas) if quotas else None
 
 
@@ -50,17 +50,37 @@ def _v2_quota(root: Path, self_cgroup: Path) -> float | None:
     return min(quotas) if quotas else None
 
 
-def _v1_quota(root: Path) -> float | None:
-    """cgroup v1: the cpu controller's quota and period, as the container sees them."""
-    for controller in ("cpu", "cpu,cpuacct"):
-        folder = root / controller
-        try:
-            quota = (folder / "cpu.cfs_quota_us").read_text().strip()
-            period = (folder / "cpu.cfs_period_us").read_text().strip()
-        except OSError:
+def _v1_quota(root: Path, self_cgroup: Path) -> float | None:
+    """cgroup v1: the tightest quota over period of the cpu controller, from this process's cgroup up to the mount's
+    root. In a container the mount's root is the container's own cgroup, and /proc/self/cgroup names a host path not
+    under it: the root alone counts; on a host (a systemd slice with a CPUQuota) each level on the way up counts."""
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    # "4:cpu,cpuacct:/user.slice/app.service": the hierarchy holding the cpu controller, and this process's path in it
+    fields = [line.split(":", 2) for line in lines if line.count(":") >= 2]
+    path = next((path for _, controllers, path in fields if "cpu" in controllers.split(",")), "/")
+    for controller in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        mount = root / controller
+        if not mount.is_dir():
             continue
-        return _ratio([quota, period])
+        folder, quotas = mount / path.strip("/"), []
+        while True:
+            quotas.append(_v1_ratio(folder))
+            if folder == mount or mount not in folder.parents:
+                break
+            folder = folder.parent
+        quotas = [q for q in quotas if q is not None]
+        return min(quotas) if quotas else None
     return None
+
+
+def _v1_ratio(folder: Path) -> float | None:
+    try:
+        return _ratio([(folder / "cpu.cfs_quota_us").read_text().strip(), (folder / "cpu.cfs_period_us").read_text().strip()])
+    except OSError:  # not this far down in the mount (a container's): the levels that are count
+        return None
 
 
 def _ratio(quota_and_period: list[str]) -> float | None:

@@ -50,6 +50,22 @@ def test_v1_quota_and_minus_one_for_none(tmp_path):
     assert usable_cpus(root, tmp_path / "none") == 1  # at least one thread, however small the quota
 
 
+def test_v1_on_a_host_the_tightest_quota_on_the_way_up_counts_and_in_a_container_its_own(tmp_path):
+    """On a host the v1 mount holds every cgroup: a systemd slice's CPUQuota above this process's service counts. In a
+    container the mount's root is the container's cgroup, and the host path /proc/self/cgroup names is not there."""
+    root = tmp_path / "cgroup"
+    for folder, quota in (("", "-1"), ("user.slice", "150000"), ("user.slice/app.service", "-1")):
+        (root / "cpu,cpuacct" / folder).mkdir(parents=True, exist_ok=True)
+        (root / "cpu,cpuacct" / folder / "cpu.cfs_period_us").write_text("100000\n")
+        (root / "cpu,cpuacct" / folder / "cpu.cfs_quota_us").write_text(quota + "\n")
+    self_cgroup = tmp_path / "self-cgroup"
+    self_cgroup.write_text("12:memory:/user.slice/app.service\n4:cpu,cpuacct:/user.slice/app.service\n")
+    assert cgroup_cpu_quota(root, self_cgroup) == 1.5
+    self_cgroup.write_text("4:cpu,cpuacct:/kubepods/burstable/pod1/abc\n")  # a container's view: only the root is there
+    (root / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("200000\n")
+    assert cgroup_cpu_quota(root, self_cgroup) == 2.0
+
+
 def test_a_quota_above_the_affinity_leaves_the_affinity(tmp_path):
     root, self_cgroup = _v2(tmp_path, "/", {"": f"{(AFFINITY + 8) * 100000} 100000"})
     assert usable_cpus(root, self_cgroup) == AFFINITY
