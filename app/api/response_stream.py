@@ -65,7 +65,7 @@ class _ResponseStream:
         self.model, self.items, self.usage, self.finish = body.get("model") or "", [], None, None
         self.open: dict | None = None  # the item taking text or arguments now
         self.calls: dict[int, dict] = {}  # chat tool-call index -> its output item
-        self.held_logprobs: list = []  # of whitespace after a call, until a message item begins
+        self.held_logprobs: list = []  # of tokens before a message item begins (no text yet, whitespace after a call)
         self.sequence = 0
 
     def _event(self, kind: str, **fields) -> dict:
@@ -90,6 +90,8 @@ class _ResponseStream:
             delta = choice.get("delta") or {}
             if delta.get("content"):
                 events += self._text(delta["content"], logprobs_of(choice.get("logprobs")))
+            elif not delta.get("tool_calls"):  # a token of no text of its own (part of a character, the end)
+                self._textless(logprobs_of(choice.get("logprobs")))
             for entry in delta.get("tool_calls") or []:
                 events += self._call(entry)
             if choice.get("finish_reason") is not None:
@@ -125,11 +127,19 @@ class _ResponseStream:
                                       name=item["name"], arguments=item["arguments"]))
         return events + [self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
 
+    def _textless(self, logprobs: list) -> None:
+        """Logprobs of tokens with no text of their own: the open message's, else the next message's."""
+        if self.open is not None and self.open["type"] == "message":
+            self.open["content"][0]["logprobs"] += logprobs
+        else:
+            self.held_logprobs += logprobs
+
     def _text(self, text: str, logprobs: list) -> list[dict]:
         events = []
         if self.open is None or self.open["type"] != "message":
+            text, logprobs, self.held_logprobs = text, self.held_logprobs + logprobs, []
             if self.items:  # text after a call: the whitespace between them is no message's (its logprobs go with what follows)
-                text, logprobs, self.held_logprobs = text.lstrip(), self.held_logprobs + logprobs, []
+                text = text.lstrip()
                 if not text:
                     self.held_logprobs = logprobs
                     return []

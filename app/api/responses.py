@@ -49,6 +49,8 @@ def chat_body(body: Any) -> dict:
     if body.get("metadata") is not None and not (isinstance(body["metadata"], dict)
                                                  and all(isinstance(v, str) for v in body["metadata"].values())):
         raise APIError(400, "metadata must map keys to strings", param="metadata")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):  # the chat request's is always true
+        raise APIError(400, "stream must be true or false", param="stream")
     chat = {key: body[key] for key in _PASSED if body.get(key) is not None}
     chat["messages"] = _messages(body.get("instructions"), body.get("input"))
     if body.get("max_output_tokens") is not None:

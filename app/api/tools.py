@@ -81,7 +81,7 @@ def parse_tools(tools: list[Any] | None) -> list[Tool]:
         parameters = {"type": "object", "properties": {}} if parameters is None else parameters
         if not isinstance(parameters, dict):
             raise APIError(400, "a function's parameters must be a JSON schema object", param=f"tools[{i}].function.parameters")
-        if function.get("strict") not in (None, True, False):
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
             raise APIError(400, "a function's strict must be true or false", param=f"tools[{i}].function.strict")
         parsed.append(Tool(function["name"], function.get("description") or "", parameters, function.get("strict") is True))
     if len({t.name for t in parsed}) != len(parsed):

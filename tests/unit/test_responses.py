@@ -141,6 +141,30 @@ async def test_text_after_a_call_is_a_message_item_after_the_call_item_streamed_
     assert alike(events[-1]["response"]["output"]) == alike(whole["output"])
 
 
+async def test_logprobs_of_tokens_without_text_of_their_own_stay_with_the_message_whole_or_streamed():
+    """A character's first bytes (a token of no text yet) and the end: their logprobs are the message's, as the chat
+    answer's are, in the whole response and in the stream's last event."""
+    def entry(token: str) -> dict:
+        return {"logprobs": {"content": [{"token": token, "logprob": -0.5, "bytes": None, "top_logprobs": []}]}}
+
+    async def chunks():
+        for delta, token, finish in (({"content": ""}, "\\xf0\\x9f", None), ({"content": "\U0001f600"}, "\\x98\\x80", None),
+                                     ({}, "<eos>", "stop")):
+            yield {"model": "m", "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **entry(token)}]}
+
+    whole = await response_stream.whole_response({"model": "m"}, chunks(), "resp_1", 0)
+    events = [e async for e in response_stream.response_events({"model": "m"}, chunks(), "resp_2", 0)]
+    for response in (whole, events[-1]["response"]):
+        [message] = response["output"]
+        assert [lp["token"] for lp in message["content"][0]["logprobs"]] == ["\\xf0\\x9f", "\\x98\\x80", "<eos>"]
+
+
+@pytest.mark.parametrize("given", ["false", 1, "yes"])
+def test_stream_must_be_a_boolean(given):
+    with pytest.raises(APIError, match="stream must be true or false"):
+        responses.parse_request(json.dumps({"model": "m", "input": "Hi", "stream": given}).encode())
+
+
 async def test_a_failure_after_the_stream_began_is_an_error_event_then_response_failed():
     async def chunks():
         yield {"model": "m", "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None, "logprobs": None}]}

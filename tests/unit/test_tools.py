@@ -128,6 +128,9 @@ def test_under_auto_a_strict_tools_calls_follow_its_schema_and_the_text_around_t
         assert not _grammar_accepts(grammar, wrong), wrong
     assert strict_calls(parse_body({**CHAT, "tools": [WEATHER]}, ChatCompletionRequest).parsed_tools(), "hermes", parallel) is None
     assert strict_calls(request.parsed_tools(), "mistral", parallel) is None  # its calls stay the model's own
+    one = {**WEATHER, "function": {**WEATHER["function"], "strict": 1}}  # equal to True, yet no boolean
+    with pytest.raises(APIError, match="strict must be true or false"):
+        parse_body({**CHAT, "tools": [one]}, ChatCompletionRequest).parsed_tools()
 
 
 def test_under_auto_a_format_beside_calls_the_grammar_cannot_hold_is_a_400_naming_what_to_do():
