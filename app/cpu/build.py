@@ -62,7 +62,7 @@ def build_library() -> Path:
     name = f"llm_serve_ops-{_build_key()}.so"
     directories = _kernel_dirs()
     for directory in directories:  # a read-only cache may still hold this build
-        if (directory / name).exists():
+        if (directory / name).exists() and _written_by_owner_alone(os.lstat(directory / name)):
             return directory / name
     directory = next((d for d in directories if os.access(d, os.W_OK | os.X_OK)), None)
     if directory is None:
@@ -75,6 +75,7 @@ def build_library() -> Path:
         objects.append(ops.result())
         partial = Path(scratch) / library.name
         _run([*cxx_compiler(), "-shared", "-fopenmp", *map(str, objects), "-o", str(partial), *_torch_link_flags()])
+        os.chmod(partial, 0o755)  # whatever the umask: a library its group could write is never loaded
         os.replace(partial, library)  # atomic: another process never loads a half-written library
     return library
 
@@ -172,6 +173,14 @@ def _kernel_dirs() -> list[Path]:
 
 
 def _trusted(directory: Path) -> bool:
-    """Writable by this user or root alone (an image's cache, built as root, serves a user without a compiler)."""
-    info = directory.stat()
-    return info.st_uid in (os.getuid(), 0) and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    """Writable by this user or root alone (an image's cache, built as root, serves a user without a compiler), no
+    symlink (its target could be swapped), and under no folder anyone may write but /tmp's kind (sticky)."""
+    if not _written_by_owner_alone(os.lstat(directory)):
+        return False
+    return all(not (mode := os.stat(parent).st_mode) & stat.S_IWOTH or mode & stat.S_ISVTX for parent in directory.parents)
+
+
+def _written_by_owner_alone(info: os.stat_result) -> bool:
+    """A file or folder (not a link) of this user's or root's that neither its group nor others can write."""
+    return (not stat.S_ISLNK(info.st_mode) and info.st_uid in (os.getuid(), 0)
+            and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))

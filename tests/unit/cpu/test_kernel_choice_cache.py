@@ -185,10 +185,40 @@ def test_a_cache_folder_other_users_can_write_is_never_where_kernels_are_loaded_
     monkeypatch.setattr(build.tempfile, "gettempdir", lambda: str(tmp_path))
     shared = tmp_path / "shared" / "kernels"
     shared.mkdir(parents=True)
+    shared.chmod(0o755)
     private = tmp_path / f"llm-serve-kernels-{os.getuid()}"
     assert build._kernel_dirs() == [shared, private]
     shared.chmod(0o775)
     assert build._kernel_dirs() == [private]
+    shared.chmod(0o755)
+    (tmp_path / "shared").chmod(0o777)  # anyone could swap the kernels folder for their own
+    assert build._kernel_dirs() == [private]
+    (tmp_path / "shared").chmod(0o755)
+    shared.rmdir()
+    shared.symlink_to(private)  # a link's target can change between the check and the load
+    assert build._kernel_dirs() == [private]
+
+
+def test_a_library_others_can_write_is_never_loaded(tmp_path, monkeypatch):
+    """In a folder that passes, a library file made writable by others (an image build's chmod) is built again."""
+    import os
+
+    from app.cpu import build
+
+    monkeypatch.setattr(build, "_kernel_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(build, "_build_key", lambda: "k")
+    library = tmp_path / "llm_serve_ops-k.so"
+    library.write_bytes(b"")
+    library.chmod(0o644)
+    assert build.build_library() == library  # its own: taken as it is, not built
+    library.chmod(0o666)
+    built = []
+    monkeypatch.setattr(build, "_compile_ops", lambda scratch: built.append("ops") or scratch / "ops.o")
+    monkeypatch.setattr(build, "_compile_c", lambda source, scratch: scratch / f"{source.stem}.o")
+    monkeypatch.setattr(build, "_run", lambda command: open(command[command.index("-o") + 1], "wb").close())
+    monkeypatch.setattr(build, "_torch_link_flags", lambda: [])
+    assert build.build_library() == library and built == ["ops"]
+    assert not os.stat(library).st_mode & 0o022  # the rebuilt one, written by this user
 
 
 def test_a_disturbed_timing_keeps_the_incumbent_only_where_it_ran(tmp_path, monkeypatch):
