@@ -57,12 +57,19 @@ class RequestMetrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason: stop, length, abort, error
-    # requests turned away before the engine took them (overloaded, draining, stopped): never served, so in no
-    # latency or token figure above
+    # requests turned away before the engine took them (overloaded, draining, stopped), or that had no first token
+    # within engine.max_queue_time_s (queue_timeout): never served, so in no latency or token figure above (a
+    # timed-out request's wait in the queue figure alone)
     rejected: dict[str, int] = field(default_factory=dict)
 
     def record_rejection(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def record_queue_timeout(self, waited_s: float) -> None:
+        """A request that had no first token within engine.max_queue_time_s (a 503): refused, after a wait that
+        the queue figure shows (overload's, which its alerts watch for)."""
+        self.record_rejection("queue_timeout")
+        self.queue.observe(waited_s)
 
     def record(self, timing: "RequestTiming") -> None:
         """A request that ended (normally, aborted or failed)."""

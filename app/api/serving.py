@@ -28,6 +28,7 @@ from app.api.structured import request_format
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
 from app.engine.request import TokenLogprob
 from app.engine.async_engine import Admit
+from app.engine.errors import EngineQueueTimeoutError
 from app.metrics import RequestMetrics, RequestTiming
 
 
@@ -297,6 +298,7 @@ class OpenAIServing:
             metrics.record_rejection(rejection_reason(exc))
             raise
         timing = RequestTiming(time.monotonic(), len(prepared.prompt_token_ids))  # ends as "abort" unless told
+        timed_out = False
         try:
             async for output in self.engine.generate(request, self.admit):
                 if prepared.prompt_only:
@@ -310,13 +312,19 @@ class OpenAIServing:
                     timing.finish_reason = output.finish_reason or "stop"
                     timing.phase_times = output.phase_times or {}
                 yield output
+        except EngineQueueTimeoutError:
+            timed_out = True  # overload, not a failure: never served, as a request turned away at the door
+            raise
         except Exception as exc:
             timing.finish_reason = "error"
             timing.phase_times = getattr(exc, "phase_times", None) or {}  # a failure in the engine carries them
             raise
         finally:
             timing.finish(time.monotonic(), timing.finish_reason)
-            metrics.record(timing)
+            if timed_out:
+                metrics.record_queue_timeout(timing.end_s - timing.arrival_s)
+            else:
+                metrics.record(timing)
 
     def _metrics_name(self, model: str) -> str:
         """The served name a request's figures go under: the name it was sent to where this model serves it, else

@@ -129,6 +129,39 @@ async def test_served_figures_leave_out_refusals_and_names_this_model_does_not_s
     assert set(server.serving.metrics) == {"fake-a"}
 
 
+async def test_a_queue_timeout_is_a_refusal_after_its_wait_not_an_engine_error():
+    """Requests that waited engine.max_queue_time_s without a first token (503s under overload) are counted with
+    the refusals and their wait is in the queue figure; as engine errors they would page whoever watches errors."""
+    import asyncio
+
+    from app.api.protocol import CompletionRequest
+    from app.config import AppConfig
+    from app.engine.errors import EngineQueueTimeoutError
+    from tests.serve.fake_model import fake_model_server
+
+    engine = {"separate_process": False, "max_num_seqs": 1, "max_queued_requests": 4, "max_queue_time_s": 0.3}
+    server = fake_model_server(AppConfig.from_args({"models": [{"model": {"source": "fake-a"}, "engine": engine}]}).models[0])
+
+    async def one(max_tokens: int):
+        try:
+            await server.serving.completion(CompletionRequest(model="fake-a", prompt="hello", max_tokens=max_tokens))
+        except Exception as exc:  # noqa: BLE001 - what each ended with
+            return type(exc)
+        return None
+
+    try:
+        long = asyncio.ensure_future(one(60))  # ~1.2 s of steps, alone in the one-sequence batch
+        await asyncio.sleep(0.05)
+        outcomes = await asyncio.gather(*(one(2) for _ in range(2))) + [await long]
+    finally:
+        server.shutdown(1)
+    assert outcomes == [EngineQueueTimeoutError, EngineQueueTimeoutError, None]
+    data = server.metrics()["fake-a"]["requests"]
+    assert data["request_rejected"] == {"queue_timeout": 2} and data["request_success"] == {"length": 1}
+    waited = data["request_queue_time_seconds"]  # the fake engine reports no phases: the two waits alone
+    assert waited["count"] == 2 and 0.6 <= waited["sum"] < 1.2 and data["e2e_request_latency_seconds"]["count"] == 1
+
+
 async def test_closing_a_stream_of_several_choices_ends_every_choice_at_once():
     """n = 3 streamed, the client leaves after 4 chunks: all three engine requests end with the close, not when
     the garbage collector finds the merged stream."""
