@@ -49,6 +49,7 @@ class _Prepared:
     last: RequestOutput | None = None  # its last output, once it has one
     prompt_logprobs: list[TokenLogprob | None] | None = None  # sampling.prompt_logprobs: from its first output
     prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt scored; the one token computed is no answer
+    first_of_prompt: bool = True  # its prompt's first choice: the prompt counts once in the metrics, as in the usage
 
     def __post_init__(self) -> None:
         self.response_id = self.response_id or self.request_id
@@ -214,7 +215,7 @@ class OpenAIServing:
                 sampling = dataclasses.replace(p.sampling, seed=choice_seed(p.sampling.seed, j))
                 plans.append(dataclasses.replace(p, request_id=f"{base}-{len(plans)}", sampling=sampling, response_id=base,
                                                  created=prepared[0].created, index=prompt_index * n + j,
-                                                 prompt_index=prompt_index))
+                                                 prompt_index=prompt_index, first_of_prompt=j == 0))
         return plans
 
     async def _streamed(self, plans: list[_Prepared], request: _SamplingFields, make_choice, kind: str,
@@ -297,7 +298,8 @@ class OpenAIServing:
         except Exception as exc:  # turned away before the engine took it: counted apart, in no latency figure
             metrics.record_rejection(rejection_reason(exc))
             raise
-        timing = RequestTiming(time.monotonic(), len(prepared.prompt_token_ids))  # ends as "abort" unless told
+        prompt_tokens = len(prepared.prompt_token_ids) if prepared.first_of_prompt else 0
+        timing = RequestTiming(time.monotonic(), prompt_tokens)  # ends as "abort" unless told
         timed_out = False
         try:
             async for output in self.engine.generate(request, self.admit):

@@ -162,6 +162,21 @@ async def test_a_queue_timeout_is_a_refusal_after_its_wait_not_an_engine_error()
     assert waited["count"] == 2 and 0.6 <= waited["sum"] < 1.2 and data["e2e_request_latency_seconds"]["count"] == 1
 
 
+async def test_a_prompt_counts_once_however_many_choices_it_has_as_in_the_usage():
+    from app.api.protocol import CompletionRequest
+    from app.config import AppConfig
+    from tests.serve.fake_model import fake_model_server
+
+    server = fake_model_server(AppConfig.from_args({"models": [{"model": {"source": "fake-a"}, "engine": {"separate_process": False}}]}).models[0])
+    try:
+        answer = await server.serving.completion(CompletionRequest(model="fake-a", prompt=["hello", "hi there"], n=3, max_tokens=2))
+    finally:
+        server.shutdown(1)
+    data = server.metrics()["fake-a"]["requests"]
+    assert len(answer["choices"]) == 6 and data["prompt_tokens"] == answer["usage"]["prompt_tokens"]
+    assert data["generation_tokens"] == answer["usage"]["completion_tokens"] == 12
+
+
 async def test_closing_a_stream_of_several_choices_ends_every_choice_at_once():
     """n = 3 streamed, the client leaves after 4 chunks: all three engine requests end with the close, not when
     the garbage collector finds the merged stream."""
