@@ -305,17 +305,18 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int:
         """Attach cached prefix blocks and blocks for the first chunk; returns the chunk's size (0: no room)."""
         token_ids = request.all_token_ids
-        cached = None
+        cached, looked_up = None, False
         if request.session_id is not None and request.status is RequestStatus.WAITING:
             cached = self.blocks.resume(request.request_id, request.session_id, token_ids)  # its session's KV
         if not cached:  # (prompt logprobs need every prompt row computed: no cached prefix for them)
-            wants_prompt = request.sampling.prompt_logprobs is not None
-            cached = 0 if wants_prompt else self.blocks.find_cached_prefix(request.request_id, token_ids)
+            looked_up = request.sampling.prompt_logprobs is None and self.blocks.enable_prefix_caching
+            cached = self.blocks.find_cached_prefix(request.request_id, token_ids) if looked_up else 0
         num_new = min(len(token_ids) - cached, budget)
         if not self.blocks.allocate(request.request_id, cached + num_new):
             self.blocks.free(request.request_id)  # give back the prefix blocks it took
             return 0
-        self.blocks.record_prefix_query(len(token_ids), cached)
+        if looked_up:  # the hit rate is the cache's: a session's own KV resumed, or no lookup, is no query of it
+            self.blocks.record_prefix_query(len(token_ids), cached)
         if request.status is RequestStatus.WAITING:  # first admission, not a resumed preemption
             request.num_cached_tokens = cached
             request.first_scheduled_s = time.monotonic()

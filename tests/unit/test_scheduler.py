@@ -152,6 +152,15 @@ def test_prompt_logprobs_take_no_cached_prefix_so_nothing_waits_for_one():
     scored.sampling = SamplingParams(max_tokens=1, prompt_logprobs=0)
     scheduler.add_request(scored)
     assert _step(scheduler) == {"a": 10, "scored": 10}
+    stats = scheduler.blocks.prefix_stats  # the scored prompt looked nothing up: it is no query of the cache
+    assert (stats.queried_tokens, stats.hit_tokens) == (10, 0)
+
+
+def test_with_prefix_caching_off_no_lookup_is_counted():
+    scheduler = Scheduler(SchedulerConfig(), BlockManager(64, 4, enable_prefix_caching=False))
+    scheduler.add_request(_request("a", 10, max_tokens=1))
+    _step(scheduler)
+    assert (scheduler.blocks.prefix_stats.queried_tokens, scheduler.blocks.prefix_stats.hit_tokens) == (0, 0)
 
 
 def _step_capped(scheduler: Scheduler, cap: int, step_seconds=None) -> dict[str, int]:
