@@ -52,7 +52,7 @@ class Prompts:
     def chat(self, request: ChatCompletionRequest, generation_prompt: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
-        messages = [m.as_template_message() for m in request.messages]
+        messages = _known_roles([m.as_template_message() for m in request.messages], self.tokenizer.chat_template)
         shown = request.parsed_tools() if request.tool_choice_resolved() is not None else []
         extra = {}
         if tools.template_renders_tools(self.tokenizer, bool(shown)):
@@ -66,3 +66,13 @@ class Prompts:
             raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
         # The template already wrote the special tokens it wants; do not add a second BOS.
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _known_roles(messages: list[dict], template) -> list[dict]:
+    """``developer`` messages as ``system`` ones where the template never names the role (most do not): OpenAI
+    treats the two alike for models without it, as vLLM renders them; the template would otherwise show the model a
+    role it never saw, or drop the instructions."""
+    source = "\n".join(template.values()) if isinstance(template, dict) else template
+    if "developer" in source:
+        return messages
+    return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]

@@ -219,7 +219,7 @@ class ChatMessage(_Strict):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise APIError(400, "only text content parts are supported", param="messages", code="unsupported_content")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM joins them: parts are separate pieces of text
 
 
 class ChatCompletionRequest(_SamplingFields):

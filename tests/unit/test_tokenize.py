@@ -38,3 +38,15 @@ async def test_token_ids_read_back_as_their_text_and_bad_ones_are_a_400(serving)
     for body in ({"prompt": "a", "messages": CHAT}, {}):
         with pytest.raises(APIError, match="either prompt or messages"):
             parse_body(body, TokenizeRequest)
+
+
+def test_a_developer_message_is_a_system_one_to_a_template_without_the_role_and_text_parts_are_lines(serving):
+    """OpenAI's newer clients send instructions as ``developer``; SmolLM2's template knows no such role (it would
+    add its own default system prompt and show the model an unknown turn). Text parts join as lines, as vLLM's."""
+    def ids(messages: list[dict]) -> list[int]:
+        return serving.prompts.chat(parse_body({"messages": messages}, ChatCompletionRequest))
+
+    assert "developer" not in serving.tokenizer.chat_template
+    assert ids([{**CHAT[0], "role": "developer"}, CHAT[1]]) == ids(CHAT)
+    parts = [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Oslo?"}]
+    assert ids([CHAT[0], {"role": "user", "content": parts}]) == ids([CHAT[0], {"role": "user", "content": "Weather\nin Oslo?"}])
