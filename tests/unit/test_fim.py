@@ -30,3 +30,12 @@ def test_a_model_without_fim_tokens_refuses_suffix_by_name():
     with pytest.raises(APIError) as caught:
         fim_prompt(_tokenizer(["<fim_prefix>"]), "def f():", "return 1", "chatty")  # one of three is not a FIM format
     assert caught.value.status == 400 and caught.value.param == "suffix" and "no fill-in-the-middle" in caught.value.message
+
+
+def test_echo_with_a_suffix_is_a_400_naming_echo():
+    """The model reads the FIM layout: the echoed prompt text and the prompt logprobs would not match each other."""
+    from app.api.protocol import CompletionRequest, parse_body
+
+    with pytest.raises(APIError, match="echo cannot be combined with suffix") as refused:
+        parse_body({"model": "m", "prompt": "def f(", "suffix": "\n  return x", "echo": True, "logprobs": 1}, CompletionRequest)
+    assert refused.value.param == "echo"
