@@ -10,11 +10,38 @@ engine requests are aborted) and is the answer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Sequence
 
-from app.engine.request import INT64_MAX, INT64_MIN
+from app.api.errors import APIError
+from app.engine import RequestOutput, SamplingParams
+from app.engine.request import INT64_MAX, INT64_MIN, TokenLogprob
 
 MAX_CHOICES = 128  # engine requests one OpenAI request may fan out to (prompts x best_of), as OpenAI's n limit
+
+
+@dataclass
+class Prepared:
+    """One engine request of an OpenAI request (one choice, or one candidate of ``best_of``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    created: int
+    model: str  # the name the client asked for (answers carry it)
+    drafter: int | None  # which of the engine's drafters drafts for it (None: none)
+    response_id: str = ""  # the OpenAI response's id (the first engine request's)
+    index: int = 0  # its choice index: prompt_index * n + j
+    prompt_index: int = 0
+    echo: str | None = None  # completions with echo: the prompt's text, sent before the answer
+    last: RequestOutput | None = None  # its last output, once it has one
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # sampling.prompt_logprobs: from its first output
+    prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt scored; the one token computed is no answer
+    first_of_prompt: bool = True  # its prompt's first choice: the prompt counts once in the metrics, as in the usage
+
+    def __post_init__(self) -> None:
+        self.response_id = self.response_id or self.request_id
 
 
 def choice_seed(seed: int | None, j: int) -> int | None:
@@ -82,3 +109,28 @@ def best_candidates(plans: list, results: list, n: int) -> list:
 
 def num_prompts(plans: list) -> int:
     return len({p.prompt_index for p in plans})
+
+def fan_out(prepared: list[Prepared], count: int, n: int | None, holds: int | None) -> list[Prepared]:
+    """``count`` engine requests per prompt (choice j: seed + j), indexed prompt_index * n + j; ``holds``: the most
+    generations the replica ever holds at once (more could never start: a 400)."""
+    if len(prepared) == 1 and count == 1:
+        return prepared
+    if holds is not None and len(prepared) * count > holds:
+        raise APIError(400, f"{len(prepared)} prompt(s) x {count} choices is more generations than this replica holds "
+                       f"at once ({holds}: engine.max_num_seqs + engine.max_queued_requests); send fewer", param="n")
+    n, base = n or count, prepared[0].request_id
+    plans: list[Prepared] = []
+    for prompt_index, p in enumerate(prepared):
+        for j in range(count):
+            sampling = dataclasses.replace(p.sampling, seed=choice_seed(p.sampling.seed, j))
+            plans.append(dataclasses.replace(p, request_id=f"{base}-{len(plans)}", sampling=sampling, response_id=base,
+                                             created=prepared[0].created, index=prompt_index * n + j,
+                                             prompt_index=prompt_index, first_of_prompt=j == 0))
+    return plans
+
+
+def usage(plans: list[Prepared]) -> dict:
+    """Each prompt counted once; every generated token (best_of's candidates too: they were computed)."""
+    prompt = sum({p.prompt_index: len(p.prompt_token_ids) for p in plans}.values())
+    completion = sum(p.last.num_output_tokens for p in plans if p.last is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -137,7 +137,7 @@ class _ResponseStream:
     def _text(self, text: str, logprobs: list) -> list[dict]:
         events = []
         if self.open is None or self.open["type"] != "message":
-            text, logprobs, self.held_logprobs = text, self.held_logprobs + logprobs, []
+            logprobs, self.held_logprobs = self.held_logprobs + logprobs, []
             if self.items:  # text after a call: the whitespace between them is no message's (its logprobs go with what follows)
                 text = text.lstrip()
                 if not text:

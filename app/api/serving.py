@@ -14,13 +14,12 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from dataclasses import dataclass
 from typing import AsyncIterator
 
 from app.api import tool_streams, tools
 from app.api.errors import APIError, rejection_reason
 from app.api.fim import fim_prompt
-from app.api.fanout import best_candidates, choice_seed, gather_or_cancel, merged, num_prompts
+from app.api.fanout import Prepared, best_candidates, fan_out, gather_or_cancel, merged, num_prompts, usage
 from app.api.logprobs import LogprobFormatter, next_text_offset
 from app.api.prompts import Prompts
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _SamplingFields
@@ -30,29 +29,6 @@ from app.engine.request import TokenLogprob
 from app.engine.async_engine import Admit
 from app.engine.errors import EngineQueueTimeoutError
 from app.metrics import RequestMetrics, RequestTiming
-
-
-@dataclass
-class _Prepared:
-    """One engine request of an OpenAI request (one choice, or one candidate of ``best_of``)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    created: int
-    model: str  # the name the client asked for (answers carry it)
-    drafter: int | None  # which of the engine's drafters drafts for it (None: none)
-    response_id: str = ""  # the OpenAI response's id (the first engine request's)
-    index: int = 0  # its choice index: prompt_index * n + j
-    prompt_index: int = 0
-    echo: str | None = None  # completions with echo: the prompt's text, sent before the answer
-    last: RequestOutput | None = None  # its last output, once it has one
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # sampling.prompt_logprobs: from its first output
-    prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt scored; the one token computed is no answer
-    first_of_prompt: bool = True  # its prompt's first choice: the prompt counts once in the metrics, as in the usage
-
-    def __post_init__(self) -> None:
-        self.response_id = self.response_id or self.request_id
 
 
 class OpenAIServing:
@@ -167,7 +143,7 @@ class OpenAIServing:
         return message
 
     # ---- one OpenAI request, several engine requests (app/api/fanout.py) -------------------
-    def _chat_plans(self, request: ChatCompletionRequest) -> list[_Prepared]:
+    def _chat_plans(self, request: ChatCompletionRequest) -> list[Prepared]:
         prepared = self._prepare("chatcmpl", self.prompts.chat(request), request, request.requested_max_tokens)
         if self.tool_parser == "mistral" and request.tool_choice_resolved() == "auto":  # [TOOL_CALLS] is a special token
             prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)  # kept for the parser, as vLLM
@@ -186,7 +162,7 @@ class OpenAIServing:
             return tools.answer_or_calls(found_format, request.parsed_tools(), self.tool_parser, parallel)
         return tools.strict_calls(request.parsed_tools(), self.tool_parser, parallel)
 
-    def _completion_plans(self, request: CompletionRequest) -> list[_Prepared]:
+    def _completion_plans(self, request: CompletionRequest) -> list[Prepared]:
         prompt = fim_prompt(self.tokenizer, request.prompt, request.suffix, self.model_name) if request.suffix else request.prompt
         prompts = self.prompts.completion(prompt)
         candidates = request.best_of or request.n  # prompts x candidates: at most MAX_CHOICES (checked at parse)
@@ -200,25 +176,10 @@ class OpenAIServing:
                         for p in prepared]
         return self._fan_out(prepared, candidates, request.n)
 
-    def _fan_out(self, prepared: list[_Prepared], count: int, n: int | None = None) -> list[_Prepared]:
-        """``count`` engine requests per prompt (choice j: seed + j), indexed prompt_index * n + j."""
-        if len(prepared) == 1 and count == 1:
-            return prepared
-        holds = getattr(self.engine, "capacity", None)  # a request past what the replica ever holds could never start
-        if holds is not None and len(prepared) * count > holds:
-            raise APIError(400, f"{len(prepared)} prompt(s) x {count} choices is more generations than this replica holds "
-                           f"at once ({holds}: engine.max_num_seqs + engine.max_queued_requests); send fewer", param="n")
-        n, base = n or count, prepared[0].request_id
-        plans: list[_Prepared] = []
-        for prompt_index, p in enumerate(prepared):
-            for j in range(count):
-                sampling = dataclasses.replace(p.sampling, seed=choice_seed(p.sampling.seed, j))
-                plans.append(dataclasses.replace(p, request_id=f"{base}-{len(plans)}", sampling=sampling, response_id=base,
-                                                 created=prepared[0].created, index=prompt_index * n + j,
-                                                 prompt_index=prompt_index, first_of_prompt=j == 0))
-        return plans
+    def _fan_out(self, prepared: list[Prepared], count: int, n: int | None = None) -> list[Prepared]:
+        return fan_out(prepared, count, n, getattr(self.engine, "capacity", None))
 
-    async def _streamed(self, plans: list[_Prepared], request: _SamplingFields, make_choice, kind: str,
+    async def _streamed(self, plans: list[Prepared], request: _SamplingFields, make_choice, kind: str,
                         chunker=None) -> AsyncIterator[dict]:
         """Every choice's chunks as they come, then the usage chunk (if asked). Nothing is sent before the engine
         has the request: a full queue, a draining replica or a queue timeout is still an HTTP status (503), as for
@@ -241,10 +202,10 @@ class OpenAIServing:
             if streams is not None:
                 await streams.aclose()  # closing the expression around it does not close it
         if request.include_usage:
-            yield {**self._chunk(plans[0], kind, None), "usage": _usage(plans)}
+            yield {**self._chunk(plans[0], kind, None), "usage": usage(plans)}
 
     # ---- shared -------------------------------------------------------------------------
-    def _prepare(self, prefix: str, prompt_ids: list[int], request: _SamplingFields, max_tokens: int | None) -> _Prepared:
+    def _prepare(self, prefix: str, prompt_ids: list[int], request: _SamplingFields, max_tokens: int | None) -> Prepared:
         if not prompt_ids:
             raise APIError(400, "the prompt must contain at least one token", param="prompt")
         if max(prompt_ids) >= self.vocab_size:  # a tokenizer with tokens the model has no embedding for
@@ -280,7 +241,7 @@ class OpenAIServing:
                            param="stop_token_ids")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         model = request.model or self.model_name
-        return _Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model), prompt_only=prompt_only)
+        return Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model), prompt_only=prompt_only)
 
     def _drafter_for(self, model: str) -> int | None:
         """The drafter serving the name a request was sent to: its own, else an unnamed one, else none."""
@@ -289,7 +250,7 @@ class OpenAIServing:
             return names.index(model)
         return names.index(None) if None in names else None
 
-    async def _generate(self, prepared: _Prepared) -> AsyncIterator[RequestOutput]:
+    async def _generate(self, prepared: Prepared) -> AsyncIterator[RequestOutput]:
         request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling, self.eos_token_ids,
                           drafter=prepared.drafter)
         metrics = self.metrics.setdefault(self._metrics_name(prepared.model), RequestMetrics())
@@ -333,7 +294,7 @@ class OpenAIServing:
         the model's own (a handle call naming something else is answered; its name must not grow the metrics)."""
         return model if model in self.speculative_names else self.model_name
 
-    async def _collect(self, prepared: _Prepared) -> tuple[str, RequestOutput, list[TokenLogprob] | None]:
+    async def _collect(self, prepared: Prepared) -> tuple[str, RequestOutput, list[TokenLogprob] | None]:
         parts, last, logprobs = [], None, None
         async for output in self._generate(prepared):
             parts.append(output.new_text)
@@ -342,7 +303,7 @@ class OpenAIServing:
                 logprobs = (logprobs or []) + output.logprobs
         return "".join(parts), last, logprobs
 
-    async def _chunks(self, prepared: _Prepared, make_choice, kind: str) -> AsyncIterator[dict]:
+    async def _chunks(self, prepared: Prepared, make_choice, kind: str) -> AsyncIterator[dict]:
         chat = kind.startswith("chat")
         echo = prepared.echo  # the first chunk carries the prompt (and its logprobs) before the answer
         text_offset = 0  # completions: each chunk's token offsets continue the chunks' before it
@@ -360,20 +321,20 @@ class OpenAIServing:
                 echo = None
                 yield self._chunk(prepared, kind, choice)
 
-    def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, echoed: _Prepared | None = None,
+    def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, echoed: Prepared | None = None,
                              text_offset: int = 0) -> dict | None:
         if echoed is None:
             return self.logprob_format.completion(logprobs, text_offset=text_offset)
         return self.logprob_format.completion(logprobs, echoed.prompt_token_ids, echoed.prompt_logprobs, text_offset)
 
-    def _chunk(self, prepared: _Prepared, kind: str, choice: dict | None) -> dict:
+    def _chunk(self, prepared: Prepared, kind: str, choice: dict | None) -> dict:
         chunk = {"id": prepared.response_id, "object": kind, "created": prepared.created, "model": prepared.model}
         chunk["choices"] = [choice] if choice is not None else []
         return chunk
 
-    def _response(self, plans: list[_Prepared], kind: str, choices: list[dict]) -> dict:
+    def _response(self, plans: list[Prepared], kind: str, choices: list[dict]) -> dict:
         response = self._chunk(plans[0], kind, None)
-        response["choices"], response["usage"] = choices, _usage(plans)
+        response["choices"], response["usage"] = choices, usage(plans)
         return response
 
     # ---- tokens (vLLM's /tokenize and /detokenize): the prompts' reading ---------------------------
@@ -400,10 +361,3 @@ def _chat_choice(text: str, finish_reason: str | None, logprobs: dict | None = N
     if finish_reason is not None and not text:
         delta = {}
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def _usage(plans: list[_Prepared]) -> dict:
-    """Each prompt counted once; every generated token (best_of's candidates too: they were computed)."""
-    prompt = sum({p.prompt_index: len(p.prompt_token_ids) for p in plans}.values())
-    completion = sum(p.last.num_output_tokens for p in plans if p.last is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
