@@ -139,7 +139,7 @@ def _message(item: Any, param: str, messages: list[dict]) -> dict | None:
 
 
 def _text(content: Any, param: str) -> str:
-    """A message's text: a string, or its text parts joined (input_text, output_text)."""
+    """A message's text: a string, or its text parts joined as lines (input_text, output_text)."""
     if isinstance(content, str):
         return content
     parts = []
@@ -151,7 +151,7 @@ def _text(content: Any, param: str) -> str:
         if not isinstance(text, str):
             raise APIError(400, f"{param}[{i}] needs its text as a string", param=f"{param}[{i}]")
         parts.append(text)
-    return "".join(parts)
+    return "\n".join(parts)  # as a chat message's text parts join
 
 
 def _chat_tool(tool: Any, index: int) -> dict:

@@ -19,14 +19,14 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in
 def test_input_items_become_the_chat_messages_with_instructions_first():
     body = {"model": "m", "instructions": "Be brief.", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
             "max_output_tokens": 20,
-            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "in Oslo?"}]},
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Weather"}, {"type": "input_text", "text": "in Oslo?"}]},
                       {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
                       {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Bergen"}'},
                       {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
                       {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]}]}
     chat = responses.chat_body(body)
     assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "tool", "assistant"]
-    assert chat["messages"][1]["content"] == "Weather in Oslo?"
+    assert chat["messages"][1]["content"] == "Weather\nin Oslo?"  # text parts as lines, as the chat endpoint's
     assert [c["id"] for c in chat["messages"][2]["tool_calls"]] == ["c1", "c2"]  # consecutive calls: one message
     assert chat["messages"][3] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
     assert chat["tools"] == [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}]
