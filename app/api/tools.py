@@ -156,12 +156,17 @@ _WHITESPACE = "WS: /[ \\t\\r\\n]+/\n"
 def _hermes_call(tools: list[Tool], strict_only: bool, marked: bool = True) -> str:
     """A Hermes call block's rule body, as the chat template or this server's preamble writes it (whitespace inside
     the markers optional): its JSON names one of the tools, and its arguments follow the tool's schema (closed:
-    app/api/schemas.py); with ``strict_only``, only a strict tool's do. ``marked``: the opening marker included."""
+    app/api/schemas.py); with ``strict_only``, only a strict tool's do. ``marked``: the opening marker included.
+    The keys in either order: Qwen's templates write the name first, Hermes 2 Pro's the arguments (a grammar holds
+    an object's keys to its schema's order, so each order is a schema of its own)."""
     calls_schema = call_schema([(t.name, closed(t.parameters) if t.strict or not strict_only else {"type": "object"})
                                 for t in tools])
-    require_compilable_size(calls_schema, "tools")
+    arguments_first = {**calls_schema, "anyOf": [{**call, "properties": dict(reversed(call["properties"].items()))}
+                                                 for call in calls_schema["anyOf"]]}
+    require_compilable_size([calls_schema, arguments_first], "tools")  # what the engine compiles: both
+    either = " | ".join(json_in_lark(json.dumps(schema)) for schema in (calls_schema, arguments_first))
     opening = f'"{MARKER}" ' if marked else ""
-    return f'{opening}WS? {json_in_lark(json.dumps(calls_schema))} WS? "{END}"'
+    return f'{opening}WS? ({either}) WS? "{END}"'
 
 
 def forced_calls(text: str, choice: str | Tool) -> list[ToolCall]:

@@ -123,6 +123,8 @@ def test_under_auto_a_strict_tools_calls_follow_its_schema_and_the_text_around_t
     for free in ("It is sunny.", "", "a <tool_ b", "Let me check. " + CALL, CALL + "\nI will tell you.", any_time):
         assert _grammar_accepts(grammar, free), free
     assert _grammar_accepts(grammar, CALL + "\n" + CALL) == parallel
+    arguments_first = '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>'  # Hermes 2 Pro's
+    assert _grammar_accepts(grammar, arguments_first) and not _grammar_accepts(grammar, arguments_first.replace('"Oslo"', "5"))
     for wrong in (CALL.replace('"Oslo"', "5"), CALL.replace("get_weather", "get_news"),
                   CALL.replace('"Oslo"}', '"Oslo", "days": 3}'), "Let me check. <tool_call> the weather"):
         assert not _grammar_accepts(grammar, wrong), wrong
