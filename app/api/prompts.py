@@ -5,6 +5,7 @@ template (tools shown as it renders them, or as Hermes text where it renders non
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 from app.api import tools
 from app.api.errors import APIError
@@ -39,7 +40,7 @@ class Prompts:
 
     def _tokenized(self, request: TokenizeRequest) -> list[int]:
         if request.messages is not None:
-            return self.chat(request.chat_request(), request.add_generation_prompt)
+            return self.chat(request.chat_request())
         return self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
 
     async def detokenize(self, request: DetokenizeRequest) -> dict:
@@ -49,7 +50,7 @@ class Prompts:
         # off the event loop, as /tokenize: a million ids take ~0.6 s to decode
         return {"prompt": await asyncio.to_thread(self.tokenizer.decode, request.tokens)}
 
-    def chat(self, request: ChatCompletionRequest, generation_prompt: bool = True) -> list[int]:
+    def chat(self, request: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
         messages = _known_roles([m.as_template_message() for m in request.messages], self.tokenizer.chat_template)
@@ -60,12 +61,30 @@ class Prompts:
             messages = [tools.with_loaded_arguments(m) for m in messages]
         else:  # a template without tools: tools, calls and results as Hermes-style text
             messages = tools.render_for_template(messages, shown)
+        variables = self._template_variables(request.chat_template_kwargs)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False, **extra)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.opens_a_turn, continue_final_message=request.continue_final_message,
+                tokenize=False, **extra, **variables)
         except Exception as exc:  # template errors (e.g. role order) come from the model's own template
             raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
         # The template already wrote the special tokens it wants; do not add a second BOS.
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+    def _template_variables(self, kwargs: dict | None) -> dict:
+        """``chat_template_kwargs``: variables for the template to read, as vLLM passes them (one the template never
+        reads changes nothing, as in vLLM: clients send e.g. ``enable_thinking`` to every model). A name the template
+        call itself takes (``tools``, ``tokenize``, ...) is not a variable: a 400 that says where it belongs."""
+        kwargs = kwargs or {}
+        parameters = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        taken = {p.name for p in parameters if p.kind is not p.VAR_KEYWORD} | {"messages"}
+        for name in kwargs:
+            if name in taken:
+                raise APIError(400, f"chat_template_kwargs cannot set {name!r}: the server sets it from the request "
+                               "(messages, tools, add_generation_prompt, continue_final_message are request fields)",
+                               param=f"chat_template_kwargs.{name}")
+        return kwargs
 
 
 def _known_roles(messages: list[dict], template) -> list[dict]:

@@ -241,6 +241,11 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
+    # vLLM's chat-template fields (app/api/prompts.py): the template's own variables (e.g. Qwen3's enable_thinking),
+    # and how the prompt ends: the assistant's turn opened, or the final message left open for the model to continue
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def _reject_unsupported(self) -> None:
         super()._reject_unsupported()
@@ -250,6 +255,9 @@ class ChatCompletionRequest(_SamplingFields):
                            "or structured_outputs", param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise APIError(400, "continue_final_message continues the final message, add_generation_prompt opens a new "
+                           "turn after it: set one of them", param="continue_final_message")
         for name, why in _FEATURES_NOT_SERVED.items():
             value = getattr(self, name)
             if value is not None and not (name == "modalities" and value == ["text"]):
@@ -276,6 +284,11 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def opens_a_turn(self) -> bool:
+        """Whether the prompt ends by opening the assistant's turn (continue_final_message leaves the last one open)."""
+        return self.add_generation_prompt and not self.continue_final_message
 
 
 _FEATURES_NOT_SERVED = {
@@ -315,6 +328,8 @@ class TokenizeRequest(_Strict):
     tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True  # a prompt's: the tokenizer's BOS (a chat's template writes its own)
     add_generation_prompt: bool = True  # messages': the template's opening of the assistant's turn
+    continue_final_message: bool = False  # messages': the final message left open, as a chat request's
+    chat_template_kwargs: dict[str, Any] | None = None  # messages': the template's own variables, as a chat request's
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -326,7 +341,9 @@ class TokenizeRequest(_Strict):
     def chat_request(self) -> "ChatCompletionRequest":
         """The chat request whose prompt ``messages`` and ``tools`` make."""
         messages = [m.model_dump(exclude_none=True) for m in self.messages or []]
-        return ChatCompletionRequest.model_validate({"messages": messages, **({"tools": self.tools} if self.tools else {})})
+        fields = self.model_dump(include={"tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"},
+                                 exclude_unset=True, exclude_none=True)
+        return parse_body({"messages": messages, **fields}, ChatCompletionRequest)
 
 
 class DetokenizeRequest(_Strict):

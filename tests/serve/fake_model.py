@@ -79,7 +79,9 @@ class ByteTokenizer:
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         return [bytes([token]).decode("latin-1") for token in token_ids]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool,
+                            continue_final_message: bool = False, **variables) -> str:
+        """The last line is left open either way; variables (chat_template_kwargs) it reads none of, as most templates."""
         lines = [f"{message['role']}: {message['content']}" for message in messages]
         return "\n".join(lines + (["assistant:"] if add_generation_prompt else []))
 

@@ -1,0 +1,80 @@
+"""vLLM's chat-template fields on a chat request (and /tokenize): ``chat_template_kwargs`` reach the template as its
+variables, ``continue_final_message`` leaves the final message open for the model to continue, and names the server
+sets itself are a 400, on a ChatML template that reads Qwen3's ``enable_thinking``."""
+
+import pytest
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+
+from app.api.errors import APIError
+from app.api.prompts import Prompts
+from app.api.protocol import ChatCompletionRequest, TokenizeRequest, parse_body
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+CHAT = [{"role": "user", "content": "Weather in Oslo?"}]
+PREFILL = {"role": "assistant", "content": "In Oslo it is"}
+
+
+@pytest.fixture
+def rendered() -> list[str]:
+    return []
+
+
+@pytest.fixture
+def prompts(rendered) -> Prompts:
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+                                        unk_token="[UNK]")
+    tokenizer.chat_template = CHATML
+    tokenizer.encode = lambda text, add_special_tokens=True: rendered.append(text) or [0]  # the text is what is tested
+    return Prompts(tokenizer, "m", 64, 1)
+
+
+def _chat(prompts: Prompts, rendered: list[str], **fields) -> str:
+    prompts.chat(parse_body({"messages": CHAT, **fields}, ChatCompletionRequest))
+    return rendered[-1]
+
+
+def test_chat_template_kwargs_are_the_templates_variables(prompts, rendered):
+    opened = "<|im_start|>user\nWeather in Oslo?<|im_end|>\n<|im_start|>assistant\n"
+    assert _chat(prompts, rendered) == opened
+    assert _chat(prompts, rendered, chat_template_kwargs={"enable_thinking": False}) == opened + "<think>\n\n</think>\n\n"
+    # a variable the template never reads changes nothing, as in vLLM (clients send enable_thinking to every model)
+    assert _chat(prompts, rendered, chat_template_kwargs={"enable_thinking": True, "unused": 1}) == opened
+
+
+def test_continue_final_message_leaves_the_assistants_text_open(prompts, rendered):
+    opened = _chat(prompts, rendered)
+    continued = _chat(prompts, rendered, messages=CHAT + [PREFILL], continue_final_message=True)
+    assert continued == opened + "In Oslo it is"  # no end of turn: the model writes on from "is"
+    assert _chat(prompts, rendered, messages=CHAT + [PREFILL], continue_final_message=True,
+                 add_generation_prompt=False) == continued
+    closed = _chat(prompts, rendered, messages=CHAT + [PREFILL], add_generation_prompt=False)
+    assert closed == continued + "<|im_end|>\n"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ({"continue_final_message": "yes"}, "continue_final_message"),
+])
+def test_what_the_server_sets_itself_or_a_wrong_type_is_a_400_naming_the_field(prompts, rendered, fields, param):
+    with pytest.raises(APIError) as caught:
+        _chat(prompts, rendered, **fields)
+    assert caught.value.status == 400 and caught.value.param == param, caught.value
+
+
+def test_tokenize_reads_a_chat_as_the_chat_request_does(prompts, rendered):
+    fields = {"messages": CHAT + [PREFILL], "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}}
+    prompts._tokenized(parse_body(fields, TokenizeRequest))
+    assert rendered[-1] == _chat(prompts, rendered, **fields)
+    with pytest.raises(APIError) as caught:
+        prompts._tokenized(parse_body({**fields, "add_generation_prompt": True}, TokenizeRequest))
+    assert caught.value.param == "continue_final_message"
