@@ -74,6 +74,7 @@ class _SamplingFields(_Strict):
     min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the output stays in it
     stream: bool = False
     stream_options: StreamOptions | None = None
     # OpenAI fields that change nothing in generation: accepted and ignored (docs/api.md)
@@ -108,6 +109,7 @@ class _SamplingFields(_Strict):
                 min_tokens=self.min_tokens,
                 ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=self.num_logprobs(),
                 prompt_logprobs=self.num_prompt_logprobs(),
                 logit_bias=_token_biases(self.logit_bias),

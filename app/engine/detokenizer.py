@@ -24,13 +24,17 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
+        """``include_stop``: the text ends after the stop string that ended it, not before (vLLM's
+        include_stop_str_in_output)."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._stop = tuple(stop)
+        self._include_stop = include_stop
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""  # all output text so far, cut at a stop string if one was hit
         self._emitted = 0  # characters of self.text already handed out
@@ -63,8 +67,12 @@ class IncrementalDetokenizer:
         return delta
 
     def _find_stop(self, start: int) -> int | None:
-        hits = [i for i in (self.text.find(s, start) for s in self._stop) if i != -1]
-        return min(hits) if hits else None
+        """Where the text ends: at the earliest stop string found (after it, with ``include_stop``), else None."""
+        hits = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s in self._stop) if i != -1]
+        if not hits:
+            return None
+        begin, end = min(hits)
+        return end if self._include_stop else begin
 
     def _decode_new(self) -> str:
         decode = self._tokenizer.decode

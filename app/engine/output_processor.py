@@ -26,7 +26,9 @@ class OutputProcessor:
             request.first_token_s = time.monotonic()
         text = ""
         if token_id in params.stop_token_ids or (token_id in request.eos_token_ids and not params.ignore_eos):
-            request.status = RequestStatus.FINISHED_STOPPED  # the stop token's own text is not output
+            request.status = RequestStatus.FINISHED_STOPPED  # the stop token's own text is output only if asked
+            if request.detokenize and params.include_stop_str_in_output:
+                text, _ = detokenizer.add_token(token_id, check_stop=False)
         elif request.detokenize:
             past_min = request.num_output_tokens >= params.min_tokens
             text, hit_stop = detokenizer.add_token(token_id, check_stop=past_min)
@@ -60,7 +62,8 @@ class OutputProcessor:
         detokenizer = self._detokenizers.get(request.request_id)
         if detokenizer is None:
             detokenizer = IncrementalDetokenizer(
-                self._tokenizer, request.prompt_token_ids, request.sampling.stop, request.sampling.skip_special_tokens
+                self._tokenizer, request.prompt_token_ids, request.sampling.stop, request.sampling.skip_special_tokens,
+                request.sampling.include_stop_str_in_output,
             )
             self._detokenizers[request.request_id] = detokenizer
         return detokenizer

@@ -88,6 +88,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) that ended the output stays in it
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's plus the n most likely
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), as OpenAI's logit_bias
     # None: none; n >= 0: each prompt token's logprob (the first has none) and the n most likely alternatives.

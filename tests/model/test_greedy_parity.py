@@ -54,6 +54,24 @@ async def test_stop_string_ends_output(server_fp32):
     assert choice["finish_reason"] == "stop" and "7" not in choice["text"] and "6" in choice["text"]
 
 
+async def test_include_stop_str_in_output_keeps_what_ended_the_output_streamed_or_not(server_fp32):
+    """vLLM's ``include_stop_str_in_output``: the stop string, or a stop token's text, ends the text instead of being
+    cut from it; a stream carries the same text."""
+    from app.api.protocol import CompletionRequest, parse_body
+
+    async def text(**fields) -> tuple[str, str]:
+        body = {"prompt": "1, 2, 3, 4,", "temperature": 0, "max_tokens": 20, **fields}
+        whole = (await server_fp32.serving.completion(parse_body(body, CompletionRequest)))["choices"][0]["text"]
+        chunks = server_fp32.serving.completion_stream(parse_body({**body, "stream": True}, CompletionRequest))
+        return whole, "".join([c["choices"][0]["text"] async for c in chunks if c["choices"]])
+
+    cut, kept = await text(stop=["7"]), await text(stop=["7"], include_stop_str_in_output=True)
+    assert kept[0] == kept[1] == cut[0] + "7" and cut[0] == cut[1] and "6" in cut[0]
+    comma = server_fp32.serving.tokenizer.convert_tokens_to_ids(",")
+    cut, kept = await text(stop_token_ids=[comma]), await text(stop_token_ids=[comma], include_stop_str_in_output=True)
+    assert kept[0] == kept[1] == cut[0] + "," and cut[0] == cut[1] and "," not in cut[0]
+
+
 def test_load_errors_name_the_model():
     from app.config import ModelConfig
     from app.models import ModelLoadError, load_model

@@ -32,6 +32,25 @@ def test_stop_string_is_cut_and_never_streamed():
     assert "S" not in "".join(pieces)
 
 
+def test_with_include_stop_the_text_ends_after_the_earliest_stop_string_and_nothing_past_it_streams():
+    def feed(tokens: list[str], stop: tuple[str, ...]) -> tuple[str, str]:
+        detok = IncrementalDetokenizer(CharTokenizer(), [ord("p")], stop=stop, include_stop=True)
+        pieces = []
+        for token in tokens:  # a token of several characters: its text after the stop string goes nowhere
+            for ch in token[:-1]:
+                detok._ids.append(ord(ch))
+            piece, stopped = detok.add_token(ord(token[-1]))
+            pieces.append(piece)
+            if stopped:
+                return "".join(pieces), detok.text
+        return "".join(pieces) + detok.flush(), detok.text
+
+    assert feed(list("abc STOP def"), ("STOP",)) == ("abc STOP", "abc STOP")
+    assert feed(["ab", "c ST", "OP de", "f"], ("STOP",)) == ("abc STOP", "abc STOP")
+    assert feed(list("a END b STOP"), ("STOP", "END")) == ("a END", "a END")  # the earliest, whatever the list's order
+    assert feed(list("no stop here"), ("STOP",)) == ("no stop here", "no stop here")
+
+
 class ByteTokenizer:
     """Token i is byte i, decoded as UTF-8 with U+FFFD for bytes that are no character."""
 
