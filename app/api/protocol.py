@@ -56,6 +56,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (the prompt's, the tokens yet)
     include_obfuscation: bool = True  # OpenAI's padding of streamed chunks against length side channels: none here
 
 
@@ -133,6 +134,10 @@ class _SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def _reject_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:

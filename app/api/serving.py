@@ -188,15 +188,16 @@ class OpenAIServing:
         chunker = chunker or (lambda plan: self._chunks(plan, make_choice, kind))
         streams = merged([chunker(p) for p in plans]) if len(plans) > 1 else None
         chunks = chunker(plans[0]) if streams is None else (chunk async for _, chunk in streams)
+        counted = request.continuous_usage  # vLLM's stream_options.continuous_usage_stats: usage so far in every chunk
         try:
             first = await anext(chunks, None)
             if kind.startswith("chat"):
                 for p in plans:
-                    yield self._chunk(p, kind, _chat_choice("", None, first=True, index=p.index))
+                    yield _with_usage(self._chunk(p, kind, _chat_choice("", None, first=True, index=p.index)), plans, counted)
             if first is not None:
-                yield first
+                yield _with_usage(first, plans, counted)
                 async for chunk in chunks:
-                    yield chunk
+                    yield _with_usage(chunk, plans, counted)
         finally:  # a client gone: its engine requests are aborted now, not when collected
             await chunks.aclose()
             if streams is not None:
@@ -343,6 +344,10 @@ class OpenAIServing:
 
     async def detokenize(self, request: DetokenizeRequest) -> dict:
         return await self.prompts.detokenize(request)
+
+
+def _with_usage(chunk: dict, plans: list[Prepared], counted: bool) -> dict:
+    return {**chunk, "usage": usage(plans)} if counted else chunk
 
 
 async def _formatted(answer, with_logprobs: bool) -> dict:
