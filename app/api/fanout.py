@@ -39,6 +39,7 @@ class Prepared:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # sampling.prompt_logprobs: from its first output
     prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt scored; the one token computed is no answer
     first_of_prompt: bool = True  # its prompt's first choice: the prompt counts once in the metrics, as in the usage
+    token_ids: list[int] | None = None  # the tokens generated so far (a list of its own once generation begins)
 
     def __post_init__(self) -> None:
         self.response_id = self.response_id or self.request_id

@@ -76,6 +76,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the output stays in it
+    return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids beside the text
     stream: bool = False
     stream_options: StreamOptions | None = None
     # OpenAI fields that change nothing in generation: accepted and ignored (docs/api.md)
@@ -262,6 +263,9 @@ class ChatCompletionRequest(_SamplingFields):
                            "or structured_outputs", param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        if self.return_token_ids and self.stream and choice is not None:  # a call's chunks gather the text of several
+            raise APIError(400, "return_token_ids is not streamed beside tool calling: a call goes out once its text is "
+                           "whole, not token by token; send stream: false for the ids", param="return_token_ids")
         if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
             raise APIError(400, "continue_final_message continues the final message, add_generation_prompt opens a new "
                            "turn after it: set one of them", param="continue_final_message")

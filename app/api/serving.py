@@ -81,6 +81,9 @@ class OpenAIServing:
             choices = [_completion_choice((p.echo or "") + text, last.finish_reason,
                                           self._completion_logprobs(lps, p) if shown else None, index)
                        for index, (p, (text, last, lps)) in enumerate(kept)]
+            if request.return_token_ids:  # vLLM's: each choice's prompt and answer as token ids
+                for choice, (p, _) in zip(choices, kept):
+                    choice.update(prompt_token_ids=p.prompt_token_ids, token_ids=p.token_ids)
             return self._response(plans, "text_completion", choices)
 
         return await _formatted(answer, shown)
@@ -121,7 +124,12 @@ class OpenAIServing:
             for entry in choices:  # a forced function's answer stops as any answer does (OpenAI, vLLM); the model's own calls
                 if choice in ("auto", "required") and entry["message"].get("tool_calls") and entry["finish_reason"] == "stop":
                     entry["finish_reason"] = "tool_calls"
-            return self._response(plans, "chat.completion", choices)
+            response = self._response(plans, "chat.completion", choices)
+            if request.return_token_ids:  # vLLM's: the prompt's token ids once, each choice's answer's
+                for entry, p in zip(choices, plans):
+                    entry["token_ids"] = p.token_ids
+                response["prompt_token_ids"] = plans[0].prompt_token_ids
+            return response
 
         return await _formatted(answer, request.logprobs)
 
@@ -185,7 +193,7 @@ class OpenAIServing:
         has the request: a full queue, a draining replica or a queue timeout is still an HTTP status (503), as for
         completions, not an error event inside a 200 stream. A chat stream's role chunks go out with the first
         content chunk."""
-        chunker = chunker or (lambda plan: self._chunks(plan, make_choice, kind))
+        chunker = chunker or (lambda plan: self._chunks(plan, make_choice, kind, request.return_token_ids))
         streams = merged([chunker(p) for p in plans]) if len(plans) > 1 else None
         chunks = chunker(plans[0]) if streams is None else (chunk async for _, chunk in streams)
         counted = request.continuous_usage  # vLLM's stream_options.continuous_usage_stats: usage so far in every chunk
@@ -193,7 +201,10 @@ class OpenAIServing:
             first = await anext(chunks, None)
             if kind.startswith("chat"):
                 for p in plans:
-                    yield _with_usage(self._chunk(p, kind, _chat_choice("", None, first=True, index=p.index)), plans, counted)
+                    opening = self._chunk(p, kind, _chat_choice("", None, first=True, index=p.index))
+                    if request.return_token_ids and p is plans[0]:  # vLLM's: the prompt's ids in the first chunk
+                        opening["prompt_token_ids"] = p.prompt_token_ids
+                    yield _with_usage(opening, plans, counted)
             if first is not None:
                 yield _with_usage(first, plans, counted)
                 async for chunk in chunks:
@@ -263,6 +274,7 @@ class OpenAIServing:
         prompt_tokens = len(prepared.prompt_token_ids) if prepared.first_of_prompt else 0
         timing = RequestTiming(time.monotonic(), prompt_tokens)  # ends as "abort" unless told
         timed_out = False
+        prepared.token_ids = []  # its own: fan_out's copies of one plan would share a list made before
         try:
             async for output in self.engine.generate(request, self.admit):
                 if prepared.prompt_only:
@@ -270,6 +282,7 @@ class OpenAIServing:
                                                  logprobs=None if output.logprobs is None else [],
                                                  finish_reason="length" if output.finish_reason == "stop" else output.finish_reason)
                 prepared.last = output
+                prepared.token_ids.extend(output.new_token_ids)
                 prepared.prompt_logprobs = prepared.prompt_logprobs or output.prompt_logprobs
                 timing.tokens(time.monotonic(), len(output.new_token_ids))
                 if output.finished:
@@ -304,8 +317,10 @@ class OpenAIServing:
                 logprobs = (logprobs or []) + output.logprobs
         return "".join(parts), last, logprobs
 
-    async def _chunks(self, prepared: Prepared, make_choice, kind: str) -> AsyncIterator[dict]:
+    async def _chunks(self, prepared: Prepared, make_choice, kind: str, token_ids: bool = False) -> AsyncIterator[dict]:
+        """``token_ids``: each chunk carries its tokens' ids, a completion's first its prompt's (vLLM's return_token_ids)."""
         chat = kind.startswith("chat")
+        prompt_ids = None if chat or not token_ids else prepared.prompt_token_ids
         echo = prepared.echo  # the first chunk carries the prompt (and its logprobs) before the answer
         text_offset = 0  # completions: each chunk's token offsets continue the chunks' before it
         async for output in self._generate(prepared):
@@ -320,6 +335,10 @@ class OpenAIServing:
                     text_offset = next_text_offset(logprobs, text_offset)
                 choice = make_choice((echo or "") + output.new_text, output.finish_reason, logprobs, index=prepared.index)
                 echo = None
+                if token_ids:
+                    choice["token_ids"] = list(output.new_token_ids)
+                    if prompt_ids is not None:
+                        choice["prompt_token_ids"], prompt_ids = prompt_ids, None
                 yield self._chunk(prepared, kind, choice)
 
     def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, echoed: Prepared | None = None,
