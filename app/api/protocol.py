@@ -77,6 +77,9 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the output stays in it
     return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids beside the text
+    # vLLM's: a prompt longer than this many tokens loses its first ones ("right": its last ones); -1: the context less one
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    truncation_side: Literal["left", "right"] = "left"
     stream: bool = False
     stream_options: StreamOptions | None = None
     # OpenAI fields that change nothing in generation: accepted and ignored (docs/api.md)

@@ -152,7 +152,8 @@ class OpenAIServing:
 
     # ---- one OpenAI request, several engine requests (app/api/fanout.py) -------------------
     def _chat_plans(self, request: ChatCompletionRequest) -> list[Prepared]:
-        prepared = self._prepare("chatcmpl", self.prompts.chat(request), request, request.requested_max_tokens)
+        prompt_ids = self._truncated(self.prompts.chat(request), request)
+        prepared = self._prepare("chatcmpl", prompt_ids, request, request.requested_max_tokens)
         if self.tool_parser == "mistral" and request.tool_choice_resolved() == "auto":  # [TOOL_CALLS] is a special token
             prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)  # kept for the parser, as vLLM
         if request.tool_choice_resolved() == "auto":
@@ -172,12 +173,15 @@ class OpenAIServing:
 
     def _completion_plans(self, request: CompletionRequest) -> list[Prepared]:
         prompt = fim_prompt(self.tokenizer, request.prompt, request.suffix, self.model_name) if request.suffix else request.prompt
-        prompts = self.prompts.completion(prompt)
+        whole = self.prompts.completion(prompt)
+        prompts = [self._truncated(ids, request) for ids in whole]
         candidates = request.best_of or request.n  # prompts x candidates: at most MAX_CHOICES (checked at parse)
         prepared = [self._prepare("cmpl", ids, request, request.max_tokens) for ids in prompts]
         if request.echo:
             texts = request.prompt if isinstance(request.prompt, list) and isinstance(request.prompt[0], str) else (
                 [request.prompt] if isinstance(request.prompt, str) else [self.tokenizer.decode(ids) for ids in prompts])
+            texts = [text if len(ids) == len(full) else self.tokenizer.decode(ids)  # what the model read, once truncated
+                     for text, ids, full in zip(texts, prompts, whole)]
             prepared = [dataclasses.replace(p, echo=text) for p, text in zip(prepared, texts)]
         if candidates > request.n:  # best_of ranks candidates by their tokens' log-probability
             prepared = [dataclasses.replace(p, sampling=dataclasses.replace(p.sampling, logprobs=p.sampling.logprobs or 0))
@@ -217,6 +221,20 @@ class OpenAIServing:
             yield {**self._chunk(plans[0], kind, None), "usage": usage(plans)}
 
     # ---- shared -------------------------------------------------------------------------
+    def _truncated(self, prompt_ids: list[int], request: _SamplingFields) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: at most that many of the prompt's tokens, its last ones (``truncation_side:
+        right``: its first); -1: as many as leave one token of the context to generate."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        if keep > self.max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens ({keep}) is past the model's context of {self.max_model_len} "
+                           "tokens: give at most that, or -1 for the context less one", param="truncate_prompt_tokens")
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        if len(prompt_ids) <= keep:
+            return prompt_ids
+        return prompt_ids[len(prompt_ids) - keep:] if request.truncation_side == "left" else prompt_ids[:keep]
+
     def _prepare(self, prefix: str, prompt_ids: list[int], request: _SamplingFields, max_tokens: int | None) -> Prepared:
         if not prompt_ids:
             raise APIError(400, "the prompt must contain at least one token", param="prompt")
