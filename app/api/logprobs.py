@@ -43,16 +43,18 @@ class LogprobFormatter:
         return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
 
     def completion(self, logprobs: list[TokenLogprob] | None, prompt_ids: Sequence[int] | None = None,
-                   prompt_logprobs: list[TokenLogprob | None] | None = None, text_offset: int = 0) -> dict | None:
-        """``prompt_logprobs`` (echo): one per prompt token, the first None. ``text_offset``: the first token's
-        (a stream's chunk continues where the one before ended: ``next_text_offset``). Each token's alternatives
-        include the token itself, as OpenAI returns them (up to logprobs + 1 entries)."""
+                   prompt_logprobs: list[TokenLogprob | None] | None = None, text_offset: int = 0,
+                   width: int | None = None) -> dict | None:
+        """``prompt_logprobs`` (echo): one per prompt token, the first None, each with ``width`` alternatives at most,
+        as the answer's tokens (prompt_logprobs may have asked for more). ``text_offset``: the first token's (a stream's chunk continues where the one before ended:
+        ``next_text_offset``). Each token's alternatives include the token itself, as OpenAI returns them (up to
+        logprobs + 1 entries)."""
         if logprobs is None:
             return None
         entries: list[tuple[int, float | None, list | None]] = []
         if prompt_ids and prompt_logprobs is not None:
             entries.append((prompt_ids[0], None, None))
-            entries.extend((lp.token_id, lp.logprob, lp.top) for lp in prompt_logprobs[1:])
+            entries.extend((lp.token_id, lp.logprob, lp.top[:width]) for lp in prompt_logprobs[1:])
         entries.extend((lp.token_id, lp.logprob, lp.top) for lp in logprobs)
         tokens = [self.token_text(token) for token, _, _ in entries]
         return {
@@ -62,6 +64,22 @@ class LogprobFormatter:
                              for text, (_, value, top) in zip(tokens, entries)],
             "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=text_offset))[:len(tokens)],
         }
+
+
+    def vllm_prompt(self, prompt_logprobs: list[TokenLogprob | None], count: int) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token (the first None), its id -> ``{logprob, rank, decoded_token}``,
+        the token itself first, then its ``count`` likeliest alternatives (ranks 1..count). -inf is -9999.0, as vLLM
+        writes it (JSON has no infinity)."""
+        def entry(token_id: int, logprob: float, rank: int | None) -> dict:
+            return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": self.token_text(token_id)}
+
+        answer: list[dict | None] = [None]
+        for lp in prompt_logprobs[1:]:
+            tokens = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (token_id, value) in enumerate(lp.top[:count], start=1):
+                tokens.setdefault(str(token_id), entry(token_id, value, rank))
+            answer.append(tokens)
+        return answer
 
 
 def next_text_offset(logprobs: dict | None, text_offset: int) -> int:

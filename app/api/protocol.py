@@ -77,6 +77,7 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the output stays in it
     return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids beside the text
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's, and n alternatives
     # vLLM's: a prompt longer than this many tokens loses its first ones ("right": its last ones); -1: the context less one
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
     truncation_side: Literal["left", "right"] = "left"
@@ -133,7 +134,7 @@ class _SamplingFields(_Strict):
 
     def num_prompt_logprobs(self) -> int | None:
         """How many alternatives per prompt token (None: no prompt logprobs)."""
-        return None
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -146,6 +147,8 @@ class _SamplingFields(_Strict):
     def _reject_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: they are the whole answer's
+            raise APIError(400, "prompt_logprobs are not streamed; send stream: false for them", param="prompt_logprobs")
         if self.ignore_eos and self.grammar() is not None:
             raise APIError(400, "ignore_eos cannot be combined with structured outputs: a complete output ends with EOS",
                            param="ignore_eos")
@@ -194,8 +197,11 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
     def num_prompt_logprobs(self) -> int | None:
-        """echo with logprobs: the prompt's tokens come back with theirs (eval harnesses' loglikelihood requests)."""
-        return self.logprobs if self.echo else None
+        """echo with logprobs: the prompt's tokens come back with theirs (eval harnesses' loglikelihood requests); with
+        prompt_logprobs too, as many alternatives as the wider asks (each answer shows its own number)."""
+        echoed = self.logprobs if self.echo else None
+        counts = [count for count in (echoed, self.prompt_logprobs) if count is not None]
+        return max(counts) if counts else None
 
 
 class ChatMessage(_Strict):

@@ -84,9 +84,12 @@ class OpenAIServing:
             if request.return_token_ids:  # vLLM's: each choice's prompt and answer as token ids
                 for choice, (p, _) in zip(choices, kept):
                     choice.update(prompt_token_ids=p.prompt_token_ids, token_ids=p.token_ids)
+            if request.prompt_logprobs is not None:  # vLLM's: each choice's prompt's
+                for choice, (p, _) in zip(choices, kept):
+                    choice["prompt_logprobs"] = self.logprob_format.vllm_prompt(p.prompt_logprobs, request.prompt_logprobs)
             return self._response(plans, "text_completion", choices)
 
-        return await _formatted(answer, shown)
+        return await _formatted(answer, shown or request.prompt_logprobs is not None)
 
     # ---- chat ---------------------------------------------------------------------------
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[dict]:
@@ -129,9 +132,11 @@ class OpenAIServing:
                 for entry, p in zip(choices, plans):
                     entry["token_ids"] = p.token_ids
                 response["prompt_token_ids"] = plans[0].prompt_token_ids
+            if request.prompt_logprobs is not None:  # vLLM's: the prompt's, once
+                response["prompt_logprobs"] = self.logprob_format.vllm_prompt(plans[0].prompt_logprobs, request.prompt_logprobs)
             return response
 
-        return await _formatted(answer, request.logprobs)
+        return await _formatted(answer, request.logprobs or request.prompt_logprobs is not None)
 
     def _chat_message(self, text: str, choice, one_call: bool = False, shown: list | None = None) -> dict:
         """The assistant's message; with tool calling, the calls read out of its text (app/api/tools.py). With
@@ -363,7 +368,8 @@ class OpenAIServing:
                              text_offset: int = 0) -> dict | None:
         if echoed is None:
             return self.logprob_format.completion(logprobs, text_offset=text_offset)
-        return self.logprob_format.completion(logprobs, echoed.prompt_token_ids, echoed.prompt_logprobs, text_offset)
+        return self.logprob_format.completion(logprobs, echoed.prompt_token_ids, echoed.prompt_logprobs, text_offset,
+                                              echoed.sampling.logprobs)
 
     def _chunk(self, prepared: Prepared, kind: str, choice: dict | None) -> dict:
         chunk = {"id": prepared.response_id, "object": kind, "created": prepared.created, "model": prepared.model}

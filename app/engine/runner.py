@@ -323,11 +323,13 @@ def _record_prompt_logprobs(logits: torch.Tensor, wanted: list[tuple[Request, ra
     for request, positions in wanted:
         targets = torch.tensor(request.prompt_token_ids[positions.start + 1 : positions.stop + 1], device=logits.device)
         rows = logprobs[row : row + len(positions)]  # [n, V]
-        chosen = rows.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        chosen = rows.gather(1, targets.unsqueeze(1))  # [n, 1]
+        ranks = ((rows > chosen).sum(dim=-1) + 1).tolist()
         count = request.sampling.prompt_logprobs
         top_values, top_ids = rows.topk(count, dim=-1) if count else (rows[:, :0], rows[:, :0].long())
-        for token, value, ids, values in zip(targets.tolist(), chosen, top_ids.tolist(), top_values.tolist()):
-            request.prompt_logprobs.append(TokenLogprob(token, value, list(zip(ids, values))))
+        for token, value, rank, ids, values in zip(targets.tolist(), chosen.squeeze(1).tolist(), ranks, top_ids.tolist(),
+                                                   top_values.tolist()):
+            request.prompt_logprobs.append(TokenLogprob(token, value, list(zip(ids, values)), rank=rank))
         row += len(positions)
 
 

@@ -128,6 +128,35 @@ async def test_echo_with_logprobs_gives_every_prompt_tokens_logprob_as_transform
     assert first["text"].startswith(prompt) and first["logprobs"]["token_logprobs"][0] is None
 
 
+async def test_prompt_logprobs_give_each_prompt_tokens_logprob_rank_and_alternatives_as_transformers(server_fp32, loaded_fp32):
+    """vLLM's ``prompt_logprobs: k``: per prompt token (the first None) its id -> logprob, rank and text, then its k
+    likeliest alternatives ranked 1..k, on completions (per choice) and chat (once); beside echo with fewer
+    ``logprobs``, the echoed prompt's alternatives stay as many as ``logprobs`` asks."""
+    import torch
+
+    prompt = "The capital of France is Paris, and the capital of Spain is"
+    ids = loaded_fp32.tokenizer.encode(prompt)
+    with torch.inference_mode():
+        reference = transformers_model(loaded_fp32)(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [P, V]
+    response = await _complete(server_fp32, prompt=prompt, prompt_logprobs=3, max_tokens=1, echo=True, logprobs=1)
+    choice = response["choices"][0]
+    scored = choice["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    for i in range(1, len(ids)):
+        row, token = reference[i - 1], ids[i]
+        entry = scored[i][str(token)]
+        assert abs(entry["logprob"] - float(row[token])) < 1e-4 and entry["rank"] == int((row > row[token]).sum()) + 1
+        assert entry["decoded_token"] == loaded_fp32.tokenizer.decode([token])
+        alternatives = [(int(t), e["rank"]) for t, e in scored[i].items() if e["rank"] <= 3]
+        assert sorted(rank for _, rank in alternatives) == [1, 2, 3]
+        assert {t for t, _ in alternatives} == set(row.topk(3).indices.tolist())
+        assert len(choice["logprobs"]["top_logprobs"][i]) <= 2  # echo's logprobs: 1 (+ the token itself)
+    chat = {"messages": [{"role": "user", "content": prompt}], "prompt_logprobs": 0, "max_tokens": 1}
+    answer = await server_fp32.serving.chat(parse_body(chat, ChatCompletionRequest))
+    assert answer["prompt_logprobs"][0] is None and all(len(entry) == 1 for entry in answer["prompt_logprobs"][1:])
+    assert len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
+
+
 async def test_max_tokens_0_with_echo_scores_the_prompt_alone(server_fp32, loaded_fp32):
     """Prompt scoring as vLLM answers it (OpenAI's legacy completions took it too): max_tokens 0 with echo gives the
     prompt, its tokens' logprobs (the same as with max_tokens 1) and no answer, streamed or not."""

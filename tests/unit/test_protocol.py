@@ -99,6 +99,21 @@ def test_logprobs_requests_map_to_sampling():
         parse_body({**chat, "top_logprobs": 2}, ChatCompletionRequest)
 
 
+def test_prompt_logprobs_map_to_sampling_the_wider_of_echos_and_theirs_and_are_not_streamed():
+    def prompt_count(body: dict, cls=CompletionRequest) -> int | None:
+        return parse_body(body, cls).sampling_params(4).prompt_logprobs
+
+    assert prompt_count({"prompt": "x", "prompt_logprobs": 2}) == 2
+    assert prompt_count({"prompt": "x", "prompt_logprobs": 2, "echo": True, "logprobs": 5}) == 5
+    assert prompt_count({"prompt": "x", "prompt_logprobs": 7, "echo": True, "logprobs": 5}) == 7
+    assert prompt_count({"prompt": "x", "logprobs": 5}) is None
+    assert prompt_count({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0}, ChatCompletionRequest) == 0
+    for body in ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, {"prompt": "x", "prompt_logprobs": 21}):
+        with pytest.raises(APIError) as info:
+            parse_body(body, CompletionRequest)
+        assert info.value.param == "prompt_logprobs"
+
+
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 WRONG_TYPES = [
     (CompletionRequest, {"prompt": "x", "stream": "true"}, "stream"),
