@@ -45,14 +45,16 @@ class IncrementalDetokenizer:
         new = self._decode_new()
         if not new:
             return "", False
-        start = max(0, len(self.text) - self._holdback)
+        new_from = len(self.text)
         self.text += new
         if check_stop:
-            cut = self._find_stop(start)
+            cut = self._find_stop(new_from)
             if cut is not None:
                 self.text = self.text[:cut]
                 return self.flush(), True
-        safe_end = len(self.text) - self._holdback
+        # Text that may begin a stop string waits until it is known not to; with the stop string kept in the output,
+        # nothing before one's end can be cut, so nothing waits (as vLLM).
+        safe_end = len(self.text) - (0 if self._include_stop else self._holdback)
         return self._emit_until(safe_end), False
 
     def flush(self) -> str:
@@ -66,9 +68,12 @@ class IncrementalDetokenizer:
         self._emitted = end
         return delta
 
-    def _find_stop(self, start: int) -> int | None:
-        """Where the text ends: at the earliest stop string found (after it, with ``include_stop``), else None."""
-        hits = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s in self._stop) if i != -1]
+    def _find_stop(self, new_from: int) -> int | None:
+        """Where the text ends: at the earliest stop string that ends in the text from ``new_from`` on (after it, with
+        ``include_stop``), else None. One ending before was in text already checked, or in text min_tokens kept from
+        stopping (as vLLM searches: each stop string back by its own length)."""
+        starts = ((s, max(0, new_from - len(s) + 1)) for s in self._stop)
+        hits = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s, start in starts) if i != -1]
         if not hits:
             return None
         begin, end = min(hits)

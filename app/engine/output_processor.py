@@ -30,7 +30,7 @@ class OutputProcessor:
             if request.detokenize and params.include_stop_str_in_output:
                 text, _ = detokenizer.add_token(token_id, check_stop=False)
         elif request.detokenize:
-            past_min = request.num_output_tokens >= params.min_tokens
+            past_min = request.num_output_tokens > params.min_tokens  # as stop tokens: the first after min_tokens may stop
             text, hit_stop = detokenizer.add_token(token_id, check_stop=past_min)
             if hit_stop:
                 request.status = RequestStatus.FINISHED_STOPPED

@@ -66,3 +66,33 @@ def test_a_multi_byte_character_waits_for_its_last_byte_and_bytes_that_are_none_
         detok.add_token(0x80)
     assert detok.text.startswith("é!\ufffd") and len(detok.text) > 990  # they went out, as U+FFFD
     assert len(detok._ids) - detok._prefix_offset <= 12  # and each decode stayed a short window
+
+
+def test_a_stop_string_in_text_min_tokens_kept_from_stopping_does_not_stop_later_whatever_the_others_lengths():
+    """Each stop string is searched back by its own length: a short one wholly inside protected text stays, while one
+    ending in new text stops it (a longer stop string among them once widened every search)."""
+    detok = IncrementalDetokenizer(CharTokenizer(), [ord("p")], stop=("a", "wxyz"))
+    assert detok.add_token(ord("a"), check_stop=False) == ("", False)  # min_tokens: no stop yet
+    assert detok.add_token(ord(" "))[1] is False
+    assert detok.add_token(ord("b"))[1] is False
+    assert detok.add_token(ord("a")) == ("a b", True) and detok.text == "a b"
+    straddling = IncrementalDetokenizer(CharTokenizer(), [ord("p")], stop=("xyz",))
+    for ch in "xy":
+        straddling.add_token(ord(ch), check_stop=False)
+    assert straddling.add_token(ord("z")) == ("", True)  # it ends in the first checked token: it stops
+
+
+def test_with_include_stop_nothing_is_held_back():
+    detok = IncrementalDetokenizer(CharTokenizer(), [ord("p")], stop=("STOP",), include_stop=True)
+    assert [detok.add_token(ord(ch)) for ch in "hi ST"] == [("h", False), ("i", False), (" ", False), ("S", False), ("T", False)]
+    assert detok.add_token(ord("O")) == ("O", False) and detok.add_token(ord("P")) == ("P", True)
+
+
+def test_stop_strings_as_stop_tokens_may_end_the_output_from_the_token_after_min_tokens_on():
+    from app.engine.output_processor import OutputProcessor
+    from app.engine.request import Request, SamplingParams
+
+    request = Request("r", [ord("p")], SamplingParams(max_tokens=8, min_tokens=2, stop=("b",)), frozenset({0}))
+    processor = OutputProcessor(CharTokenizer(), max_model_len=64)
+    finished = [processor.append_token(request, ord(ch)).finished for ch in "abb"]
+    assert finished == [False, False, True] and request.output_token_ids == [ord(c) for c in "abb"]
