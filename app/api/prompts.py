@@ -62,6 +62,8 @@ class Prompts:
         else:  # a template without tools: tools, calls and results as Hermes-style text
             messages = tools.render_for_template(messages, shown)
         variables = self._template_variables(request.chat_template_kwargs)
+        if request.documents is not None:
+            variables["documents"] = request.documents
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=request.opens_a_turn, continue_final_message=request.continue_final_message,
@@ -71,14 +73,14 @@ class Prompts:
         # The template already wrote the special tokens it wants; do not add a second BOS.
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-
     def _template_variables(self, kwargs: dict | None) -> dict:
         """``chat_template_kwargs``: variables for the template to read, as vLLM passes them (one the template never
-        reads changes nothing, as in vLLM: clients send e.g. ``enable_thinking`` to every model). A name the template
-        call itself takes (``tools``, ``tokenize``, ...) is not a variable: a 400 that says where it belongs."""
-        kwargs = kwargs or {}
+        reads changes nothing, as in vLLM: clients send e.g. ``enable_thinking`` to every model), and ``documents``. A
+        name the template call itself takes (``tools``, ``tokenize``, ...) is not a variable: a 400 that says where it
+        belongs."""
+        kwargs = dict(kwargs or {})
         parameters = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
-        taken = {p.name for p in parameters if p.kind is not p.VAR_KEYWORD} | {"messages"}
+        taken = {p.name for p in parameters if p.kind is not p.VAR_KEYWORD} - {"documents"} | {"messages", "conversations"}
         for name in kwargs:
             if name in taken:
                 raise APIError(400, f"chat_template_kwargs cannot set {name!r}: the server sets it from the request "

@@ -56,7 +56,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (the prompt's, the tokens yet)
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
     include_obfuscation: bool = True  # OpenAI's padding of streamed chunks against length side channels: none here
 
 
@@ -263,6 +263,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None  # for templates that show retrieved documents (RAG)
 
     def _reject_unsupported(self) -> None:
         super()._reject_unsupported()
@@ -350,6 +351,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True  # messages': the template's opening of the assistant's turn
     continue_final_message: bool = False  # messages': the final message left open, as a chat request's
     chat_template_kwargs: dict[str, Any] | None = None  # messages': the template's own variables, as a chat request's
+    documents: list[dict[str, Any]] | None = None  # messages': retrieved documents, as a chat request's
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -361,8 +363,8 @@ class TokenizeRequest(_Strict):
     def chat_request(self) -> "ChatCompletionRequest":
         """The chat request whose prompt ``messages`` and ``tools`` make."""
         messages = [m.model_dump(exclude_none=True) for m in self.messages or []]
-        fields = self.model_dump(include={"tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message"},
-                                 exclude_unset=True, exclude_none=True)
+        fields = self.model_dump(include={"tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
+                                          "documents"}, exclude_unset=True, exclude_none=True)
         return parse_body({"messages": messages, **fields}, ChatCompletionRequest)
 
 

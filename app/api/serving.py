@@ -99,14 +99,14 @@ class OpenAIServing:
         if choice == "auto":  # content as it comes, calls once their text is whole
             one_call = request.parallel_tool_calls is False
             streamed = self._streamed(plans, request, _chat_choice, kind, chunker=lambda plan:
-                                      tool_streams.auto_chunks(self._chunks(plan, _chat_choice, kind), self.tool_parser, one_call,
+                                      tool_streams.auto_chunks(self._chunks(plan, _chat_choice, kind, request), self.tool_parser, one_call,
                                                                request.parsed_tools()))
         elif isinstance(choice, tools.Tool):  # a named function: its arguments as they come
             streamed = self._streamed(plans, request, _chat_choice, kind, chunker=lambda plan:
-                                      tool_streams.named_call_chunks(self._chunks(plan, _chat_choice, kind), choice.name))
+                                      tool_streams.named_call_chunks(self._chunks(plan, _chat_choice, kind, request), choice.name))
         elif choice is not None:  # required: each call once its name is whole, then its arguments as they come
             streamed = self._streamed(plans, request, _chat_choice, kind, chunker=lambda plan:
-                                      tool_streams.required_call_chunks(self._chunks(plan, _chat_choice, kind)))
+                                      tool_streams.required_call_chunks(self._chunks(plan, _chat_choice, kind, request)))
         else:
             streamed = self._streamed(plans, request, _chat_choice, kind)
         async with contextlib.aclosing(streamed) as chunks:  # closed with this stream, as completion_stream's
@@ -202,10 +202,9 @@ class OpenAIServing:
         has the request: a full queue, a draining replica or a queue timeout is still an HTTP status (503), as for
         completions, not an error event inside a 200 stream. A chat stream's role chunks go out with the first
         content chunk."""
-        chunker = chunker or (lambda plan: self._chunks(plan, make_choice, kind, request.return_token_ids))
+        chunker = chunker or (lambda plan: self._chunks(plan, make_choice, kind, request))
         streams = merged([chunker(p) for p in plans]) if len(plans) > 1 else None
         chunks = chunker(plans[0]) if streams is None else (chunk async for _, chunk in streams)
-        counted = request.continuous_usage  # vLLM's stream_options.continuous_usage_stats: usage so far in every chunk
         try:
             first = await anext(chunks, None)
             if kind.startswith("chat"):
@@ -213,11 +212,13 @@ class OpenAIServing:
                     opening = self._chunk(p, kind, _chat_choice("", None, first=True, index=p.index))
                     if request.return_token_ids and p is plans[0]:  # vLLM's: the prompt's ids in the first chunk
                         opening["prompt_token_ids"] = p.prompt_token_ids
-                    yield _with_usage(opening, plans, counted)
+                    if request.continuous_usage:
+                        opening["usage"] = _choice_usage(p, 0)
+                    yield opening
             if first is not None:
-                yield _with_usage(first, plans, counted)
+                yield first
                 async for chunk in chunks:
-                    yield _with_usage(chunk, plans, counted)
+                    yield chunk
         finally:  # a client gone: its engine requests are aborted now, not when collected
             await chunks.aclose()
             if streams is not None:
@@ -340,9 +341,10 @@ class OpenAIServing:
                 logprobs = (logprobs or []) + output.logprobs
         return "".join(parts), last, logprobs
 
-    async def _chunks(self, prepared: Prepared, make_choice, kind: str, token_ids: bool = False) -> AsyncIterator[dict]:
-        """``token_ids``: each chunk carries its tokens' ids, a completion's first its prompt's (vLLM's return_token_ids)."""
-        chat = kind.startswith("chat")
+    async def _chunks(self, prepared: Prepared, make_choice, kind: str, request: _SamplingFields) -> AsyncIterator[dict]:
+        """One choice's chunks. vLLM's ``return_token_ids``: each carries its tokens' ids, a completion's first its
+        prompt's; vLLM's ``continuous_usage_stats``: each carries its choice's usage so far."""
+        chat, token_ids = kind.startswith("chat"), request.return_token_ids
         prompt_ids = None if chat or not token_ids else prepared.prompt_token_ids
         echo = prepared.echo  # the first chunk carries the prompt (and its logprobs) before the answer
         text_offset = 0  # completions: each chunk's token offsets continue the chunks' before it
@@ -362,7 +364,10 @@ class OpenAIServing:
                     choice["token_ids"] = list(output.new_token_ids)
                     if prompt_ids is not None:
                         choice["prompt_token_ids"], prompt_ids = prompt_ids, None
-                yield self._chunk(prepared, kind, choice)
+                chunk = self._chunk(prepared, kind, choice)
+                if request.continuous_usage:
+                    chunk["usage"] = _choice_usage(prepared, output.num_output_tokens)
+                yield chunk
 
     def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, echoed: Prepared | None = None,
                              text_offset: int = 0) -> dict | None:
@@ -389,8 +394,10 @@ class OpenAIServing:
         return await self.prompts.detokenize(request)
 
 
-def _with_usage(chunk: dict, plans: list[Prepared], counted: bool) -> dict:
-    return {**chunk, "usage": usage(plans)} if counted else chunk
+def _choice_usage(prepared: Prepared, generated: int) -> dict:
+    """One choice's usage so far, as vLLM's continuous_usage_stats gives it in each chunk: its prompt and its tokens."""
+    prompt = len(prepared.prompt_token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
 async def _formatted(answer, with_logprobs: bool) -> dict:

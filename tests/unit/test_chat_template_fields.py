@@ -11,6 +11,7 @@ from app.api.prompts import Prompts
 from app.api.protocol import ChatCompletionRequest, TokenizeRequest, parse_body
 
 CHATML = (
+    "{% if documents %}DOCS {% for d in documents %}{{ d['title'] }};{% endfor %}\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
@@ -46,6 +47,13 @@ def test_chat_template_kwargs_are_the_templates_variables(prompts, rendered):
     assert _chat(prompts, rendered, chat_template_kwargs={"enable_thinking": True, "unused": 1}) == opened
 
 
+def test_documents_reach_a_template_that_shows_them_as_a_field_or_a_variable(prompts, rendered):
+    documents = [{"title": "Oslo", "text": "Rain."}, {"title": "Bergen", "text": "More rain."}]
+    shown = _chat(prompts, rendered, documents=documents)
+    assert shown.startswith("DOCS Oslo;Bergen;<|im_start|>user")  # (transformers trims a newline after a block tag)
+    assert _chat(prompts, rendered, chat_template_kwargs={"documents": documents}) == shown
+
+
 def test_continue_final_message_leaves_the_assistants_text_open(prompts, rendered):
     opened = _chat(prompts, rendered)
     continued = _chat(prompts, rendered, messages=CHAT + [PREFILL], continue_final_message=True)
@@ -61,6 +69,8 @@ def test_continue_final_message_leaves_the_assistants_text_open(prompts, rendere
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+    ({"chat_template_kwargs": {"conversations": []}}, "chat_template_kwargs.conversations"),
+    ({"documents": ["Oslo: rain"]}, "documents.0"),  # documents are objects
     ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
     ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
     ({"continue_final_message": "yes"}, "continue_final_message"),
