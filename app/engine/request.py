@@ -58,9 +58,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
-    rank: int | None = None  # a prompt token's: 1 + how many tokens the model found likelier (None: not computed)
     # A draft call's sampled token (SamplingParams.draft_top_n): the distribution it was drawn from.
     sampled_from: SparseProbs | None = None
+    rank: int | None = None  # a prompt token's: 1 + how many tokens the model found likelier (None: not computed)
 
 
 class SamplingParamsError(ValueError):
