@@ -3,6 +3,7 @@ tokenizer can encode, nested at most ``MAX_NESTING`` deep. Each problem is a 400
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import Any
@@ -37,24 +38,51 @@ MAX_NESTING = 64  # levels of objects and lists in a body: a schema deeper than 
 
 def require_plain_text(body: dict) -> None:
     """Every string is text the tokenizer can encode (JSON's "\\ud800" escape decodes to a lone UTF-16 surrogate,
-    which is not), and the body is nested at most MAX_NESTING deep (later steps re-serialize parts of it)."""
-    pending: list[tuple[Any, str, int]] = [(body, "", 0)]
+    which is not), and the body is nested at most MAX_NESTING deep (later steps re-serialize parts of it). One pass,
+    in time with the body's size: a 4 MB list of small prompts is walked in a fraction of a second (a field's path is
+    written out only for the error)."""
+    pending: list[tuple[Any, tuple | None, int]] = [(body, None, 0)]  # (container, its place: (parent's, key), depth)
     while pending:
-        value, path, depth = pending.pop()
-        if depth > MAX_NESTING:
-            raise APIError(400, f"request body is nested more than {MAX_NESTING} levels deep (at {path})",
-                           param=path or None, code="invalid_json")
-        if isinstance(value, str) and _SURROGATE.search(value):
-            raise APIError(400, f"{path or 'the body'} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text",
-                           param=path or None, code="invalid_text")
-        if isinstance(value, list) and all(type(item) is int for item in value):
-            continue  # token ids: nothing to look into (a prompt of thousands)
-        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        value, place, depth = pending.pop()
+        if type(value) is list and _scalars_only(value, depth):
+            continue  # numbers (token ids: a prompt of thousands, a list of such prompts), booleans, nulls
+        items = value.items() if type(value) is dict else enumerate(value)
         for key, item in items:
-            if isinstance(key, str) and _SURROGATE.search(key):
-                raise APIError(400, f"a key in {path or 'the body'} holds a lone UTF-16 surrogate", param=path or None,
-                               code="invalid_text")
-            pending.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+            if depth >= MAX_NESTING:
+                raise APIError(400, f"request body is nested more than {MAX_NESTING} levels deep (at {_path((place, key))})",
+                               param=_path((place, key)) or None, code="invalid_json")
+            if type(key) is str and _SURROGATE.search(key):
+                raise APIError(400, f"a key in {_path(place) or 'the body'} holds a lone UTF-16 surrogate",
+                               param=_path(place) or None, code="invalid_text")
+            kind = type(item)
+            if kind is str:
+                if _SURROGATE.search(item):
+                    where = _path((place, key))
+                    raise APIError(400, f"{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text",
+                                   param=where, code="invalid_text")
+            elif kind is dict or kind is list:
+                pending.append((item, (place, key), depth + 1))
+
+
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def _scalars_only(value: list, depth: int) -> bool:
+    """Whether a list holds only scalars, or only lists of scalars, within the nesting bound: nothing to look into,
+    seen at C speed (``map``/``chain``), not item by item."""
+    kinds = set(map(type, value))
+    if kinds == {list} and depth + 2 <= MAX_NESTING:
+        return _SCALARS.issuperset(map(type, itertools.chain.from_iterable(value)))
+    return _SCALARS.issuperset(kinds) and (not value or depth < MAX_NESTING)
+
+
+def _path(place: tuple | None) -> str:
+    """A field's dotted path ("messages.0.content") from its place: (its container's place, its key)."""
+    keys = []
+    while place is not None:
+        place, key = place
+        keys.append(str(key))
+    return ".".join(reversed(keys))
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -203,6 +203,9 @@ def test_logit_bias_keys_must_be_token_ids():
     ('{"prompt": "a\\ud800b"}', "prompt", "invalid_text"),  # JSON's escape of a lone surrogate: no text to tokenize
     ('{"prompt": ["x", "\\udfff"]}', "prompt.1", "invalid_text"),
     ('{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', "messages.0.content", "invalid_text"),
+    ('{"prompt": [[1, 2], [3, "\\ud800"]]}', "prompt.1.1", "invalid_text"),  # not only token ids: looked into
+    ('{"prompt": "x", "metadata": ' + "[" * 70 + "1" + "]" * 70 + "}", None, "invalid_json"),  # lists past 64 levels
+    ('{"prompt": "x", "metadata": ' + "[" * 63 + "[1, 2]" + "]" * 63 + "}", "metadata" + ".0" * 63 + ".0", "invalid_json"),
     ('{"prompt": "x", "max_tokens": ' + "9" * 5000 + "}", None, "invalid_json"),  # past Python's 4,300 digits
     ('{"prompt": "x", "metadata": ' + "[" * 3000 + "]" * 3000 + "}", None, "invalid_json"),  # past the parser's depth
     ('{"prompt": "x", "structured_outputs": {"json": ' + '{"items": ' * 70 + "{}" + "}" * 70 + "}}", None, "invalid_json"),
@@ -216,6 +219,14 @@ def test_bodies_no_tokenizer_or_serializer_could_take_are_400s(raw, param, code)
     assert info.value.status == 400 and info.value.code == code
     assert param is None or info.value.param == param
     assert parse_body('{"prompt": "an emoji \\ud83d\\ude00 is a surrogate pair"}', CompletionRequest).prompt.endswith("pair")
+
+
+def test_more_prompts_than_a_request_may_generate_are_a_400_before_each_is_validated():
+    for prompts in (["x"] * 129, [[1, 2]] * 200_000):
+        with pytest.raises(APIError) as info:
+            parse_body(json.dumps({"prompt": prompts}), CompletionRequest)
+        assert (info.value.status, info.value.param) == (400, "prompt")
+        assert info.value.message.startswith(f"{len(prompts)} prompts is more than 128")
 
 
 def test_an_openai_answer_replayed_as_history_is_accepted_and_names_reach_the_template():
