@@ -44,16 +44,17 @@ def require_plain_text(body: dict) -> None:
     pending: list[tuple[Any, tuple | None, int]] = [(body, None, 0)]  # (container, its place: (parent's, key), depth)
     while pending:
         value, place, depth = pending.pop()
-        if type(value) is list and _scalars_only(value, depth):
+        if not value or type(value) is list and _scalars_only(value, depth):
             continue  # numbers (token ids: a prompt of thousands, a list of such prompts), booleans, nulls
         items = value.items() if type(value) is dict else enumerate(value)
+        if depth >= MAX_NESTING:
+            where = _path((place, next(iter(items))[0]))
+            raise APIError(400, f"request body is nested more than {MAX_NESTING} levels deep (at {where})",
+                           param=where or None, code="invalid_json")
+        if type(value) is dict and _SURROGATE.search("".join(value)):  # its keys, in one search
+            raise APIError(400, f"a key in {_path(place) or 'the body'} holds a lone UTF-16 surrogate",
+                           param=_path(place) or None, code="invalid_text")
         for key, item in items:
-            if depth >= MAX_NESTING:
-                raise APIError(400, f"request body is nested more than {MAX_NESTING} levels deep (at {_path((place, key))})",
-                               param=_path((place, key)) or None, code="invalid_json")
-            if type(key) is str and _SURROGATE.search(key):
-                raise APIError(400, f"a key in {_path(place) or 'the body'} holds a lone UTF-16 surrogate",
-                               param=_path(place) or None, code="invalid_text")
             kind = type(item)
             if kind is str:
                 if _SURROGATE.search(item):
