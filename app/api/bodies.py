@@ -51,7 +51,7 @@ def require_plain_text(body: dict) -> None:
             where = _path((place, next(iter(items))[0]))
             raise APIError(400, f"request body is nested more than {MAX_NESTING} levels deep (at {where})",
                            param=where or None, code="invalid_json")
-        if type(value) is dict and _SURROGATE.search("".join(value)):  # its keys, in one search
+        if type(value) is dict and _SURROGATE.search("".join(k for k in value if type(k) is str)):  # its keys at once
             raise APIError(400, f"a key in {_path(place) or 'the body'} holds a lone UTF-16 surrogate",
                            param=_path(place) or None, code="invalid_text")
         for key, item in items:

@@ -69,14 +69,15 @@ class IncrementalDetokenizer:
         return delta
 
     def _find_stop(self, new_from: int) -> int | None:
-        """Where the text ends: at the earliest stop string that ends in the text from ``new_from`` on (after it, with
-        ``include_stop``), else None. One ending before was in text already checked, or in text min_tokens kept from
-        stopping (as vLLM searches: each stop string back by its own length)."""
+        """Where the text ends: at the stop string completed first among those that end in the text from ``new_from``
+        on (after it, with ``include_stop``), else None: as vLLM searches, each stop string back by its own length (one
+        ending before was in text already checked, or in text min_tokens kept from stopping), and as a stream read
+        character by character would stop."""
         starts = ((s, max(0, new_from - len(s) + 1)) for s in self._stop)
-        hits = [(i, i + len(s)) for i, s in ((self.text.find(s, start), s) for s, start in starts) if i != -1]
+        hits = [(i + len(s), i) for i, s in ((self.text.find(s, start), s) for s, start in starts) if i != -1]
         if not hits:
             return None
-        begin, end = min(hits)
+        end, begin = min(hits)
         return end if self._include_stop else begin
 
     def _decode_new(self) -> str:

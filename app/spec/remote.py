@@ -80,10 +80,12 @@ class DraftResult:
 def draft_sampling(sampling: SamplingParams, num_output_tokens: int, num_tokens: int) -> SamplingParams:
     """The draft model's sampling for a call: the request's own (penalties, min_tokens, temperature, top-k/p,
     min-p), greedy for a greedy request, else cut to its ``DRAFT_TOP_N`` most likely tokens; never the request's
-    seed (the draft's draws must not follow the target's) and none of its stop strings or logprobs."""
+    seed (the draft's draws must not follow the target's) and none of its stop strings or logprobs (prompt logprobs
+    would cost the draft model its prefix cache and a whole prompt's logits, for nothing)."""
     max_tokens = num_output_tokens + num_tokens
     return dataclasses.replace(
-        sampling, seed=None, stop=(), logprobs=None, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens),
+        sampling, seed=None, stop=(), logprobs=None, prompt_logprobs=None, max_tokens=max_tokens,
+        min_tokens=min(sampling.min_tokens, max_tokens),
         draft_top_n=0 if sampling.greedy else DRAFT_TOP_N,
     )
 

@@ -48,6 +48,7 @@ def test_with_include_stop_the_text_ends_after_the_earliest_stop_string_and_noth
     assert feed(list("abc STOP def"), ("STOP",)) == ("abc STOP", "abc STOP")
     assert feed(["ab", "c ST", "OP de", "f"], ("STOP",)) == ("abc STOP", "abc STOP")
     assert feed(list("a END b STOP"), ("STOP", "END")) == ("a END", "a END")  # the earliest, whatever the list's order
+    assert feed(["abcd"], ("abcd", "bc")) == ("abc", "abc")  # in one token: the one completed first, as vLLM
     assert feed(list("no stop here"), ("STOP",)) == ("no stop here", "no stop here")
 
 
@@ -96,3 +97,10 @@ def test_stop_strings_as_stop_tokens_may_end_the_output_from_the_token_after_min
     processor = OutputProcessor(CharTokenizer(), max_model_len=64)
     finished = [processor.append_token(request, ord(ch)).finished for ch in "abb"]
     assert finished == [False, False, True] and request.output_token_ids == [ord(c) for c in "abb"]
+
+
+def test_in_one_token_the_stop_string_completed_first_ends_the_text():
+    detok = IncrementalDetokenizer(CharTokenizer(), [ord("p")], stop=("abcd", "bc"))
+    for ch in "abc":
+        detok._ids.append(ord(ch))
+    assert detok.add_token(ord("d")) == ("a", True) and detok.text == "a"

@@ -221,6 +221,14 @@ def test_bodies_no_tokenizer_or_serializer_could_take_are_400s(raw, param, code)
     assert parse_body('{"prompt": "an emoji \\ud83d\\ude00 is a surrogate pair"}', CompletionRequest).prompt.endswith("pair")
 
 
+def test_a_handle_calls_dict_with_integer_keys_is_a_400_naming_the_field():
+    """A Python caller's body reaches the checks as a dict, whose keys need not be strings (``logit_bias: {50256:
+    -100}``): the field's type check answers, not the text check (a 500)."""
+    with pytest.raises(APIError) as info:
+        parse_body({"prompt": "x", "logit_bias": {50256: -100}}, CompletionRequest)
+    assert info.value.status == 400 and info.value.param.startswith("logit_bias")
+
+
 def test_more_prompts_than_a_request_may_generate_are_a_400_before_each_is_validated():
     for prompts in (["x"] * 129, [[1, 2]] * 200_000):
         with pytest.raises(APIError) as info:

@@ -129,9 +129,10 @@ def test_new_sequences_draft_only_while_the_measured_draft_cost_pays(draft_s_per
 
 def test_the_draft_model_samples_as_the_request_does_cut_to_its_top_tokens_unseeded_under_its_penalties():
     sampling = SamplingParams(max_tokens=50, temperature=0.8, top_p=0.9, seed=3, stop=("x",), logprobs=2,
-                              frequency_penalty=0.5, min_tokens=20)
+                              frequency_penalty=0.5, min_tokens=20, prompt_logprobs=5)
     draft = draft_sampling(sampling, num_output_tokens=10, num_tokens=4)
     assert (draft.temperature, draft.top_p, draft.seed, draft.stop, draft.logprobs) == (0.8, 0.9, None, (), None)
+    assert draft.prompt_logprobs is None  # the draft model keeps its prefix cache and computes no prompt's logits
     assert (draft.max_tokens, draft.min_tokens, draft.frequency_penalty, draft.draft_top_n) == (14, 14, 0.5, DRAFT_TOP_N)
     greedy = draft_sampling(SamplingParams(max_tokens=50, temperature=0.0, repetition_penalty=1.2), 10, 4)
     assert (greedy.temperature, greedy.draft_top_n, greedy.repetition_penalty) == (0.0, 0, 1.2)
