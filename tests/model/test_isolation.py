@@ -19,8 +19,8 @@ def _requests(loaded, bad: bool) -> list[Request]:
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,"]
     samplings = [SamplingParams(max_tokens=TOKENS, min_tokens=TOKENS, temperature=0),
                  SamplingParams(max_tokens=TOKENS, min_tokens=TOKENS, temperature=0.9, seed=7, logprobs=2),
-                 SamplingParams(max_tokens=TOKENS, min_tokens=TOKENS, temperature=0.7, top_p=0.9, seed=11,
-                                stop=(MARK,) if bad else ()),
+                 SamplingParams(max_tokens=TOKENS, min_tokens=TOKENS - 1, temperature=0.7, top_p=0.9, seed=11,
+                                stop=(MARK,) if bad else ()),  # its last token is looked at for stop strings
                  SamplingParams(max_tokens=TOKENS, min_tokens=TOKENS, temperature=0, repetition_penalty=1.3)]
     ids = ["greedy", "seeded", "bad" if bad else "other", "penalized"]
     return [Request(i, loaded.tokenizer.encode(p), s, loaded.eos_token_ids) for i, p, s in zip(ids, prompts, samplings)]
