@@ -257,15 +257,17 @@ class OpenAIServing:
                 param="messages" if prefix == "chatcmpl" else "prompt",
                 code="context_length_exceeded",
             )
-        if max_tokens is not None and max_tokens > room:
+        if max_tokens is not None and max_tokens > self.max_model_len:
             field = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
             raise APIError(
                 400,
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(prompt_ids)} and {field} asks for {max_tokens}. Lower {field} to at most {room}.",
+                f"This model's maximum context length is {self.max_model_len} tokens; {field} asks for {max_tokens}, "
+                f"more than the whole context. Lower {field} (at most {room} fit after this prompt).",
                 param=field,
                 code="context_length_exceeded",
             )
+        if max_tokens is not None:  # as vLLM: the room the prompt leaves caps it (the answer then ends as "length")
+            max_tokens = min(max_tokens, room)
         prompt_only = max_tokens == 0
         sampling = request.sampling_params(1 if prompt_only else max_tokens or room, self.default_sampling)
         for param, ids in (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", [t for t, _ in sampling.logit_bias])):

@@ -47,3 +47,16 @@ def test_a_side_that_is_neither_is_a_400():
     with pytest.raises(APIError) as caught:
         parse_body({"prompt": "a", "truncate_prompt_tokens": 1, "truncation_side": "middle"}, CompletionRequest)
     assert caught.value.param == "truncation_side"
+
+
+async def test_max_tokens_past_the_room_the_prompt_leaves_is_capped_by_it_as_vllm_does(serving):
+    """A budget a prompt leaves no room for ends the answer at the context's end (finish_reason "length"), as vLLM
+    caps it; a max_tokens longer than the whole context is a 400."""
+    from tests.serve.fake_model import MAX_MODEL_LEN
+
+    prompt = "ab" * ((MAX_MODEL_LEN - 6) // 2)  # 6 tokens of room (one byte a token)
+    answer = await serving.completion(parse_body({"prompt": prompt, "max_tokens": 50}, CompletionRequest))
+    assert answer["usage"]["completion_tokens"] == 6 and answer["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(APIError) as caught:
+        await _complete(serving, max_tokens=MAX_MODEL_LEN + 1)
+    assert (caught.value.status, caught.value.code, caught.value.param) == (400, "context_length_exceeded", "max_tokens")
