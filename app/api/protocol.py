@@ -152,9 +152,6 @@ class _SamplingFields(_Strict):
         if self.ignore_eos and self.grammar() is not None:
             raise APIError(400, "ignore_eos cannot be combined with structured outputs: a complete output ends with EOS",
                            param="ignore_eos")
-        if self.stop and self.grammar() is not None:  # a stop string inside the output would end it short of its grammar
-            raise APIError(400, "stop strings cannot be combined with structured outputs or a forced tool call: the "
-                           "output would end wherever one appears, short of its grammar; the grammar ends it", param="stop")
 
 
 def _takes_null(field: pydantic.fields.FieldInfo) -> bool:

@@ -97,6 +97,21 @@ def test_a_complete_grammar_ends_the_output_even_before_min_tokens(loaded_rounde
     assert _texts(loaded_rounded, [request], {"mood": request.output_token_ids})[0] in ("positive", "negative", "neutral")
 
 
+@pytest.mark.parametrize("stop, kept", [("-", ""), ("-", "-")])
+def test_a_stop_string_beside_a_grammar_ends_the_output_where_it_appears(loaded_rounded, stop, kept):
+    """As OpenAI and vLLM take it: the phone number's grammar holds the output, and its "-" ends it there, short of
+    the grammar (with include_stop_str_in_output, after it)."""
+    sampling = SamplingParams(max_tokens=12, temperature=0, grammar=PHONE, stop=(stop,), include_stop_str_in_output=bool(kept))
+    request = Request("phone", loaded_rounded.tokenizer.encode(PROMPTS[2]), sampling, loaded_rounded.eos_token_ids)
+    engine = make_engine(loaded_rounded)
+    engine.add_requests([request])
+    finished = [out for _ in range(40) if engine.has_unfinished_requests() for out in engine.step() if out.finished]
+    assert [(out.finish_reason, out.error) for out in finished] == [("stop", None)]
+    text = loaded_rounded.tokenizer.decode(request.output_token_ids)
+    assert re.fullmatch("[0-9]{3}-", text[:4]), text  # the grammar held it up to the stop string
+    assert engine.outputs._detokenizers == {}  # and its detokenizer went with it
+
+
 def test_with_ngram_drafts_constrained_outputs_equal_the_targets_own_and_drafts_are_kept(loaded_rounded):
     """Drafts are tried on each request's grammar and rolled back; every verified position is masked as its grammar
     stands there, so greedy output is the constrained target's own, and drafts the grammar allows are accepted."""

@@ -46,7 +46,6 @@ def test_each_form_becomes_a_grammar_and_text_stays_free():
     ({"structured_outputs": {"xml": "a"}}, "structured_outputs", "unknown: xml"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs", "not both"),
     ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
-    ({"structured_outputs": {"regex": "a+"}, "stop": [","]}, "stop", "short of its grammar"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strcit": True}}},
      "response_format.json_schema.strcit", "does not take strcit"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": "yes"}}},
