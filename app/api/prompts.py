@@ -64,6 +64,9 @@ class Prompts:
         variables = self._template_variables(request.chat_template_kwargs)
         if request.documents is not None:
             variables["documents"] = request.documents
+        if request.reasoning_effort is not None:  # as vLLM: the template's if it reads it, else its thinking switch
+            variables["reasoning_effort"] = request.reasoning_effort
+            variables.setdefault("enable_thinking", request.reasoning_effort != "none")
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=request.opens_a_turn, continue_final_message=request.continue_final_message,

@@ -263,7 +263,8 @@ class ChatCompletionRequest(_SamplingFields):
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    # To the chat template, as vLLM passes it: a template that reads it (or enable_thinking, "none" -> false) decides
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
     # vLLM's chat-template fields (app/api/prompts.py): the template's own variables (e.g. Qwen3's enable_thinking),
@@ -323,7 +324,6 @@ class ChatCompletionRequest(_SamplingFields):
 _FEATURES_NOT_SERVED = {
     "audio": "this server answers in text only", "modalities": "this server answers in text only",
     "prediction": "predicted outputs are not taken (speculative decoding drafts on its own)",
-    "reasoning_effort": "the model's chat template decides whether it reasons",
     "verbosity": "the model's chat template decides how long it answers",
     "web_search_options": "this server does not search the web",
 }

@@ -30,7 +30,7 @@ _LOGPROBS = "message.output_text.logprobs"
 _INCLUDABLE = (_LOGPROBS, "reasoning.encrypted_content")  # no reasoning items are made: nothing to include
 # The chat request's names in its 400s, as the response request names them
 _NAMES = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"), ("messages", "input"),
-          ("verbosity", "text.verbosity"))
+          ("verbosity", "text.verbosity"), ("reasoning_effort", "reasoning.effort"))
 
 
 def chat_body(body: Any) -> dict:
@@ -43,9 +43,7 @@ def chat_body(body: Any) -> dict:
     for key in _UNSET_ONLY:
         if body.get(key) not in (None, False, [], {}):
             raise APIError(400, f"{key} is not supported: {_WHY_UNSET.get(key, 'leave it unset')}", param=key)
-    reasoning = body.get("reasoning")
-    if reasoning is not None and (not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())):
-        raise APIError(400, "reasoning is not supported: these models do not reason apart (leave it unset)", param="reasoning")
+    effort = _reasoning_effort(body.get("reasoning"))
     if body.get("metadata") is not None and not (isinstance(body["metadata"], dict)
                                                  and all(isinstance(v, str) for v in body["metadata"].values())):
         raise APIError(400, "metadata must map keys to strings", param="metadata")
@@ -65,10 +63,26 @@ def chat_body(body: Any) -> dict:
     if isinstance(body.get("text"), dict) and body["text"].get("verbosity") is not None:
         chat["verbosity"] = body["text"]["verbosity"]  # refused there, as the chat field is
     chat.update(_logprobs(body.get("include"), body.get("top_logprobs")))
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     # Streamed whether the response is or not: a whole response is read from the stream as a streamed one is
     # (app/api/response_stream.py), so the two hold the same items in the same order; the usage comes last
     chat["stream"], chat["stream_options"] = True, {"include_usage": True}
     return chat
+
+
+def _reasoning_effort(reasoning: Any) -> Any:
+    """``reasoning.effort``, for the chat template as chat's ``reasoning_effort``; a summary is a 400 (the models here
+    write no reasoning apart from their answer, so there is none to summarize)."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise APIError(400, "reasoning must be an object such as {\"effort\": \"low\"}", param="reasoning")
+    for key, value in reasoning.items():
+        if key != "effort" and value is not None:
+            raise APIError(400, f"reasoning.{key} is not supported: no reasoning is written apart from the answer here, "
+                           "so none is summarized (leave it unset)", param=f"reasoning.{key}")
+    return reasoning.get("effort")
 
 
 def _logprobs(include: Any, top: Any) -> dict:
@@ -206,7 +220,8 @@ def response_dict(body: dict, response_id: str, created: int, model: str, status
         "id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
         "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": given("instructions"), "max_output_tokens": given("max_output_tokens"), "output": output,
-        "parallel_tool_calls": given("parallel_tool_calls", True), "previous_response_id": None, "reasoning": None,
+        "parallel_tool_calls": given("parallel_tool_calls", True), "previous_response_id": None,
+        "reasoning": {"effort": body["reasoning"].get("effort"), "summary": None} if isinstance(body.get("reasoning"), dict) else None,
         "store": False, "temperature": given("temperature"), "top_p": given("top_p"),
         "text": given("text", {"format": {"type": "text"}}), "tool_choice": given("tool_choice", "auto"),
         "tools": given("tools", []), "truncation": given("truncation", "disabled"), "metadata": given("metadata", {}),

@@ -47,6 +47,27 @@ def test_chat_template_kwargs_are_the_templates_variables(prompts, rendered):
     assert _chat(prompts, rendered, chat_template_kwargs={"enable_thinking": True, "unused": 1}) == opened
 
 
+def test_reasoning_effort_reaches_the_template_and_none_turns_its_thinking_off_unless_asked_otherwise(prompts, rendered):
+    """As vLLM passes it: the template's ``reasoning_effort`` variable, and ``enable_thinking`` false for "none" (true
+    otherwise) unless chat_template_kwargs set it; SmolLM2's template, reading neither, renders as without it."""
+    opened = _chat(prompts, rendered)
+    assert _chat(prompts, rendered, reasoning_effort="none") == opened + "<think>\n\n</think>\n\n"
+    assert _chat(prompts, rendered, reasoning_effort="high") == opened
+    assert _chat(prompts, rendered, reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == opened
+    with pytest.raises(APIError) as caught:
+        _chat(prompts, rendered, reasoning_effort="extreme")
+    assert caught.value.param == "reasoning_effort"
+
+
+def test_a_responses_reasoning_effort_is_the_chat_requests(prompts, rendered):
+    from app.api.responses import chat_body
+
+    chat = chat_body({"model": "m", "input": "Weather in Oslo?", "reasoning": {"effort": "none", "summary": None}})
+    assert chat["reasoning_effort"] == "none"
+    prompts.chat(parse_body(chat, ChatCompletionRequest))
+    assert rendered[-1].endswith("<think>\n\n</think>\n\n")
+
+
 def test_documents_reach_a_template_that_shows_them_as_a_field_or_a_variable(prompts, rendered):
     documents = [{"title": "Oslo", "text": "Rain."}, {"title": "Bergen", "text": "More rain."}]
     shown = _chat(prompts, rendered, documents=documents)

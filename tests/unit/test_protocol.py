@@ -251,7 +251,7 @@ def test_an_openai_answer_replayed_as_history_is_accepted_and_names_reach_the_te
 
 @pytest.mark.parametrize("field, unset, asked", [
     ("audio", None, {"voice": "alloy", "format": "wav"}), ("modalities", ["text"], ["text", "audio"]),
-    ("prediction", None, {"type": "content", "content": "x"}), ("reasoning_effort", None, "low"),
+    ("prediction", None, {"type": "content", "content": "x"}),
     ("verbosity", None, "low"), ("web_search_options", None, {}),
 ])
 def test_openai_features_not_served_are_taken_unset_and_refused_when_asked(field, unset, asked):

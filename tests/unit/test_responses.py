@@ -42,7 +42,7 @@ def test_input_items_become_the_chat_messages_with_instructions_first():
     ({"previous_response_id": "resp_1"}, "keeps no responses"),
     ({"tools": [{"type": "web_search"}]}, "function tools only"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "text parts only"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning.summary"),
     ({"background": True}, "background"),
     ({"modalities": ["text"]}, "modalities"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
