@@ -223,6 +223,10 @@ class ChatMessage(_Strict):
     annotations: list[Any] | None = None
     audio: None = None  # a reference to an earlier audio answer: none is ever given here
     function_call: None = None  # the deprecated form of tool_calls
+    # An earlier answer's reasoning, replayed (LiteLLM, the Agents SDK): to the template, which shows it or not
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    provider_specific_fields: dict[str, Any] | None = None  # LiteLLM's metadata on a replayed message: not shown
 
     def as_template_message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
@@ -237,6 +241,9 @@ class ChatMessage(_Strict):
             message["tool_call_id"] = self.tool_call_id
         if self.name is not None:  # the participant's name, for templates that render it
             message["name"] = self.name
+        for field in ("reasoning_content", "reasoning"):  # transformers shows it under each name templates read
+            if getattr(self, field) is not None:
+                message[field] = getattr(self, field)
         return message
 
     def text(self) -> str:

@@ -284,20 +284,25 @@ def template_renders_tools(tokenizer, with_tools: bool) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
+_SHOWN_AS_GIVEN = ("name", "reasoning_content", "reasoning")  # a message's fields a template may read besides its text
+
+
 def render_for_template(messages: list[dict], tools: list[Tool]) -> list[dict]:
     """Messages for a template that renders no tools: the tools in a system message, earlier calls and results
     as text in the Hermes format."""
     preamble = _TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools)) if tools else None
     rendered = []
     for message in messages:
+        kept = {key: message[key] for key in _SHOWN_AS_GIVEN if key in message}  # for templates that read them
         if message["role"] == "assistant" and message.get("tool_calls"):
             calls = "".join(f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': loaded_arguments(c['function']['arguments'])})}\n</tool_call>"
                             for c in message["tool_calls"])
-            rendered.append({"role": "assistant", "content": (message.get("content") or "") + calls})
+            rendered.append({"role": "assistant", "content": (message.get("content") or "") + calls, **kept})
         elif message["role"] == "tool":
-            rendered.append({"role": "tool", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"})
+            rendered.append({"role": "tool", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>",
+                             **kept})
         else:
-            rendered.append({"role": message["role"], "content": message.get("content") or ""})
+            rendered.append({"role": message["role"], "content": message.get("content") or "", **kept})
     if preamble is not None:
         if rendered and rendered[0]["role"] in ("system", "developer"):
             rendered[0] = {**rendered[0], "content": rendered[0]["content"] + "\n\n" + preamble}

@@ -68,6 +68,21 @@ def test_a_responses_reasoning_effort_is_the_chat_requests(prompts, rendered):
     assert rendered[-1].endswith("<think>\n\n</think>\n\n")
 
 
+def test_an_earlier_answers_reasoning_replayed_and_a_name_reach_a_template_that_shows_them(prompts, rendered):
+    """LiteLLM and the Agents SDK replay an answer with its ``reasoning_content`` (or ``reasoning``; null when there was
+    none) and LiteLLM's ``provider_specific_fields``: accepted, the reasoning given to the template (Qwen3's shows it)."""
+    prompts.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}{% if m.name %} ({{ m.name }}){% endif %}: {% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+        "{% endif %}{{ m['content'] }}\n{% endfor %}")
+    answer = {"role": "assistant", "content": "Rain.", "provider_specific_fields": {"refusal": None}}
+    for field in ("reasoning_content", "reasoning"):
+        shown = _chat(prompts, rendered, messages=CHAT + [{**answer, field: "It is Oslo."}], add_generation_prompt=False)
+        assert shown.endswith("assistant: <think>It is Oslo.</think>Rain.\n"), (field, shown)
+    assert _chat(prompts, rendered, messages=CHAT + [{**answer, "reasoning_content": None}]).endswith("assistant: Rain.\n")
+    named = [{**CHAT[0], "name": "ada"}]  # a participant's name, as vLLM passes it
+    assert _chat(prompts, rendered, messages=named).startswith("user (ada): Weather in Oslo?")
+
+
 def test_documents_reach_a_template_that_shows_them_as_a_field_or_a_variable(prompts, rendered):
     documents = [{"title": "Oslo", "text": "Rain."}, {"title": "Bergen", "text": "More rain."}]
     shown = _chat(prompts, rendered, documents=documents)
