@@ -21,6 +21,11 @@ class LogprobFormatter:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def token_name(self, token_id: int, as_id: bool = False) -> str:
+        """How a token is named in logprobs: its text, or ``token_id:<id>`` (vLLM's return_tokens_as_token_ids: a name
+        that identifies a token whose text does not, a partial character or one of several spellings)."""
+        return f"token_id:{token_id}" if as_id else self.token_text(token_id)
+
     def token_bytes(self, token_id: int, text: str) -> list[int]:
         """The token's own UTF-8 bytes, as OpenAI's ``bytes`` gives them: a token holding part of a character
         decodes to U+FFFD on its own, so its bytes come from the vocabulary itself (llguidance's reading of it)."""
@@ -32,19 +37,20 @@ class LogprobFormatter:
             return list(text.encode("utf-8"))
         return list(self._byte_tokenizer.decode_bytes([token_id]))
 
-    def chat(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+    def chat(self, logprobs: list[TokenLogprob] | None, as_ids: bool = False) -> dict | None:
         if logprobs is None:
             return None
 
         def entry(token_id: int, logprob: float) -> dict:
             text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": self.token_bytes(token_id, text)}
+            return {"token": self.token_name(token_id, as_ids) if as_ids else text, "logprob": logprob,
+                    "bytes": self.token_bytes(token_id, text)}
 
         return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
 
     def completion(self, logprobs: list[TokenLogprob] | None, prompt_ids: Sequence[int] | None = None,
                    prompt_logprobs: list[TokenLogprob | None] | None = None, text_offset: int = 0,
-                   width: int | None = None) -> dict | None:
+                   width: int | None = None, as_ids: bool = False) -> dict | None:
         """``prompt_logprobs`` (echo): one per prompt token, the first None, each with ``width`` alternatives at most,
         as the answer's tokens (prompt_logprobs may have asked for more). ``text_offset``: the first token's (a stream's chunk continues where the one before ended:
         ``next_text_offset``). Each token's alternatives include the token itself, as OpenAI returns them (up to
@@ -56,22 +62,23 @@ class LogprobFormatter:
             entries.append((prompt_ids[0], None, None))
             entries.extend((lp.token_id, lp.logprob, lp.top[:width]) for lp in prompt_logprobs[1:])
         entries.extend((lp.token_id, lp.logprob, lp.top) for lp in logprobs)
-        tokens = [self.token_text(token) for token, _, _ in entries]
+        # with ``as_ids`` the offsets count the names' characters, as vLLM's do (a stream's chunks then still agree)
+        names = [self.token_name(token, as_ids) for token, _, _ in entries]
         return {
-            "tokens": tokens,
+            "tokens": names,
             "token_logprobs": [value for _, value, _ in entries],
-            "top_logprobs": [None if top is None else {**{self.token_text(t): v for t, v in top}, text: value}
-                             for text, (_, value, top) in zip(tokens, entries)],
-            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=text_offset))[:len(tokens)],
+            "top_logprobs": [None if top is None else {**{self.token_name(t, as_ids): v for t, v in top}, name: value}
+                             for name, (_, value, top) in zip(names, entries)],
+            "text_offset": list(itertools.accumulate((len(t) for t in names[:-1]), initial=text_offset))[:len(names)],
         }
 
 
-    def vllm_prompt(self, prompt_logprobs: list[TokenLogprob | None], count: int) -> list[dict | None]:
+    def vllm_prompt(self, prompt_logprobs: list[TokenLogprob | None], count: int, as_ids: bool = False) -> list[dict | None]:
         """vLLM's ``prompt_logprobs``: per prompt token (the first None), its id -> ``{logprob, rank, decoded_token}``,
         the token itself first, then its ``count`` likeliest alternatives (ranks 1..count). -inf is -9999.0, as vLLM
         writes it (JSON has no infinity)."""
         def entry(token_id: int, logprob: float, rank: int | None) -> dict:
-            return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": self.token_text(token_id)}
+            return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": self.token_name(token_id, as_ids)}
 
         answer: list[dict | None] = [None]
         for lp in prompt_logprobs[1:]:

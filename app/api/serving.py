@@ -79,14 +79,15 @@ class OpenAIServing:
 
         def answer() -> dict:
             choices = [_completion_choice((p.echo or "") + text, last.finish_reason,
-                                          self._completion_logprobs(lps, p) if shown else None, index)
+                                          self._completion_logprobs(lps, p, as_ids=p.logprobs_as_ids) if shown else None, index)
                        for index, (p, (text, last, lps)) in enumerate(kept)]
             if request.return_token_ids:  # vLLM's: each choice's prompt and answer as token ids
                 for choice, (p, _) in zip(choices, kept):
                     choice.update(prompt_token_ids=p.prompt_token_ids, token_ids=p.token_ids)
             if request.prompt_logprobs is not None:  # vLLM's: each choice's prompt's
                 for choice, (p, _) in zip(choices, kept):
-                    choice["prompt_logprobs"] = self.logprob_format.vllm_prompt(p.prompt_logprobs, request.prompt_logprobs)
+                    choice["prompt_logprobs"] = self.logprob_format.vllm_prompt(p.prompt_logprobs, request.prompt_logprobs,
+                                                                                p.logprobs_as_ids)
             return self._response(plans, "text_completion", choices)
 
         return await _formatted(answer, shown or request.prompt_logprobs is not None)
@@ -122,7 +123,7 @@ class OpenAIServing:
 
         def answer() -> dict:
             choices = [{"index": p.index, "message": self._chat_message(text, choice, one_call, shown),
-                        "logprobs": self.logprob_format.chat(lps), "finish_reason": last.finish_reason}
+                        "logprobs": self.logprob_format.chat(lps, p.logprobs_as_ids), "finish_reason": last.finish_reason}
                        for p, (text, last, lps) in zip(plans, results)]
             for entry in choices:  # a forced function's answer stops as any answer does (OpenAI, vLLM); the model's own calls
                 if choice in ("auto", "required") and entry["message"].get("tool_calls") and entry["finish_reason"] == "stop":
@@ -133,7 +134,8 @@ class OpenAIServing:
                     entry["token_ids"] = p.token_ids
                 response["prompt_token_ids"] = plans[0].prompt_token_ids
             if request.prompt_logprobs is not None:  # vLLM's: the prompt's, once
-                response["prompt_logprobs"] = self.logprob_format.vllm_prompt(plans[0].prompt_logprobs, request.prompt_logprobs)
+                response["prompt_logprobs"] = self.logprob_format.vllm_prompt(plans[0].prompt_logprobs, request.prompt_logprobs,
+                                                                              plans[0].logprobs_as_ids)
             return response
 
         return await _formatted(answer, request.logprobs or request.prompt_logprobs is not None)
@@ -279,7 +281,8 @@ class OpenAIServing:
                            param="stop_token_ids")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         model = request.model or self.model_name
-        return Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model), prompt_only=prompt_only)
+        return Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model), prompt_only=prompt_only,
+                        logprobs_as_ids=request.return_tokens_as_token_ids)
 
     def _drafter_for(self, model: str) -> int | None:
         """The drafter serving the name a request was sent to: its own, else an unnamed one, else none."""
@@ -356,9 +359,10 @@ class OpenAIServing:
             # as an empty delta, so a client sees each token as it comes and can count them.
             if output.new_token_ids or output.new_text or output.finished or output.logprobs or echo is not None:
                 if chat:
-                    logprobs = self.logprob_format.chat(output.logprobs)
+                    logprobs = self.logprob_format.chat(output.logprobs, prepared.logprobs_as_ids)
                 else:
-                    logprobs = self._completion_logprobs(output.logprobs, prepared if echo is not None else None, text_offset)
+                    logprobs = self._completion_logprobs(output.logprobs, prepared if echo is not None else None, text_offset,
+                                                         prepared.logprobs_as_ids)
                     text_offset = next_text_offset(logprobs, text_offset)
                 choice = make_choice((echo or "") + output.new_text, output.finish_reason, logprobs, index=prepared.index)
                 echo = None
@@ -372,11 +376,11 @@ class OpenAIServing:
                 yield chunk
 
     def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, echoed: Prepared | None = None,
-                             text_offset: int = 0) -> dict | None:
+                             text_offset: int = 0, as_ids: bool = False) -> dict | None:
         if echoed is None:
-            return self.logprob_format.completion(logprobs, text_offset=text_offset)
+            return self.logprob_format.completion(logprobs, text_offset=text_offset, as_ids=as_ids)
         return self.logprob_format.completion(logprobs, echoed.prompt_token_ids, echoed.prompt_logprobs, text_offset,
-                                              echoed.sampling.logprobs)
+                                              echoed.sampling.logprobs, as_ids)
 
     def _chunk(self, prepared: Prepared, kind: str, choice: dict | None) -> dict:
         chunk = {"id": prepared.response_id, "object": kind, "created": prepared.created, "model": prepared.model}

@@ -55,3 +55,23 @@ async def test_without_it_no_ids_and_streamed_beside_tools_it_is_a_400(serving):
     assert caught.value.param == "return_token_ids"
     answer = await serving.chat(parse_body({**CHAT, "tools": [WEATHER]}, ChatCompletionRequest))  # not streamed: given
     assert all(len(c["token_ids"]) == 6 for c in answer["choices"])
+
+
+async def test_return_tokens_as_token_ids_names_each_logprobs_token_by_its_id_streamed_or_not(serving):
+    """vLLM's ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:<id>`` (a chat entry keeps its text's
+    bytes); a completion's offsets count those names, as vLLM's do, and a stream's chunks continue them."""
+    body = {"prompt": "abc", "max_tokens": 4, "logprobs": 0, "return_tokens_as_token_ids": True}
+    whole = (await serving.completion(parse_body(body, CompletionRequest)))["choices"][0]
+    assert whole["logprobs"]["tokens"] == [f"token_id:{b}" for b in whole["text"].encode()]
+    assert whole["logprobs"]["text_offset"] == [0, 11, 22, 33]  # len("token_id:97") == 11
+    chunks = [c async for c in serving.completion_stream(parse_body({**body, "stream": True}, CompletionRequest))]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert sum((lp["tokens"] for lp in streamed), []) == whole["logprobs"]["tokens"]
+    assert sum((lp["text_offset"] for lp in streamed), []) == whole["logprobs"]["text_offset"]
+    chat = {**CHAT, "n": 1, "logprobs": True, "return_tokens_as_token_ids": True, "return_token_ids": False}
+    answer = (await serving.chat(parse_body(chat, ChatCompletionRequest)))["choices"][0]
+    entries = answer["logprobs"]["content"]
+    assert [e["token"] for e in entries] == [f"token_id:{b}" for b in answer["message"]["content"].encode()]
+    assert [e["bytes"] for e in entries] == [[b] for b in answer["message"]["content"].encode()]
+    plain = (await serving.chat(parse_body({**chat, "return_tokens_as_token_ids": False}, ChatCompletionRequest)))["choices"][0]
+    assert [e["token"] for e in plain["logprobs"]["content"]] == list(plain["message"]["content"])

@@ -191,7 +191,7 @@ async def test_a_non_streamed_answers_logprobs_are_formatted_off_the_event_loop(
     formatter = tools_server.serving.logprob_format
     original = formatter.chat
 
-    def slow_chat(logprobs):
+    def slow_chat(logprobs, as_ids=False):
         assert loop_ran.wait(5), "the event loop was held while formatting"
         return original(logprobs)
 
