@@ -146,7 +146,7 @@ class _SamplingFields(_Strict):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def _reject_unsupported(self) -> None:
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:  # {}: as vLLM
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM: they are the whole answer's
             raise APIError(400, "prompt_logprobs are not streamed; send stream: false for them", param="prompt_logprobs")

@@ -229,6 +229,13 @@ def test_a_handle_calls_dict_with_integer_keys_is_a_400_naming_the_field():
     assert info.value.status == 400 and info.value.param.startswith("logit_bias")
 
 
+def test_stream_options_unstreamed_are_a_400_unless_empty_as_vllm_takes_them():
+    assert parse_body({"prompt": "x", "stream_options": {}}, CompletionRequest).include_usage is False
+    with pytest.raises(APIError) as info:
+        parse_body({"prompt": "x", "stream_options": {"include_usage": False}}, CompletionRequest)
+    assert info.value.param == "stream_options"
+
+
 def test_more_prompts_than_a_request_may_generate_are_a_400_before_each_is_validated():
     for prompts in (["x"] * 129, [[1, 2]] * 200_000):
         with pytest.raises(APIError) as info:
