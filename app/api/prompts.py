@@ -73,8 +73,8 @@ class Prompts:
                 tokenize=False, **extra, **variables)
         except Exception as exc:  # template errors (e.g. role order) come from the model's own template
             raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
-        # The template already wrote the special tokens it wants; do not add a second BOS.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        # The template already wrote the special tokens it wants: no second BOS, unless asked (vLLM's add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
     def _template_variables(self, kwargs: dict | None) -> dict:
         """``chat_template_kwargs``: variables for the template to read, as vLLM passes them (one the template never

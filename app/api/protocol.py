@@ -281,6 +281,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     documents: list[dict[str, Any]] | None = None  # for templates that show retrieved documents (RAG)
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's own (a BOS) before the template's text, which has its own
 
     def _reject_unsupported(self) -> None:
         super()._reject_unsupported()

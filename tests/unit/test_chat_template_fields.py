@@ -83,6 +83,14 @@ def test_an_earlier_answers_reasoning_replayed_and_a_name_reach_a_template_that_
     assert _chat(prompts, rendered, messages=named).startswith("user (ada): Weather in Oslo?")
 
 
+def test_add_special_tokens_encodes_the_templates_text_with_the_tokenizers_own(prompts, rendered, monkeypatch):
+    asked = []
+    monkeypatch.setattr(prompts.tokenizer, "encode", lambda text, add_special_tokens=True: asked.append(add_special_tokens) or [0])
+    prompts.chat(parse_body({"messages": CHAT}, ChatCompletionRequest))
+    prompts.chat(parse_body({"messages": CHAT, "add_special_tokens": True}, ChatCompletionRequest))
+    assert asked == [False, True]  # the template writes its own special tokens: none added unless asked, as vLLM
+
+
 def test_documents_reach_a_template_that_shows_them_as_a_field_or_a_variable(prompts, rendered):
     documents = [{"title": "Oslo", "text": "Rain."}, {"title": "Bergen", "text": "More rain."}]
     shown = _chat(prompts, rendered, documents=documents)
