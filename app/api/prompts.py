@@ -76,6 +76,31 @@ class Prompts:
         # The template already wrote the special tokens it wants: no second BOS, unless asked (vLLM's add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
+    def fitted_chat(self, request: ChatCompletionRequest, limit: int) -> list[int]:
+        """The chat's prompt, its oldest turns dropped until it is at most ``limit`` tokens (the Responses API's
+        ``truncation: "auto"``): a leading system message stays, and what is left starts at a user message. The fewest
+        turns are dropped (a binary search over where the kept part starts: each render a template and a tokenizing);
+        if even the last user turn on is too long, the context's 400."""
+        messages = request.messages
+        head = messages[:1] if messages[0].role in ("system", "developer") else []
+        starts = [i for i, m in enumerate(messages) if i >= len(head) and m.role == "user"] or [len(messages) - 1]
+
+        def prompt_from(start: int) -> list[int]:
+            return self.chat(request.model_copy(update={"messages": head + messages[start:]}))
+
+        low, high, found = 0, len(starts) - 1, None
+        while low <= high:
+            middle = (low + high) // 2
+            ids = prompt_from(starts[middle])
+            if len(ids) <= limit:
+                found, high = ids, middle - 1
+            else:
+                low = middle + 1
+        if found is None:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the input's last "
+                           "turn alone is longer. Shorten it.", param="messages", code="context_length_exceeded")
+        return found
+
     def _template_variables(self, kwargs: dict | None) -> dict:
         """``chat_template_kwargs``: variables for the template to read, as vLLM passes them (one the template never
         reads changes nothing, as in vLLM: clients send e.g. ``enable_thinking`` to every model), and ``documents``. A

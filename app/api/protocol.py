@@ -16,7 +16,7 @@ import typing
 from typing import Any, Literal, Union
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from app.api.bodies import json_object, require_plain_text
 from app.api.errors import APIError
@@ -282,6 +282,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     documents: list[dict[str, Any]] | None = None  # for templates that show retrieved documents (RAG)
     add_special_tokens: bool = False  # vLLM's: the tokenizer's own (a BOS) before the template's text, which has its own
+    # A response request's ``truncation: "auto"`` (app/api/responses.py): no chat field, so no client sets it here
+    _fit_by_dropping_oldest: bool = PrivateAttr(default=False)
 
     def _reject_unsupported(self) -> None:
         super()._reject_unsupported()

@@ -19,11 +19,11 @@ from app.api.errors import APIError
 # Fields taken as they are or translated below; accepted and left without effect; taken unset (null, empty) only
 _PASSED = ("model", "temperature", "top_p", "user", "parallel_tool_calls", "stream", "top_k", "min_p", "seed", "stop",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos")
-_IGNORED = ("metadata", "store", "truncation", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+_IGNORED = ("metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention",
             "prompt_cache_options", "safety_identifier", "stream_options")
 _UNSET_ONLY = ("previous_response_id", "conversation", "background", "prompt", "max_tool_calls", "context_management")
 _TRANSLATED = ("input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "include", "top_logprobs",
-               "reasoning")
+               "reasoning", "truncation")
 _WHY_UNSET = {"previous_response_id": "this server keeps no responses: send the conversation as input",
               "conversation": "this server keeps no conversations: send the conversation as input"}
 _LOGPROBS = "message.output_text.logprobs"
@@ -261,10 +261,15 @@ def parse_request(raw: bytes) -> tuple[dict, Any]:
 
     body = json_object(raw)
     require_plain_text(body)  # what is only echoed back too: a lone surrogate would fail the answer's encoding
+    if body.get("truncation") not in (None, "auto", "disabled"):
+        raise APIError(400, "truncation must be \"auto\" or \"disabled\"", param="truncation")
     try:
-        return body, parse_body(chat_body(body), ChatCompletionRequest)
+        request = parse_body(chat_body(body), ChatCompletionRequest)
     except APIError as error:
         raise named_for_responses(error) from None
+    # "auto": an input past the context loses its oldest turns (the model's replica knows its context and tokenizer)
+    request._fit_by_dropping_oldest = body.get("truncation") == "auto"
+    return body, request
 
 
 def named_for_responses(error: APIError) -> APIError:

@@ -159,7 +159,10 @@ class OpenAIServing:
 
     # ---- one OpenAI request, several engine requests (app/api/fanout.py) -------------------
     def _chat_plans(self, request: ChatCompletionRequest) -> list[Prepared]:
-        prompt_ids = self._truncated(self.prompts.chat(request), request)
+        prompt_ids = self.prompts.chat(request)
+        if request._fit_by_dropping_oldest and len(prompt_ids) >= self.max_model_len:  # a response's truncation: auto
+            prompt_ids = self.prompts.fitted_chat(request, self.max_model_len - 1)
+        prompt_ids = self._truncated(prompt_ids, request)
         prepared = self._prepare("chatcmpl", prompt_ids, request, request.requested_max_tokens)
         if self.tool_parser == "mistral" and request.tool_choice_resolved() == "auto":  # [TOOL_CALLS] is a special token
             prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)  # kept for the parser, as vLLM
