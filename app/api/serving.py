@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from app.api import tool_streams, tools
+from app.api import extras, tool_streams, tools
 from app.api.errors import APIError, rejection_reason
 from app.api.fim import fim_prompt
 from app.api.fanout import Prepared, best_candidates, fan_out, gather_or_cancel, merged, num_prompts, usage
@@ -81,13 +81,7 @@ class OpenAIServing:
             choices = [_completion_choice((p.echo or "") + text, last.finish_reason,
                                           self._completion_logprobs(lps, p, as_ids=p.logprobs_as_ids) if shown else None, index)
                        for index, (p, (text, last, lps)) in enumerate(kept)]
-            if request.return_token_ids:  # vLLM's: each choice's prompt and answer as token ids
-                for choice, (p, _) in zip(choices, kept):
-                    choice.update(prompt_token_ids=p.prompt_token_ids, token_ids=p.token_ids)
-            if request.prompt_logprobs is not None:  # vLLM's: each choice's prompt's
-                for choice, (p, _) in zip(choices, kept):
-                    choice["prompt_logprobs"] = self.logprob_format.vllm_prompt(p.prompt_logprobs, request.prompt_logprobs,
-                                                                                p.logprobs_as_ids)
+            extras.add_to_completion_choices(choices, [p for p, _ in kept], request, self.logprob_format)
             return self._response(plans, "text_completion", choices)
 
         return await _formatted(answer, shown or request.prompt_logprobs is not None)
@@ -129,13 +123,7 @@ class OpenAIServing:
                 if choice in ("auto", "required") and entry["message"].get("tool_calls") and entry["finish_reason"] == "stop":
                     entry["finish_reason"] = "tool_calls"
             response = self._response(plans, "chat.completion", choices)
-            if request.return_token_ids:  # vLLM's: the prompt's token ids once, each choice's answer's
-                for entry, p in zip(choices, plans):
-                    entry["token_ids"] = p.token_ids
-                response["prompt_token_ids"] = plans[0].prompt_token_ids
-            if request.prompt_logprobs is not None:  # vLLM's: the prompt's, once
-                response["prompt_logprobs"] = self.logprob_format.vllm_prompt(plans[0].prompt_logprobs, request.prompt_logprobs,
-                                                                              plans[0].logprobs_as_ids)
+            extras.add_to_chat_response(response, plans, request, self.logprob_format)
             return response
 
         return await _formatted(answer, request.logprobs or request.prompt_logprobs is not None)
@@ -162,7 +150,7 @@ class OpenAIServing:
         prompt_ids = self.prompts.chat(request)
         if request._fit_by_dropping_oldest and len(prompt_ids) >= self.max_model_len:  # a response's truncation: auto
             prompt_ids = self.prompts.fitted_chat(request, self.max_model_len - 1)
-        prompt_ids = self._truncated(prompt_ids, request)
+        prompt_ids = extras.truncated(prompt_ids, request.truncate_prompt_tokens, request.truncation_side, self.max_model_len)
         prepared = self._prepare("chatcmpl", prompt_ids, request, request.requested_max_tokens)
         if self.tool_parser == "mistral" and request.tool_choice_resolved() == "auto":  # [TOOL_CALLS] is a special token
             prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)  # kept for the parser, as vLLM
@@ -184,7 +172,8 @@ class OpenAIServing:
     def _completion_plans(self, request: CompletionRequest) -> list[Prepared]:
         prompt = fim_prompt(self.tokenizer, request.prompt, request.suffix, self.model_name) if request.suffix else request.prompt
         whole = self.prompts.completion(prompt)
-        prompts = [self._truncated(ids, request) for ids in whole]
+        prompts = [extras.truncated(ids, request.truncate_prompt_tokens, request.truncation_side, self.max_model_len)
+                   for ids in whole]
         candidates = request.best_of or request.n  # prompts x candidates: at most MAX_CHOICES (checked at parse)
         prepared = [self._prepare("cmpl", ids, request, request.max_tokens) for ids in prompts]
         if request.echo:
@@ -218,7 +207,7 @@ class OpenAIServing:
                     if request.return_token_ids and p is plans[0]:  # vLLM's: the prompt's ids in the first chunk
                         opening["prompt_token_ids"] = p.prompt_token_ids
                     if request.continuous_usage:
-                        opening["usage"] = _choice_usage(p, 0)
+                        opening["usage"] = extras.choice_usage(p, 0)
                     yield opening
             if first is not None:
                 yield first
@@ -232,20 +221,6 @@ class OpenAIServing:
             yield {**self._chunk(plans[0], kind, None), "usage": usage(plans)}
 
     # ---- shared -------------------------------------------------------------------------
-    def _truncated(self, prompt_ids: list[int], request: _SamplingFields) -> list[int]:
-        """vLLM's ``truncate_prompt_tokens``: at most that many of the prompt's tokens, its last ones (``truncation_side:
-        right``: its first); -1: as many as leave one token of the context to generate."""
-        keep = request.truncate_prompt_tokens
-        if keep is None:
-            return prompt_ids
-        if keep > self.max_model_len:
-            raise APIError(400, f"truncate_prompt_tokens ({keep}) is past the model's context of {self.max_model_len} "
-                           "tokens: give at most that, or -1 for the context less one", param="truncate_prompt_tokens")
-        keep = self.max_model_len - 1 if keep == -1 else keep
-        if len(prompt_ids) <= keep:
-            return prompt_ids
-        return prompt_ids[len(prompt_ids) - keep:] if request.truncation_side == "left" else prompt_ids[:keep]
-
     def _prepare(self, prefix: str, prompt_ids: list[int], request: _SamplingFields, max_tokens: int | None) -> Prepared:
         if not prompt_ids:
             raise APIError(400, "the prompt must contain at least one token", param="prompt")
@@ -375,7 +350,7 @@ class OpenAIServing:
                         choice["prompt_token_ids"], prompt_ids = prompt_ids, None
                 chunk = self._chunk(prepared, kind, choice)
                 if request.continuous_usage:
-                    chunk["usage"] = _choice_usage(prepared, output.num_output_tokens)
+                    chunk["usage"] = extras.choice_usage(prepared, output.num_output_tokens)
                 yield chunk
 
     def _completion_logprobs(self, logprobs: list[TokenLogprob] | None, echoed: Prepared | None = None,
@@ -401,12 +376,6 @@ class OpenAIServing:
 
     async def detokenize(self, request: DetokenizeRequest) -> dict:
         return await self.prompts.detokenize(request)
-
-
-def _choice_usage(prepared: Prepared, generated: int) -> dict:
-    """One choice's usage so far, as vLLM's continuous_usage_stats gives it in each chunk: its prompt and its tokens."""
-    prompt = len(prepared.prompt_token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
 async def _formatted(answer, with_logprobs: bool) -> dict:
