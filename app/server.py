@@ -106,7 +106,7 @@ class ModelServer:
         sampling = draft_sampling(call.sampling, len(call.output_token_ids), num_tokens)
         request = Request(f"draft-{call.sequence_id}-{call.call_id}-{uuid.uuid4().hex[:8]}", list(call.prompt_token_ids),
                           sampling, self.info.eos_token_ids, output_token_ids=list(call.output_token_ids),
-                          drafter=None, detokenize=False, session_id=call.sequence_id)
+                          drafter=None, detokenize=False, session_id=call.sequence_id, cache_salt=call.cache_salt)
         tokens: list[int] = []
         probs: list = []
         first_s = last_s = 0.0

@@ -78,6 +78,8 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the output stays in it
     return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids beside the text
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:<id>", not by its text
+    # vLLM's: the prompt's KV is shared through the prefix cache only with requests of the same salt (one per tenant)
+    cache_salt: str | None = Field(None, min_length=1)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's, and n alternatives
     # vLLM's: a prompt longer than this many tokens loses its first ones ("right": its last ones); -1: the context less one
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)

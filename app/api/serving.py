@@ -260,7 +260,7 @@ class OpenAIServing:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         model = request.model or self.model_name
         return Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model), prompt_only=prompt_only,
-                        logprobs_as_ids=request.return_tokens_as_token_ids)
+                        logprobs_as_ids=request.return_tokens_as_token_ids, cache_salt=request.cache_salt)
 
     def _drafter_for(self, model: str) -> int | None:
         """The drafter serving the name a request was sent to: its own, else an unnamed one, else none."""
@@ -271,7 +271,7 @@ class OpenAIServing:
 
     async def _generate(self, prepared: Prepared) -> AsyncIterator[RequestOutput]:
         request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling, self.eos_token_ids,
-                          drafter=prepared.drafter)
+                          drafter=prepared.drafter, cache_salt=prepared.cache_salt)
         metrics = self.metrics.setdefault(self._metrics_name(prepared.model), RequestMetrics())
         try:
             self.engine.check_accepting()

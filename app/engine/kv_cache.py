@@ -97,7 +97,7 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache ----------------------------------------------------------------------
-    def find_cached_prefix(self, request_id: str, token_ids: list[int]) -> int:
+    def find_cached_prefix(self, request_id: str, token_ids: list[int], salt: str | None = None) -> int:
         """Attach the longest cached prefix of ``token_ids`` to a request that holds no blocks yet.
 
         Returns how many tokens it covers (a multiple of block_size). At least one token is always
@@ -106,7 +106,7 @@ class BlockManager:
         entry = self._requests.setdefault(request_id, _RequestBlocks())
         if entry.table or not self.enable_prefix_caching:
             return 0
-        for block_hash in self._prefix_hashes(token_ids, 0, (len(token_ids) - 1) // self.block_size):
+        for block_hash in self._prefix_hashes(token_ids, 0, (len(token_ids) - 1) // self.block_size, salt=salt):
             block_id = self._cached.get(block_hash)
             if block_id is None:
                 break
@@ -115,25 +115,28 @@ class BlockManager:
             entry.hashes.append(block_hash)
         return len(entry.table) * self.block_size
 
-    def first_uncached_block(self, token_ids: list[int]) -> bytes | None:
+    def first_uncached_block(self, token_ids: list[int], salt: str | None = None) -> bytes | None:
         """The prefix hash of the first block of ``token_ids`` that ``find_cached_prefix`` would not find, or None."""
         if not self.enable_prefix_caching:
             return None
-        hashes = self._prefix_hashes(token_ids, 0, (len(token_ids) - 1) // self.block_size)
+        hashes = self._prefix_hashes(token_ids, 0, (len(token_ids) - 1) // self.block_size, salt=salt)
         return next((block_hash for block_hash in hashes if block_hash not in self._cached), None)
 
-    def blocks_filled(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> list[bytes]:
+    def blocks_filled(self, request_id: str, token_ids: list[int], num_computed_tokens: int,
+                      salt: str | None = None) -> list[bytes]:
         """The prefix hashes of the request's blocks that become full once ``num_computed_tokens`` are computed:
         those a step computing up to there registers in the cache (``cache_full_blocks``)."""
         if not self.enable_prefix_caching:
             return []
         entry = self._requests.get(request_id) or _RequestBlocks()
-        return list(self._prefix_hashes(token_ids, len(entry.hashes), num_computed_tokens // self.block_size, entry.hashes))
+        return list(self._prefix_hashes(token_ids, len(entry.hashes), num_computed_tokens // self.block_size, entry.hashes,
+                                        salt))
 
-    def _prefix_hashes(self, token_ids: list[int], start: int, end: int, known: list[bytes] = ()):
+    def _prefix_hashes(self, token_ids: list[int], start: int, end: int, known: list[bytes] = (), salt: str | None = None):
         """The prefix hashes of blocks ``start`` to ``end`` (exclusive) of ``token_ids``, chained from ``known``,
-        the hashes of the blocks before ``start``."""
-        parent = known[start - 1] if start else b""
+        the hashes of the blocks before ``start``, or from the salt's root (vLLM's cache_salt: a request shares
+        cached blocks only with requests of the same salt)."""
+        parent = known[start - 1] if start else _root(salt)
         for index in range(start, end):
             parent = _hash_block(parent, token_ids[index * self.block_size : (index + 1) * self.block_size])
             yield parent
@@ -143,13 +146,14 @@ class BlockManager:
         self.prefix_stats.queried_tokens += num_queried_tokens
         self.prefix_stats.hit_tokens += num_hit_tokens
 
-    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int,
+                          salt: str | None = None) -> None:
         """Register the request's blocks that are now full of computed tokens under their prefix hash."""
         if not self.enable_prefix_caching:
             return
         entry = self._requests[request_id]
         num_full = min(num_computed_tokens // self.block_size, len(entry.table))
-        for index, block_hash in enumerate(self._prefix_hashes(token_ids, len(entry.hashes), num_full, entry.hashes),
+        for index, block_hash in enumerate(self._prefix_hashes(token_ids, len(entry.hashes), num_full, entry.hashes, salt),
                                            start=len(entry.hashes)):
             entry.hashes.append(block_hash)
             if entry.table[index] == DROPPED:
@@ -283,6 +287,11 @@ def _common_prefix_length(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def _root(salt: str | None) -> bytes:
+    """The hash chain's start: none for unsalted requests, else one only the same salt gives."""
+    return b"" if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def _hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:

@@ -171,6 +171,9 @@ class Request:
     # Requests of one session (a draft model's calls for one target sequence) hand their KV on: the next one
     # keeps what it shares with the last and recomputes only the rest (kv_cache.py: sessions).
     session_id: str | None = None
+    # vLLM's cache_salt: its prompt's KV is shared through the prefix cache only with requests of the same salt (a
+    # tenant's requests cannot learn from their timing which prompts another tenant sent)
+    cache_salt: str | None = None
     first_scheduled_s: float | None = None  # monotonic: first admitted to a step (the end of its queue time)
     # sampling.prompt_logprobs: the logprob of each prompt token computed so far (the first token's is None)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=lambda: [None])

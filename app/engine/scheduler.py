@@ -208,7 +208,7 @@ class Scheduler:
             accepted = (num_accepted or {}).get(request.request_id, 0) if item.num_spec_tokens else 0
             request.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens + accepted
             token_ids = request.all_token_ids + request.spec_token_ids[:accepted]
-            self.blocks.cache_full_blocks(request.request_id, token_ids, request.num_computed_tokens)
+            self.blocks.cache_full_blocks(request.request_id, token_ids, request.num_computed_tokens, request.cache_salt)
             if item.num_spec_tokens > accepted:
                 self.blocks.truncate(request.request_id, request.num_computed_tokens + 1)  # + the token sampled now
             if self.config.sliding_window:  # the next query (at num_computed_tokens) sees keys from here on
@@ -292,7 +292,8 @@ class Scheduler:
             return set()
         return {block_hash for item in scheduled if item.num_new_tokens > 1 + item.num_spec_tokens
                 for block_hash in self.blocks.blocks_filled(item.request.request_id, item.request.all_token_ids,
-                                                             item.request.num_computed_tokens + item.num_new_tokens - item.num_spec_tokens)}
+                                                             item.request.num_computed_tokens + item.num_new_tokens - item.num_spec_tokens,
+                                                             item.request.cache_salt)}
 
     def _filled_by_another(self, request: Request, filling: set[bytes]) -> bool:
         """Whether the first block ``request`` would compute is one a request in this step computes already:
@@ -300,7 +301,7 @@ class Scheduler:
         otherwise each compute (and hold) the shared prompt, since a block is cached only once computed."""
         if not filling or request.sampling.prompt_logprobs is not None or request.session_id is not None:
             return False
-        return self.blocks.first_uncached_block(request.all_token_ids) in filling
+        return self.blocks.first_uncached_block(request.all_token_ids, request.cache_salt) in filling
 
     def _admit(self, request: Request, budget: int) -> int:
         """Attach cached prefix blocks and blocks for the first chunk; returns the chunk's size (0: no room)."""
@@ -310,7 +311,7 @@ class Scheduler:
             cached = self.blocks.resume(request.request_id, request.session_id, token_ids)  # its session's KV
         if not cached:  # (prompt logprobs need every prompt row computed: no cached prefix for them)
             looked_up = request.sampling.prompt_logprobs is None and self.blocks.enable_prefix_caching
-            cached = self.blocks.find_cached_prefix(request.request_id, token_ids) if looked_up else 0
+            cached = self.blocks.find_cached_prefix(request.request_id, token_ids, request.cache_salt) if looked_up else 0
         num_new = min(len(token_ids) - cached, budget)
         if not self.blocks.allocate(request.request_id, cached + num_new):
             self.blocks.free(request.request_id)  # give back the prefix blocks it took

@@ -63,6 +63,7 @@ class DraftCall:
     output_token_ids: list[int]  # the output the draft assumes (the target's, plus drafts assumed kept)
     num_tokens: int
     sampling: SamplingParams  # the request's own: penalties and min_tokens shape the draft's choice too
+    cache_salt: str | None = None  # the request's: the draft model's prefix cache is salted alike
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,7 @@ class ModelDrafter:
         seq = self._seqs[request.request_id]
         seq.asked_id, seq.asked_base, seq.want = next(self._ids), output, want
         self._calls.append(DraftCall(seq.asked_id, self.index, request.request_id, request.prompt_token_ids, output,
-                                     num_tokens, request.sampling))
+                                     num_tokens, request.sampling, request.cache_salt))
 
     def _usable(self, seq: _Sequence, output: list[int]) -> tuple[list[int], list[SparseProbs] | None]:
         """The arrived proposals that continue ``output`` (see the module docstring) and the distributions they

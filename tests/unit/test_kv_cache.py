@@ -44,6 +44,22 @@ def test_last_token_is_never_served_from_cache():
     assert blocks.find_cached_prefix("b", tokens) == 4
 
 
+def test_a_salted_prefix_is_shared_only_with_requests_of_the_same_salt():
+    """vLLM's cache_salt: a tenant's requests hit its own cached prompts, never another tenant's nor unsalted ones."""
+    blocks = BlockManager(num_blocks=16, block_size=4)
+    tokens = list(range(10))
+    blocks.allocate("a", 10)
+    blocks.cache_full_blocks("a", tokens, num_computed_tokens=10, salt="tenant-1")
+    blocks.free("a")
+    assert blocks.find_cached_prefix("other tenant", tokens, salt="tenant-2") == 0
+    assert blocks.find_cached_prefix("unsalted", tokens) == 0
+    assert blocks.first_uncached_block(tokens, salt="tenant-1") is None
+    assert blocks.first_uncached_block(tokens, salt="tenant-2") is not None
+    assert blocks.find_cached_prefix("same tenant", tokens, salt="tenant-1") == 8
+    assert blocks.blocks_filled("b", tokens, 8, salt="tenant-1") == blocks.blocks_filled("c", tokens, 8, salt="tenant-1")
+    assert blocks.blocks_filled("b", tokens, 8, salt="tenant-1") != blocks.blocks_filled("b", tokens, 8)
+
+
 def test_a_block_matches_only_after_the_same_prefix():
     blocks = BlockManager(num_blocks=8, block_size=2)
     blocks.allocate("a", 4)

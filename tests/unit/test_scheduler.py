@@ -97,6 +97,19 @@ def test_a_waiting_request_waits_for_blocks_instead_of_failing():
     assert _step(scheduler) == {"next": 6}
 
 
+@pytest.mark.parametrize("first_salt, second_salt, hit", [("t1", "t1", 8), ("t1", "t2", 0), ("t1", None, 0), (None, None, 8)])
+def test_a_request_hits_the_prefix_cache_only_behind_a_prompt_of_its_own_salt(first_salt, second_salt, hit):
+    scheduler = _scheduler(block_size=4)
+    a = _request("a", 10, max_tokens=1)
+    a.cache_salt = first_salt
+    scheduler.add_request(a)
+    _step(scheduler)
+    b = _request("b", 10, max_tokens=1)
+    b.cache_salt = second_salt
+    scheduler.add_request(b)
+    assert _step(scheduler) == {"b": 10 - hit} and b.num_cached_tokens == hit
+
+
 def test_removing_a_request_frees_its_blocks_at_once():
     scheduler = _scheduler(num_blocks=8)
     scheduler.add_request(_request("a", 9))
