@@ -121,12 +121,12 @@ def fan_out(prepared: list[Prepared], count: int, n: int | None, holds: int | No
     if holds is not None and len(prepared) * count > holds:
         raise APIError(400, f"{len(prepared)} prompt(s) x {count} choices is more generations than this replica holds "
                        f"at once ({holds}: engine.max_num_seqs + engine.max_queued_requests); send fewer", param="n")
-    n, base = n or count, prepared[0].request_id
+    n, base, response_id = n or count, prepared[0].request_id, prepared[0].response_id
     plans: list[Prepared] = []
     for prompt_index, p in enumerate(prepared):
         for j in range(count):
             sampling = dataclasses.replace(p.sampling, seed=choice_seed(p.sampling.seed, j))
-            plans.append(dataclasses.replace(p, request_id=f"{base}-{len(plans)}", sampling=sampling, response_id=base,
+            plans.append(dataclasses.replace(p, request_id=f"{base}-{len(plans)}", sampling=sampling, response_id=response_id,
                                              created=prepared[0].created, index=prompt_index * n + j,
                                              prompt_index=prompt_index, first_of_prompt=j == 0))
     return plans

@@ -80,6 +80,9 @@ class _SamplingFields(_Strict):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:<id>", not by its text
     # vLLM's: the prompt's KV is shared through the prefix cache only with requests of the same salt (one per tenant)
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's: the client's id for the request, in the answer's id ("chatcmpl-<it>"); the engine keeps ids of its own
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    priority: int = 0  # vLLM's: only its default, first come first served, is taken (vLLM's default policy too)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's, and n alternatives
     # vLLM's: a prompt longer than this many tokens loses its first ones ("right": its last ones); -1: the context less one
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
@@ -150,6 +153,9 @@ class _SamplingFields(_Strict):
     def _reject_unsupported(self) -> None:
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:  # {}: as vLLM
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if self.priority != 0:  # as vLLM without --scheduling-policy priority
+            raise APIError(400, "priority is not supported: requests are served first come, first served (leave it 0)",
+                           param="priority")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM: they are the whole answer's
             raise APIError(400, "prompt_logprobs are not streamed; send stream: false for them", param="prompt_logprobs")
         if self.ignore_eos and self.grammar() is not None:

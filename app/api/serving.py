@@ -257,10 +257,12 @@ class OpenAIServing:
         if sampling.min_tokens and len(set(sampling.stop_token_ids)) >= self.vocab_size:
             raise APIError(400, "stop_token_ids holds every token of the vocabulary, so min_tokens leaves none to choose",
                            param="stop_token_ids")
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever id a client sends
+        response_id = f"{prefix}-{request.request_id}" if request.request_id else request_id
         model = request.model or self.model_name
-        return Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model), prompt_only=prompt_only,
-                        logprobs_as_ids=request.return_tokens_as_token_ids, cache_salt=request.cache_salt)
+        return Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model), response_id,
+                        prompt_only=prompt_only, logprobs_as_ids=request.return_tokens_as_token_ids,
+                        cache_salt=request.cache_salt)
 
     def _drafter_for(self, model: str) -> int | None:
         """The drafter serving the name a request was sent to: its own, else an unnamed one, else none."""

@@ -33,3 +33,18 @@ def test_a_draft_models_calls_carry_the_requests_salt():
     drafter.propose(request, 4, 1, 0.02, 1.0)
     [call] = drafter.take_calls()
     assert call.cache_salt == "tenant-1"
+
+
+async def test_a_clients_request_id_names_the_answer_and_the_engine_keeps_its_own(tools_server):
+    serving = tools_server.serving
+    body = {"prompt": ["abc", "de"], "max_tokens": 2, "n": 2, "request_id": "job-7"}
+    twice = [await serving.completion(parse_body(body, CompletionRequest)) for _ in range(2)]
+    assert [answer["id"] for answer in twice] == ["cmpl-job-7", "cmpl-job-7"]  # the same id sent twice: both answered
+    chunks = [c async for c in serving.chat_stream(parse_body(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True, "request_id": "job-8"},
+        ChatCompletionRequest))]
+    assert {c["id"] for c in chunks} == {"chatcmpl-job-8"}
+    with pytest.raises(APIError) as caught:
+        parse_body({"prompt": "a", "priority": 1}, CompletionRequest)
+    assert caught.value.param == "priority"
+    assert parse_body({"prompt": "a", "priority": 0}, CompletionRequest).priority == 0
