@@ -116,7 +116,7 @@ class OpenAIServing:
         shown = request.parsed_tools()
 
         def answer() -> dict:
-            choices = [{"index": p.index, "message": self._chat_message(text, choice, one_call, shown),
+            choices = [{"index": p.index, "message": self._chat_message(text, choice, one_call, shown, last.finish_reason),
                         "logprobs": self.logprob_format.chat(lps, p.logprobs_as_ids), "finish_reason": last.finish_reason}
                        for p, (text, last, lps) in zip(plans, results)]
             for entry in choices:  # a forced function's answer stops as any answer does (OpenAI, vLLM); the model's own calls
@@ -128,10 +128,12 @@ class OpenAIServing:
 
         return await _formatted(answer, request.logprobs or request.prompt_logprobs is not None)
 
-    def _chat_message(self, text: str, choice, one_call: bool = False, shown: list | None = None) -> dict:
+    def _chat_message(self, text: str, choice, one_call: bool = False, shown: list | None = None,
+                      finish_reason: str | None = "stop") -> dict:
         """The assistant's message; with tool calling, the calls read out of its text (app/api/tools.py). With
         ``parallel_tool_calls: false`` a free answer keeps its first call only, as vLLM does (a required or named
-        choice's grammar already allows just one)."""
+        choice's grammar already allows just one). Calls a stop string ended inside are no calls: the text is the
+        content (cut by max_tokens, they are given as far as they came, with finish_reason "length")."""
         if choice is None:
             return {"role": "assistant", "content": text}
         if choice == "auto":
@@ -140,6 +142,8 @@ class OpenAIServing:
         else:  # constrained to the call's JSON: no content unless cut short (then the text, finish_reason "length")
             calls = tools.forced_calls(text, choice)
             content = None if calls else text
+        if calls and finish_reason == "stop" and not tools.whole_arguments(calls):
+            content, calls = text, []
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 
 from app.api.call_readers import PYTHON_TAG, HermesReader, ListReader, marker_start_held
 from app.api.growing import grow_attribute
-from app.api.tools import MISTRAL_MARKER, TOOL_PARSERS, Tool, ToolCall, parse_calls, schemas_of
+from app.api.tools import MISTRAL_MARKER, TOOL_PARSERS, Tool, ToolCall, parse_calls, schemas_of, whole_arguments
 from app.api.xml_calls import XmlReader
 
 
@@ -33,8 +33,9 @@ async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, 
             if entries:  # the calls' tokens' logprobs go with them: the stream's add up to the whole answer's
                 logprobs, held_logprobs = ({"content": held_logprobs} if held_logprobs else None), []
                 yield {**chunk, "choices": [{**choice, "delta": {"tool_calls": entries}, "logprobs": logprobs, "finish_reason": None}]}
-            if choice["finish_reason"] is not None:
-                finish = "tool_calls" if sent and choice["finish_reason"] == "stop" else choice["finish_reason"]
+            if choice["finish_reason"] is not None:  # "tool_calls" unless a stop string ended it inside a call
+                whole_calls = sent and whole_arguments([ToolCall(name, arguments) for name, arguments in calls])
+                finish = "tool_calls" if whole_calls and choice["finish_reason"] == "stop" else choice["finish_reason"]
                 logprobs = {"content": held_logprobs} if held_logprobs else None  # tokens of no text (a call's end)
                 yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": logprobs, "finish_reason": finish}]}
 
@@ -92,8 +93,9 @@ async def required_call_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dic
             if entries or choice["logprobs"]:
                 delta = {"tool_calls": entries} if entries else {}
                 yield {**chunk, "choices": [{**choice, "delta": delta, "finish_reason": None}]}
-            if choice["finish_reason"] is not None:
-                finish = "tool_calls" if sent and choice["finish_reason"] == "stop" else choice["finish_reason"]
+            if choice["finish_reason"] is not None:  # "tool_calls" unless a stop string ended it inside a call
+                whole_calls = sent and whole_arguments([ToolCall(name, arguments) for name, arguments in reader.calls])
+                finish = "tool_calls" if whole_calls and choice["finish_reason"] == "stop" else choice["finish_reason"]
                 delta = {"content": text} if text and not sent else {}
                 yield {**chunk, "choices": [{**choice, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 

@@ -177,6 +177,17 @@ def forced_calls(text: str, choice: str | Tool) -> list[ToolCall]:
     return [ToolCall(name, arguments) for name, arguments in required_calls(text)]  # none named yet: the text stays content
 
 
+def whole_arguments(calls: list[ToolCall]) -> bool:
+    """Whether every call's arguments are whole JSON: an answer a stop string ended inside a call has one that is not
+    (its text then stays content, as no call was made)."""
+    try:
+        for call in calls:
+            json.loads(call.arguments)
+    except (*NOT_JSON, TypeError):
+        return False
+    return True
+
+
 def required_calls(text: str) -> list[tuple[str, str]]:
     """The calls of a ``required`` output (``[{"name": "<name>", "arguments": <JSON>}, ...]``, as its grammar writes
     it) so far: each named one with its arguments' text as far as it goes."""

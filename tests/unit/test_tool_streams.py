@@ -203,3 +203,17 @@ async def test_a_non_streamed_answers_logprobs_are_formatted_off_the_event_loop(
     body = parse_body(_body("Sunny.", logprobs=True, top_logprobs=2), ChatCompletionRequest)
     answer, _ = await asyncio.gather(tools_server.serving.chat(body), on_the_loop())
     assert answer["choices"][0]["logprobs"]["content"]
+
+
+@pytest.mark.parametrize("tool_choice, answer", [
+    ("auto", 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Os'),
+    ("required", '[{"name": "get_weather", "arguments": {"city": "Os'),
+])
+async def test_an_answer_a_stop_ended_inside_a_call_makes_no_call_and_finishes_stop(tools_server, tool_choice, answer):
+    """A stop string (here: the recorded answer's end, which the fake model finishes as "stop") ending an answer inside a
+    call's arguments: no call is made (the text is the content, not arguments that do not parse under a finish that
+    says the call is whole); a stream has sent the fragments as they came, and also finishes "stop"."""
+    whole, chunks = await _whole_and_streamed(tools_server, _body(answer, tool_choice=tool_choice))
+    assert whole["finish_reason"] == "stop" and "tool_calls" not in whole["message"]
+    assert whole["message"]["content"] == answer
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
