@@ -29,7 +29,7 @@ def add_to_completion_choices(choices: list[dict], plans: list[Prepared], reques
         if request.return_token_ids:
             choice.update(prompt_token_ids=p.prompt_token_ids, token_ids=p.token_ids)
         if request.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = logprobs.vllm_prompt(p.prompt_logprobs, request.prompt_logprobs, p.logprobs_as_ids)
+            choice["prompt_logprobs"] = logprobs.vllm_prompt(p.prompt_logprobs, request.prompt_logprobs)
 
 
 def add_to_chat_response(response: dict, plans: list[Prepared], request, logprobs: LogprobFormatter) -> None:
@@ -39,8 +39,7 @@ def add_to_chat_response(response: dict, plans: list[Prepared], request, logprob
             choice["token_ids"] = p.token_ids
         response["prompt_token_ids"] = plans[0].prompt_token_ids
     if request.prompt_logprobs is not None:
-        response["prompt_logprobs"] = logprobs.vllm_prompt(plans[0].prompt_logprobs, request.prompt_logprobs,
-                                                           plans[0].logprobs_as_ids)
+        response["prompt_logprobs"] = logprobs.vllm_prompt(plans[0].prompt_logprobs, request.prompt_logprobs)
 
 
 def choice_usage(prepared: Prepared, generated: int) -> dict:

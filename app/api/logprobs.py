@@ -73,12 +73,12 @@ class LogprobFormatter:
         }
 
 
-    def vllm_prompt(self, prompt_logprobs: list[TokenLogprob | None], count: int, as_ids: bool = False) -> list[dict | None]:
+    def vllm_prompt(self, prompt_logprobs: list[TokenLogprob | None], count: int) -> list[dict | None]:
         """vLLM's ``prompt_logprobs``: per prompt token (the first None), its id -> ``{logprob, rank, decoded_token}``,
         the token itself first, then its ``count`` likeliest alternatives (ranks 1..count). -inf is -9999.0, as vLLM
         writes it (JSON has no infinity)."""
         def entry(token_id: int, logprob: float, rank: int | None) -> dict:
-            return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": self.token_name(token_id, as_ids)}
+            return {"logprob": max(logprob, -9999.0), "rank": rank, "decoded_token": self.token_text(token_id)}
 
         answer: list[dict | None] = [None]
         for lp in prompt_logprobs[1:]:

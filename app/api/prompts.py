@@ -83,12 +83,12 @@ class Prompts:
         if even the last user turn on is too long, the context's 400."""
         messages = request.messages
         head = messages[:1] if messages[0].role in ("system", "developer") else []
-        starts = [i for i, m in enumerate(messages) if i >= len(head) and m.role == "user"] or [len(messages) - 1]
+        starts = [i for i, m in enumerate(messages) if i >= len(head) and m.role == "user"]
 
         def prompt_from(start: int) -> list[int]:
             return self.chat(request.model_copy(update={"messages": head + messages[start:]}))
 
-        low, high, found = 0, len(starts) - 1, None
+        low, high, found = 0, len(starts) - 1, None  # no user turn to start at: nothing that can be kept alone
         while low <= high:
             middle = (low + high) // 2
             ids = prompt_from(starts[middle])
@@ -97,8 +97,9 @@ class Prompts:
             else:
                 low = middle + 1
         if found is None:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the input's last "
-                           "turn alone is longer. Shorten it.", param="messages", code="context_length_exceeded")
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the input from its "
+                           "last user turn on leaves too little room for the answer. Shorten it.", param="messages",
+                           code="context_length_exceeded")
         return found
 
     def _template_variables(self, kwargs: dict | None) -> dict:

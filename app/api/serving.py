@@ -152,8 +152,10 @@ class OpenAIServing:
     # ---- one OpenAI request, several engine requests (app/api/fanout.py) -------------------
     def _chat_plans(self, request: ChatCompletionRequest) -> list[Prepared]:
         prompt_ids = self.prompts.chat(request)
-        if request._fit_by_dropping_oldest and len(prompt_ids) >= self.max_model_len:  # a response's truncation: auto
-            prompt_ids = self.prompts.fitted_chat(request, self.max_model_len - 1)
+        if request._fit_by_dropping_oldest:  # a response's truncation: auto; room for its answer (up to half the context)
+            reserve = min(request.requested_max_tokens or 1, self.max_model_len // 2)
+            if len(prompt_ids) + reserve > self.max_model_len:
+                prompt_ids = self.prompts.fitted_chat(request, self.max_model_len - reserve)
         prompt_ids = extras.truncated(prompt_ids, request.truncate_prompt_tokens, request.truncation_side, self.max_model_len)
         prepared = self._prepare("chatcmpl", prompt_ids, request, request.requested_max_tokens)
         if self.tool_parser == "mistral" and request.tool_choice_resolved() == "auto":  # [TOOL_CALLS] is a special token
@@ -252,6 +254,10 @@ class OpenAIServing:
             )
         if max_tokens is not None:  # as vLLM: the room the prompt leaves caps it (the answer then ends as "length")
             max_tokens = min(max_tokens, room)
+        if request.min_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                           f"{len(prompt_ids)}, which leaves room for {room}, fewer than min_tokens ({request.min_tokens}).",
+                           param="min_tokens", code="context_length_exceeded")
         prompt_only = max_tokens == 0
         sampling = request.sampling_params(1 if prompt_only else max_tokens or room, self.default_sampling)
         for param, ids in (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", [t for t, _ in sampling.logit_bias])):

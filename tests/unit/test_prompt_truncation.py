@@ -60,3 +60,6 @@ async def test_max_tokens_past_the_room_the_prompt_leaves_is_capped_by_it_as_vll
     with pytest.raises(APIError) as caught:
         await _complete(serving, max_tokens=MAX_MODEL_LEN + 1)
     assert (caught.value.status, caught.value.code, caught.value.param) == (400, "context_length_exceeded", "max_tokens")
+    with pytest.raises(APIError) as caught:  # a min_tokens the room cannot hold: the context's 400, naming it
+        await serving.completion(parse_body({"prompt": prompt, "max_tokens": 50, "min_tokens": 7}, CompletionRequest))
+    assert (caught.value.code, caught.value.param) == ("context_length_exceeded", "min_tokens")

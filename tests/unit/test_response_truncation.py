@@ -20,9 +20,10 @@ def _turns(count: int) -> list[dict]:
     return turns + [{"role": "user", "content": "last question"}]
 
 
-def _prompt(input_items: list[dict], truncation: str | None = None) -> str:
+def _prompt(input_items: list[dict], truncation: str | None = None, **fields) -> str:
     serving = OpenAIServing(None, ByteTokenizer(), "m", CONTEXT, [0], 256)
-    body = {"model": "m", "instructions": "Be brief.", "input": input_items, **({"truncation": truncation} if truncation else {})}
+    body = {"model": "m", "instructions": "Be brief.", "input": input_items, **({"truncation": truncation} if truncation else {}),
+            **fields}
     _, request = parse_request(str.encode(__import__("json").dumps(body)))
     [plan] = serving._chat_plans(request)
     return bytes(plan.prompt_token_ids).decode()
@@ -47,3 +48,18 @@ def test_disabled_or_a_last_turn_past_the_context_is_the_contexts_400():
     with pytest.raises(APIError) as caught:
         parse_request(b'{"model": "m", "input": "hi", "truncation": "middle"}')
     assert caught.value.param == "truncation"
+
+
+def test_auto_leaves_room_for_the_answer_asked_for_up_to_half_the_context():
+    assert len(_prompt(_turns(6), "auto", max_output_tokens=40)) <= CONTEXT - 40
+    assert len(_prompt(_turns(6), "auto", max_output_tokens=90)) <= CONTEXT // 2  # a longer answer: half the context
+    assert len(_prompt(_turns(6), "auto", max_output_tokens=40)) < len(_prompt(_turns(6), "auto"))
+
+
+def test_an_input_with_no_user_turn_to_start_at_is_the_contexts_400_not_an_orphaned_result():
+    items = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x" * 150},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "42"}]
+    with pytest.raises(APIError) as caught:
+        _prompt(items, "auto")
+    assert caught.value.code == "context_length_exceeded"
