@@ -27,7 +27,8 @@ from ray.serve.handle import DeploymentHandle
 
 from app.api import response_stream, responses
 from app.api.errors import APIError, to_api_error
-from app.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest, TokenizeRequest
+from app.api.protocol import ChatCompletionRequest, CompletionRequest
+from app.api.token_requests import DetokenizeRequest, GenerateRequest, TokenizeRequest
 from app.config import ServedModelConfig
 from app.engine.errors import EngineOverloadedError
 from app.metrics import render

@@ -16,7 +16,8 @@ from typing import AsyncIterator
 
 from ray import serve
 
-from app.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from app.api.protocol import ChatCompletionRequest, CompletionRequest
+from app.api.token_requests import DetokenizeRequest, TokenizeRequest
 from app.config import ServedModelConfig
 from app.server import ModelServer
 from app.spec.remote import DraftCall, DraftResult

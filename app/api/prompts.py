@@ -9,7 +9,8 @@ import inspect
 
 from app.api import tools
 from app.api.errors import APIError
-from app.api.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from app.api.protocol import ChatCompletionRequest
+from app.api.token_requests import DetokenizeRequest, TokenizeRequest
 
 
 class Prompts:

@@ -16,13 +16,14 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from app.api import extras, tool_streams, tools
+from app.api import budget, extras, tool_streams, tools
 from app.api.errors import APIError, rejection_reason
 from app.api.fim import fim_prompt
 from app.api.fanout import Prepared, best_candidates, fan_out, gather_or_cancel, merged, num_prompts, usage
 from app.api.logprobs import LogprobFormatter, next_text_offset
 from app.api.prompts import Prompts
-from app.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _SamplingFields
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from app.api.token_requests import DetokenizeRequest, TokenizeRequest
 from app.api.structured import request_format
 from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
 from app.engine.request import TokenLogprob
@@ -228,45 +229,11 @@ class OpenAIServing:
 
     # ---- shared -------------------------------------------------------------------------
     def _prepare(self, prefix: str, prompt_ids: list[int], request: _SamplingFields, max_tokens: int | None) -> Prepared:
-        if not prompt_ids:
-            raise APIError(400, "the prompt must contain at least one token", param="prompt")
-        if max(prompt_ids) >= self.vocab_size:  # a tokenizer with tokens the model has no embedding for
-            raise APIError(400, f"the prompt holds token {max(prompt_ids)}, past the model's vocabulary of {self.vocab_size} "
-                           "(its tokenizer has tokens the model was not resized for): leave them out",
-                           param="messages" if prefix == "chatcmpl" else "prompt")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(prompt_ids)}. Shorten the prompt.",
-                param="messages" if prefix == "chatcmpl" else "prompt",
-                code="context_length_exceeded",
-            )
-        if max_tokens is not None and max_tokens > self.max_model_len:
-            field = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens; {field} asks for {max_tokens}, "
-                f"more than the whole context. Lower {field} (at most {room} fit after this prompt).",
-                param=field,
-                code="context_length_exceeded",
-            )
-        if max_tokens is not None:  # as vLLM: the room the prompt leaves caps it (the answer then ends as "length")
-            max_tokens = min(max_tokens, room)
-        if request.min_tokens > room:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                           f"{len(prompt_ids)}, which leaves room for {room}, fewer than min_tokens ({request.min_tokens}).",
-                           param="min_tokens", code="context_length_exceeded")
+        room = budget.room_left(prompt_ids, self.vocab_size, self.max_model_len, "messages" if prefix == "chatcmpl" else "prompt")
+        max_tokens = budget.capped_max_tokens(max_tokens, room, request, self.max_model_len)
         prompt_only = max_tokens == 0
         sampling = request.sampling_params(1 if prompt_only else max_tokens or room, self.default_sampling)
-        for param, ids in (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", [t for t, _ in sampling.logit_bias])):
-            outside = [t for t in ids if not 0 <= t < self.vocab_size]
-            if outside:
-                raise APIError(400, f"{param} token ids must be in [0, {self.vocab_size}); got {outside[0]}", param=param)
-        if sampling.min_tokens and len(set(sampling.stop_token_ids)) >= self.vocab_size:
-            raise APIError(400, "stop_token_ids holds every token of the vocabulary, so min_tokens leaves none to choose",
-                           param="stop_token_ids")
+        budget.check_token_ids(sampling, self.vocab_size)
         request_id = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever id a client sends
         response_id = f"{prefix}-{request.request_id}" if request.request_id else request_id
         model = request.model or self.model_name

@@ -8,7 +8,8 @@ from transformers import PreTrainedTokenizerFast
 
 from app.api.errors import APIError
 from app.api.prompts import Prompts
-from app.api.protocol import ChatCompletionRequest, TokenizeRequest, parse_body
+from app.api.protocol import ChatCompletionRequest, parse_body
+from app.api.token_requests import TokenizeRequest
 
 CHATML = (
     "{% if documents %}DOCS {% for d in documents %}{{ d['title'] }};{% endfor %}\n{% endif %}"

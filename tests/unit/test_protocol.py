@@ -3,7 +3,8 @@ import json
 import pytest
 
 from app.api.errors import APIError, to_api_error
-from app.api.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest, parse_body
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from app.api.token_requests import GenerateRequest
 from app.engine import EngineOverloadedError
 
 

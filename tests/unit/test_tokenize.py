@@ -4,7 +4,8 @@ are the ones generation would send, and token ids read back as their text."""
 import pytest
 
 from app.api.errors import APIError
-from app.api.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, parse_body
+from app.api.protocol import ChatCompletionRequest, parse_body
+from app.api.token_requests import DetokenizeRequest, TokenizeRequest
 from app.config import AppConfig
 from tests.serve.fake_model import fake_model_server
 
