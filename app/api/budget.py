@@ -32,8 +32,8 @@ def capped_max_tokens(max_tokens: int | None, room: int, request, max_model_len:
                        param=field, code="context_length_exceeded")
     if request.min_tokens > room:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                       f"{max_model_len - room}, which leaves room for {room}, fewer than min_tokens ({request.min_tokens}).",
-                       param="min_tokens", code="context_length_exceeded")
+                       f"{max_model_len - room}, which leaves room for {room}, fewer than min_tokens "
+                       f"({request.min_tokens}).", param="min_tokens", code="context_length_exceeded")
     return None if max_tokens is None else min(max_tokens, room)
 
 

@@ -43,7 +43,7 @@ class LogprobFormatter:
 
         def entry(token_id: int, logprob: float) -> dict:
             text = self.token_text(token_id)
-            return {"token": self.token_name(token_id, as_ids) if as_ids else text, "logprob": logprob,
+            return {"token": f"token_id:{token_id}" if as_ids else text, "logprob": logprob,
                     "bytes": self.token_bytes(token_id, text)}
 
         return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
@@ -52,9 +52,9 @@ class LogprobFormatter:
                    prompt_logprobs: list[TokenLogprob | None] | None = None, text_offset: int = 0,
                    width: int | None = None, as_ids: bool = False) -> dict | None:
         """``prompt_logprobs`` (echo): one per prompt token, the first None, each with ``width`` alternatives at most,
-        as the answer's tokens (prompt_logprobs may have asked for more). ``text_offset``: the first token's (a stream's chunk continues where the one before ended:
-        ``next_text_offset``). Each token's alternatives include the token itself, as OpenAI returns them (up to
-        logprobs + 1 entries)."""
+        as the answer's tokens (prompt_logprobs may have asked for more). ``text_offset``: the first token's (a
+        stream's chunk continues where the one before ended: ``next_text_offset``). Each token's alternatives include
+        the token itself, as OpenAI returns them (up to logprobs + 1 entries). ``as_ids``: tokens named by id."""
         if logprobs is None:
             return None
         entries: list[tuple[int, float | None, list | None]] = []
@@ -71,7 +71,6 @@ class LogprobFormatter:
                              for name, (_, value, top) in zip(names, entries)],
             "text_offset": list(itertools.accumulate((len(t) for t in names[:-1]), initial=text_offset))[:len(names)],
         }
-
 
     def vllm_prompt(self, prompt_logprobs: list[TokenLogprob | None], count: int) -> list[dict | None]:
         """vLLM's ``prompt_logprobs``: per prompt token (the first None), its id -> ``{logprob, rank, decoded_token}``,

@@ -221,7 +221,7 @@ def response_dict(body: dict, response_id: str, created: int, model: str, status
         "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": given("instructions"), "max_output_tokens": given("max_output_tokens"), "output": output,
         "parallel_tool_calls": given("parallel_tool_calls", True), "previous_response_id": None,
-        "reasoning": {"effort": body["reasoning"].get("effort"), "summary": None} if isinstance(body.get("reasoning"), dict) else None,
+        "reasoning": {"effort": given("reasoning").get("effort"), "summary": None} if isinstance(given("reasoning"), dict) else None,
         "store": False, "temperature": given("temperature"), "top_p": given("top_p"),
         "text": given("text", {"format": {"type": "text"}}), "tool_choice": given("tool_choice", "auto"),
         "tools": given("tools", []), "truncation": given("truncation", "disabled"), "metadata": given("metadata", {}),
