@@ -39,7 +39,7 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True  # a prompt's: the tokenizer's BOS (a chat's template writes its own)
+    add_special_tokens: bool = True  # a prompt's: the tokenizer's BOS (messages: none unless set, as a chat request's)
     add_generation_prompt: bool = True  # messages': the template's opening of the assistant's turn
     continue_final_message: bool = False  # messages': the final message left open, as a chat request's
     chat_template_kwargs: dict[str, Any] | None = None  # messages': the template's own variables, as a chat request's
@@ -56,7 +56,7 @@ class TokenizeRequest(_Strict):
         """The chat request whose prompt ``messages`` and ``tools`` make."""
         messages = [m.model_dump(exclude_none=True) for m in self.messages or []]
         fields = self.model_dump(include={"tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                                          "documents"}, exclude_unset=True, exclude_none=True)
+                                          "documents", "add_special_tokens"}, exclude_unset=True, exclude_none=True)
         return parse_body({"messages": messages, **fields}, ChatCompletionRequest)
 
 

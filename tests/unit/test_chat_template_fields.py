@@ -89,7 +89,9 @@ def test_add_special_tokens_encodes_the_templates_text_with_the_tokenizers_own(p
     monkeypatch.setattr(prompts.tokenizer, "encode", lambda text, add_special_tokens=True: asked.append(add_special_tokens) or [0])
     prompts.chat(parse_body({"messages": CHAT}, ChatCompletionRequest))
     prompts.chat(parse_body({"messages": CHAT, "add_special_tokens": True}, ChatCompletionRequest))
-    assert asked == [False, True]  # the template writes its own special tokens: none added unless asked, as vLLM
+    prompts._tokenized(parse_body({"messages": CHAT}, TokenizeRequest))  # /tokenize reads a chat as a chat request
+    prompts._tokenized(parse_body({"messages": CHAT, "add_special_tokens": True}, TokenizeRequest))
+    assert asked == [False, True, False, True]  # the template writes its own special tokens: none unless asked, as vLLM
 
 
 def test_documents_reach_a_template_that_shows_them_as_a_field_or_a_variable(prompts, rendered):
