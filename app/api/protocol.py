@@ -22,7 +22,7 @@ from app.api.bodies import json_object, require_plain_text
 from app.api.errors import APIError
 from app.api.fanout import MAX_CHOICES
 from app.api.structured import compiled, request_grammar
-from app.api.tools import Tool, forced_schema, parse_tools, resolve_choice
+from app.api.tools import Tool, allowed_tools, forced_schema, parse_tools, resolve_choice
 from app.engine.request import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
 
@@ -316,11 +316,15 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def parsed_tools(self) -> list[Tool]:
-        return parse_tools(self.tools)
+        """The tools the model is shown and may call: an ``allowed_tools`` choice's, else all."""
+        tools = parse_tools(self.tools)
+        allowed = allowed_tools(self.tool_choice, tools)
+        return tools if allowed is None else allowed[1]
 
     def tool_choice_resolved(self) -> str | Tool | None:
         """None (no tool calling), "auto", "required" or the named function (app/api/tools.py)."""
-        return resolve_choice(self.tool_choice, self.parsed_tools())
+        allowed = allowed_tools(self.tool_choice, parse_tools(self.tools))
+        return resolve_choice(self.tool_choice if allowed is None else allowed[0], self.parsed_tools())
 
     def grammar(self) -> str | None:
         """A required or named tool call: JSON its schema accepts; otherwise the structured-output fields."""

@@ -110,6 +110,29 @@ def resolve_choice(tool_choice: Any, tools: list[Tool]) -> str | Tool | None:
     raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
 
 
+def allowed_tools(tool_choice: Any, tools: list[Tool]) -> tuple[str, list[Tool]] | None:
+    """OpenAI's ``{"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools": [{"type":
+    "function", "function": {"name": ...}}, ...]}}``: (its mode, the tools it allows), or None for any other choice.
+    The model is shown, and may call, those tools alone."""
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "allowed_tools":
+        return None
+    spec = tool_choice.get("allowed_tools")
+    entries = spec.get("tools") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict) or spec.get("mode") not in ("auto", "required") or not isinstance(entries, list) or not entries:
+        raise APIError(400, 'tool_choice allowed_tools must be {"mode": "auto" | "required", "tools": [{"type": "function", '
+                       '"function": {"name": ...}}, ...]}', param="tool_choice.allowed_tools")
+    by_name = {tool.name: tool for tool in tools}
+    allowed = []
+    for i, entry in enumerate(entries):
+        function = entry.get("function") if isinstance(entry, dict) and entry.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if name not in by_name:
+            raise APIError(400, f"tool_choice allowed_tools.tools[{i}] names no function among the tools",
+                           param=f"tool_choice.allowed_tools.tools[{i}]")
+        allowed.append(by_name[name])
+    return spec["mode"], allowed
+
+
 def forced_schema(choice: str | Tool, tools: list[Tool], parallel: bool) -> dict | None:
     """The JSON schema a ``required`` or named call's output must follow (None for ``auto``)."""
     if isinstance(choice, Tool):

@@ -280,3 +280,29 @@ def test_json_python_cannot_read_is_no_call_in_an_answer_and_text_in_history(arg
     history = [{"role": "assistant", "content": None,
                 "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}]
     assert arguments in render_for_template(history, [])[0]["content"]
+
+
+def test_allowed_tools_show_and_let_the_model_call_those_alone_in_their_mode():
+    """OpenAI's ``tool_choice: {"type": "allowed_tools", ...}``: the model is shown, and may call, the allowed tools
+    only ("required": one of them must be called); a name among no tools is a 400; the Responses API's flat form too."""
+    from app.api.responses import chat_body
+
+    def choice(mode: str, *names: str) -> dict:
+        return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
+            {"type": "function", "function": {"name": name}} for name in names]}}
+
+    required = parse_body({**CHAT, "tools": [WEATHER, TIME], "tool_choice": choice("required", "get_time")}, ChatCompletionRequest)
+    assert [t.name for t in required.parsed_tools()] == ["get_time"] and required.tool_choice_resolved() == "required"
+    grammar = required.sampling_params(8).grammar
+    assert "get_time" in grammar and "get_weather" not in grammar
+    auto = parse_body({**CHAT, "tools": [WEATHER, TIME], "tool_choice": choice("auto", "get_weather")}, ChatCompletionRequest)
+    assert [t.name for t in auto.parsed_tools()] == ["get_weather"] and auto.tool_choice_resolved() == "auto"
+    for bad, param in ((choice("auto", "get_news"), "tool_choice.allowed_tools.tools[0]"),
+                       (choice("sometimes", "get_time"), "tool_choice.allowed_tools")):
+        with pytest.raises(APIError) as info:
+            parse_body({**CHAT, "tools": [WEATHER, TIME], "tool_choice": bad}, ChatCompletionRequest)
+        assert info.value.param == param
+    flat = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+    body = chat_body({"model": "m", "input": "What time is it?", "tool_choice": flat,
+                      "tools": [{"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}]})
+    assert [t.name for t in parse_body(body, ChatCompletionRequest).parsed_tools()] == ["get_time"]
