@@ -63,6 +63,7 @@ class ModelServer:
             admit=admit,
             speculative_names=[spec.served_name for spec in config.engine.drafters],
             tool_parser=tool_parser_for(config.model.tool_parser, self.info.tokenizer),
+            reasoning_parser=config.model.reasoning_parser,
         )
         self.ready_s = time.monotonic() - started
         logger.info("model %s ready in %.1fs (warm-up %.2fs; tool calls read as %s)", self.info.name, self.ready_s,

@@ -273,6 +273,7 @@ def parse_request(raw: bytes) -> tuple[dict, Any]:
         raise named_for_responses(error) from None
     # "auto": an input past the context loses its oldest turns (the model's replica knows its context and tokenizer)
     request._fit_by_dropping_oldest = body.get("truncation") == "auto"
+    request._reasoning_inline = True  # no reasoning items are made: a model's thinking stays in its message's text
     return body, request
 
 

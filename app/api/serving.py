@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from app.api import budget, extras, tool_streams, tools
+from app.api import budget, extras, reasoning, tool_streams, tools
 from app.api.errors import APIError, rejection_reason
 from app.api.fim import fim_prompt
 from app.api.fanout import Prepared, best_candidates, fan_out, gather_or_cancel, merged, num_prompts, usage
@@ -45,6 +45,7 @@ class OpenAIServing:
         admit: Admit | None = None,
         speculative_names: list[str | None] | None = None,
         tool_parser: str = "hermes",
+        reasoning_parser: str | None = None,
     ) -> None:
         """``speculative_names``: the served name of each of the engine's drafters (engine.drafters, in order):
         requests sent to that name are drafted for by that drafter; a drafter without a name drafts for every
@@ -61,6 +62,9 @@ class OpenAIServing:
         self.default_sampling = dict(default_sampling or {})
         self.logprob_format = LogprobFormatter(tokenizer)
         self.tool_parser = tool_parser  # how "auto" tool calls are read out of this model's text (app/api/tools.py)
+        self.reasoning_parser = reasoning_parser  # whether <think>...</think> is the message's reasoning (reasoning.py)
+        # markers the tokenizer calls special would leave the text under skip_special_tokens: such requests keep them
+        self._think_is_special = reasoning.CLOSE in (getattr(tokenizer, "all_special_tokens", None) or [])
         self.prompts = Prompts(tokenizer, model_name, max_model_len, vocab_size)  # requests' token ids
 
     # ---- completions --------------------------------------------------------------------
@@ -92,19 +96,23 @@ class OpenAIServing:
         choice, kind = request.tool_choice_resolved(), "chat.completion.chunk"
         # the template and tokenizing off the event loop, where every stream of this replica waits (75 ms for 40k tokens)
         plans = await asyncio.to_thread(self._chat_plans, request)
+
+        def choice_chunks(plan: Prepared) -> AsyncIterator[dict]:  # the reasoning apart, where the model's parser splits it
+            plain = self._chunks(plan, _chat_choice, kind, request)
+            return plain if plan.reasoning_inside is None else reasoning.reasoned_chunks(plain, plan.reasoning_inside)
+
         if choice == "auto":  # content as it comes, calls once their text is whole
             one_call = request.parallel_tool_calls is False
             streamed = self._streamed(plans, request, _chat_choice, kind, chunker=lambda plan:
-                                      tool_streams.auto_chunks(self._chunks(plan, _chat_choice, kind, request), self.tool_parser, one_call,
-                                                               request.parsed_tools()))
+                                      tool_streams.auto_chunks(choice_chunks(plan), self.tool_parser, one_call, request.parsed_tools()))
         elif isinstance(choice, tools.Tool):  # a named function: its arguments as they come
             streamed = self._streamed(plans, request, _chat_choice, kind, chunker=lambda plan:
-                                      tool_streams.named_call_chunks(self._chunks(plan, _chat_choice, kind, request), choice.name))
+                                      tool_streams.named_call_chunks(choice_chunks(plan), choice.name))
         elif choice is not None:  # required: each call once its name is whole, then its arguments as they come
             streamed = self._streamed(plans, request, _chat_choice, kind, chunker=lambda plan:
-                                      tool_streams.required_call_chunks(self._chunks(plan, _chat_choice, kind, request)))
+                                      tool_streams.required_call_chunks(choice_chunks(plan)))
         else:
-            streamed = self._streamed(plans, request, _chat_choice, kind)
+            streamed = self._streamed(plans, request, _chat_choice, kind, chunker=choice_chunks)
         async with contextlib.aclosing(streamed) as chunks:  # closed with this stream, as completion_stream's
             async for chunk in chunks:
                 yield chunk
@@ -117,7 +125,7 @@ class OpenAIServing:
         shown = request.parsed_tools()
 
         def answer() -> dict:
-            choices = [{"index": p.index, "message": self._chat_message(text, choice, one_call, shown, last.finish_reason),
+            choices = [{"index": p.index, "message": self._reasoned_message(p, text, choice, one_call, shown, last.finish_reason),
                         "logprobs": self.logprob_format.chat(lps, p.logprobs_as_ids), "finish_reason": last.finish_reason}
                        for p, (text, last, lps) in zip(plans, results)]
             for entry in choices:  # a forced function's answer stops as any answer does (OpenAI, vLLM); the model's own calls
@@ -128,6 +136,18 @@ class OpenAIServing:
             return response
 
         return await _formatted(answer, request.logprobs or request.prompt_logprobs is not None)
+
+    def _reasoned_message(self, plan: Prepared, text: str, choice, one_call: bool, shown: list, finish_reason: str | None) -> dict:
+        """The assistant's message, its reasoning apart where the model's parser splits it (calls read from the rest)."""
+        if plan.reasoning_inside is None:
+            return self._chat_message(text, choice, one_call, shown, finish_reason)
+        thought, content = reasoning.split(text, plan.reasoning_inside)
+        message = self._chat_message(content or "", choice, one_call, shown, finish_reason)
+        if content is None and message["content"] == "":
+            message["content"] = None
+        if thought is not None:
+            message["reasoning"] = message["reasoning_content"] = thought
+        return message
 
     def _chat_message(self, text: str, choice, one_call: bool = False, shown: list | None = None,
                       finish_reason: str | None = "stop") -> dict:
@@ -165,6 +185,11 @@ class OpenAIServing:
             grammar = self._auto_grammar(request)
             if grammar is not None:
                 prepared.sampling = dataclasses.replace(prepared.sampling, grammar=grammar)
+        if self.reasoning_parser and prepared.sampling.grammar is None and not request._reasoning_inline:
+            # (a grammar holds the output from its first token: no thinking to split)
+            prepared.reasoning_inside = reasoning.starts_inside(self.tokenizer.decode(prompt_ids[-8:]))
+            if self._think_is_special:
+                prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)
         return self._fan_out([prepared], request.n)
 
     def _auto_grammar(self, request: ChatCompletionRequest) -> str | None:

@@ -11,6 +11,7 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATION_METHODS = ("none", "bnb-int8", "bnb-nf4", "gptq")  # app.models.quantization implements them
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")  # app/api/tools.py implements them (auto: the chat template's)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # app/api/reasoning.py: <think>...</think> apart from the answer
 SERVED_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-/:]{0,127}$")
 
 
@@ -36,6 +37,9 @@ class ModelConfig:
     # how tool_choice "auto" reads calls from its text: hermes, llama3_json, mistral, or auto (the format the chat
     # template teaches: app/api/tools.py tool_parser_for)
     tool_parser: str = "auto"
+    # a reasoning model's <think>...</think> as the message's `reasoning`, apart from its content (app/api/reasoning.py);
+    # None: the text as the model wrote it, as vLLM without --reasoning-parser
+    reasoning_parser: str | None = None
     # auto: requests' unset sampling fields take the checkpoint's generation_config.json values, as vLLM does
     # (app/models/generation_defaults.py); none: OpenAI's defaults (vLLM's --generation-config vllm)
     generation_config: str = "auto"
@@ -56,6 +60,9 @@ class ModelConfig:
             )
         if self.tool_parser not in ("auto", *TOOL_PARSERS):
             raise ValueError(f"model.tool_parser {self.tool_parser!r} is not one of auto, {', '.join(TOOL_PARSERS)}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"model.reasoning_parser {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)} "
+                             "(or null: none)")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"model.generation_config {self.generation_config!r} is not auto or none")
         if self.device not in DEVICES:

@@ -1,0 +1,101 @@
+"""A reasoning model's thinking apart from its answer (``model.reasoning_parser``, as vLLM's ``--reasoning-parser``):
+text between ``<think>`` and ``</think>`` is the message's ``reasoning`` (vLLM's field; also ``reasoning_content``,
+the DeepSeek API's and older vLLM's name, which LiteLLM and Open WebUI read), the rest its ``content``.
+
+The output starts inside the reasoning when the prompt ends with an open ``<think>`` (DeepSeek-R1's template, Qwen3's
+thinking templates), or when the output opens one; otherwise (Qwen3 with ``enable_thinking: false``, whose template
+writes an empty think block) it is all content. ``deepseek_r1`` and ``qwen3`` name the same reading: both models write
+these markers. An answer cut short inside its reasoning has no content."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def starts_inside(prompt_text_end: str) -> bool:
+    """Whether the prompt (its last characters) leaves a think block open for the output."""
+    text = prompt_text_end.rstrip()
+    return text.endswith(OPEN)
+
+
+class ReasoningSplitter:
+    """An answer's text, fed piece by piece, split into (reasoning, content) pieces; text that may be the start of a
+    marker waits until it is known not to be one, so a stream never shows a marker's characters."""
+
+    def __init__(self, inside: bool) -> None:
+        self.inside = inside
+        self.opening = not inside  # at the output's start: it may open a think block (whitespace before it waits)
+        self.done = False  # past </think>: the rest is content
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        self._held += text
+        reasoning, content = "", ""
+        while True:
+            if self.opening:
+                stripped = self._held.lstrip()
+                if stripped.startswith(OPEN):
+                    self._held, self.inside, self.opening = stripped[len(OPEN):], True, False
+                    continue
+                if not stripped or OPEN.startswith(stripped):
+                    return reasoning, content  # whitespace, or the start of <think>: not known yet
+                self.opening = False
+            if self.inside and not self.done:
+                end = self._held.find(CLOSE)
+                if end >= 0:
+                    reasoning += self._held[:end]
+                    self._held, self.done = self._held[end + len(CLOSE):], True
+                    continue
+                keep = _partial_marker(self._held, CLOSE)
+                reasoning += self._held[:len(self._held) - keep]
+                self._held = self._held[len(self._held) - keep:]
+                return reasoning, content
+            content += self._held
+            self._held = ""
+            return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held, at the answer's end: reasoning if inside an open block, else content."""
+        held, self._held = self._held, ""
+        return (held, "") if self.inside and not self.done else ("", held)
+
+
+def split(text: str, inside: bool) -> tuple[str | None, str | None]:
+    """A whole answer's (reasoning, content), as its stream splits it: None where there is none (what follows
+    </think> is the content as written, as vLLM gives it)."""
+    splitter = ReasoningSplitter(inside)
+    reasoning, content = splitter.feed(text)
+    more_reasoning, more_content = splitter.finish()
+    reasoning, content = reasoning + more_reasoning, content + more_content
+    if not splitter.inside:
+        return None, content
+    return reasoning, content or None
+
+
+def _partial_marker(text: str, marker: str) -> int:
+    """How many of ``text``'s last characters begin ``marker`` (they wait for what follows)."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
+
+
+async def reasoned_chunks(chunks: AsyncIterator[dict], inside: bool) -> AsyncIterator[dict]:
+    """One choice's chat chunks with each delta's text split: its reasoning as ``reasoning`` (and
+    ``reasoning_content``), the rest as ``content``; every chunk still goes out (a token held back while it may begin
+    a marker has an empty delta), the held text at the finish."""
+    splitter = ReasoningSplitter(inside)
+    async with contextlib.aclosing(chunks):  # closed with this stream (a client gone): its request aborted at once
+        async for chunk in chunks:
+            choice = chunk["choices"][0]
+            thought, content = splitter.feed(choice["delta"].get("content") or "")
+            if choice["finish_reason"] is not None:
+                more_thought, more_content = splitter.finish()
+                thought, content = thought + more_thought, content + more_content
+            delta = {"reasoning": thought, "reasoning_content": thought} if thought else {}
+            if content or (not thought and "content" in choice["delta"]):
+                delta["content"] = content
+            yield {**chunk, "choices": [{**choice, "delta": delta}]}

@@ -1,0 +1,99 @@
+"""A reasoning model's thinking apart from its answer (``model.reasoning_parser``): the splitter on its own, then the
+real serving layer over the fake model replaying recorded answers: the message's ``reasoning`` and ``content``,
+streamed or not, calls read from the content, and what is left whole (a grammar's output, a response's text)."""
+
+import pytest
+
+from app.api.protocol import ChatCompletionRequest, parse_body
+from app.api.reasoning import ReasoningSplitter, split
+from app.api.responses import parse_request
+from app.config import AppConfig
+from tests.serve import fake_model
+from tests.serve.fake_model import REPLAY
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("text, inside, expected", [
+    ("<think>Let me see.</think>Paris.", False, ("Let me see.", "Paris.")),  # Qwen3: the output opens its block
+    ("\n<think>Let me see.</think>\n\nParis.", False, ("Let me see.", "\n\nParis.")),
+    ("Let me see.</think>Paris.", True, ("Let me see.", "Paris.")),  # DeepSeek-R1: the prompt opened it
+    ("Paris.", False, (None, "Paris.")),  # thinking off (an empty block in the prompt): all content
+    ("Let me see, and", True, ("Let me see, and", None)),  # cut short while thinking
+    ("a </thin", True, ("a </thin", None)),  # a marker's start that never became one
+])
+def test_an_answer_splits_alike_whole_and_fed_in_any_pieces(text, inside, expected):
+    assert split(text, inside) == expected
+    for size in (1, 2, 3, 5):
+        splitter, thought, content = ReasoningSplitter(inside), "", ""
+        for piece in [text[i:i + size] for i in range(0, len(text), size)] + [None]:
+            r, c = splitter.finish() if piece is None else splitter.feed(piece)
+            thought, content = thought + r, content + c
+        assert (thought if expected[0] is not None else None, content or None) == (expected[0], expected[1] or None), size
+
+
+@pytest.fixture
+def server(quick_fake_steps):
+    served = {"model": {"source": "fake-tools", "reasoning_parser": "qwen3"}, "engine": {"separate_process": False}}
+    server = fake_model.fake_model_server(AppConfig.from_dict({"models": [served]}).models[0])
+    yield server
+    server.shutdown(timeout_s=1)
+
+
+def _body(answer: str, **extra) -> dict:
+    content = f"Weather in Oslo? {REPLAY[0].decode()}{answer}{REPLAY[1].decode()}"  # the fake model answers this
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 400, **extra}
+
+
+async def _whole_and_streamed(server, body: dict) -> tuple[dict, list[dict]]:
+    whole = (await server.serving.chat(parse_body(body, ChatCompletionRequest)))["choices"][0]
+    chunks = [c async for c in server.serving.chat_stream(parse_body({**body, "stream": True}, ChatCompletionRequest))]
+    return whole, [c["choices"][0] for c in chunks if c["choices"]]
+
+
+def _joined(deltas: list[dict], key: str) -> str:
+    return "".join(d["delta"].get(key) or "" for d in deltas)
+
+
+async def test_the_thinking_is_the_messages_reasoning_streamed_or_not(server):
+    whole, deltas = await _whole_and_streamed(server, _body("<think>Rain, probably.</think>It rains in Oslo."))
+    message = whole["message"]
+    assert (message["reasoning"], message["reasoning_content"], message["content"]) == ("Rain, probably.",) * 2 + ("It rains in Oslo.",)
+    assert _joined(deltas, "reasoning") == _joined(deltas, "reasoning_content") == "Rain, probably."
+    assert _joined(deltas, "content") == "It rains in Oslo." and "<" not in _joined(deltas, "content")
+    assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "stop"
+
+
+async def test_a_prompt_that_opens_the_block_starts_the_answer_thinking(server):
+    """DeepSeek-R1's template ends the prompt with <think> (here: an assistant turn continued from it)."""
+    body = _body("Rain, probably.</think>It rains.")
+    body["messages"].append({"role": "assistant", "content": "<think>"})
+    whole, deltas = await _whole_and_streamed(server, {**body, "continue_final_message": True})
+    assert (whole["message"]["reasoning"], whole["message"]["content"]) == ("Rain, probably.", "It rains.")
+    assert (_joined(deltas, "reasoning"), _joined(deltas, "content")) == ("Rain, probably.", "It rains.")
+
+
+async def test_calls_are_read_from_the_content_after_the_thinking(server):
+    answer = '<think>I need the weather.</think><tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    whole, deltas = await _whole_and_streamed(server, _body(answer, tools=[WEATHER]))
+    assert whole["message"]["reasoning"] == _joined(deltas, "reasoning") == "I need the weather."
+    [call] = whole["message"]["tool_calls"]
+    assert call["function"]["arguments"] == '{"city": "Oslo"}' and not whole["message"]["content"]
+    entries = [entry for d in deltas for entry in d["delta"].get("tool_calls", [])]
+    assert "".join(e["function"]["arguments"] for e in entries) == '{"city": "Oslo"}'
+    assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "tool_calls"
+
+
+async def test_a_grammars_output_and_a_responses_text_stay_whole(server):
+    answer = '<think>x</think>{"a": 1}'
+    formatted = await server.serving.chat(parse_body(_body(answer, response_format={"type": "json_object"}), ChatCompletionRequest))
+    assert formatted["choices"][0]["message"]["content"] == answer and "reasoning" not in formatted["choices"][0]["message"]
+    _, request = parse_request(str.encode(__import__("json").dumps(
+        {"model": "m", "input": _body("<think>x</think>Rain.")["messages"][0]["content"]})))
+    answered = await server.serving.chat(request)
+    assert answered["choices"][0]["message"]["content"] == "<think>x</think>Rain."  # no reasoning items are made
+
+
+def test_an_unknown_parser_is_refused_at_load():
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        AppConfig.from_dict({"models": [{"model": {"source": "fake-tools", "reasoning_parser": "o1"}}]})
