@@ -15,10 +15,21 @@ from typing import AsyncIterator
 OPEN, CLOSE = "<think>", "</think>"
 
 
-def starts_inside(prompt_text_end: str) -> bool:
-    """Whether the prompt (its last characters) leaves a think block open for the output."""
-    text = prompt_text_end.rstrip()
-    return text.endswith(OPEN)
+def starts_inside(parser: str, prompt_tail: str) -> bool:
+    """Whether the answer starts thinking, from the prompt's last characters: where they leave a think block open
+    (its last ``<think>`` after its last ``</think>``: DeepSeek-R1's template, Qwen3's thinking templates, an assistant
+    turn continued from inside one); for ``deepseek_r1`` also where they hold no block at all, as vLLM reads R1 (its
+    answer thinks first, until ``</think>``), but not where they close one (thinking turned off)."""
+    opened, closed = prompt_tail.rfind(OPEN), prompt_tail.rfind(CLOSE)
+    if opened > closed:
+        return True
+    return parser == "deepseek_r1" and opened == closed == -1
+
+
+def is_special(tokenizer) -> bool:
+    """Whether ``</think>`` is one token the tokenizer leaves out of text under ``skip_special_tokens``."""
+    ids = tokenizer.encode(CLOSE, add_special_tokens=False)
+    return len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == ""
 
 
 class ReasoningSplitter:
@@ -27,7 +38,7 @@ class ReasoningSplitter:
 
     def __init__(self, inside: bool) -> None:
         self.inside = inside
-        self.opening = not inside  # at the output's start: it may open a think block (whitespace before it waits)
+        self.opening = True  # at the output's start: it may open a think block, or open it again (whitespace waits)
         self.done = False  # past </think>: the rest is content
         self._held = ""
 

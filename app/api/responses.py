@@ -187,8 +187,8 @@ def _chat_tool_choice(choice: Any) -> Any:
             raise APIError(400, "tool_choice must name its function: {\"type\": \"function\", \"name\": ...}", param="tool_choice")
         return {"type": "function", "function": {"name": choice["name"]}}
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools" and isinstance(choice.get("tools"), list):
-        tools = [{"type": "function", "function": {"name": tool.get("name")}} if isinstance(tool, dict) else tool
-                 for tool in choice["tools"]]  # flat, as response tools are
+        tools = [{"type": "function", "function": {"name": tool.get("name")}}  # flat, as response tools are
+                 if isinstance(tool, dict) and tool.get("type") == "function" else tool for tool in choice["tools"]]
         return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": tools}}
     return choice  # "auto", "none", "required"; anything else the chat request refuses, naming it
 

@@ -64,7 +64,7 @@ class OpenAIServing:
         self.tool_parser = tool_parser  # how "auto" tool calls are read out of this model's text (app/api/tools.py)
         self.reasoning_parser = reasoning_parser  # whether <think>...</think> is the message's reasoning (reasoning.py)
         # markers the tokenizer calls special would leave the text under skip_special_tokens: such requests keep them
-        self._think_is_special = reasoning.CLOSE in (getattr(tokenizer, "all_special_tokens", None) or [])
+        self._think_is_special = bool(reasoning_parser) and reasoning.is_special(tokenizer)
         self.prompts = Prompts(tokenizer, model_name, max_model_len, vocab_size)  # requests' token ids
 
     # ---- completions --------------------------------------------------------------------
@@ -185,12 +185,19 @@ class OpenAIServing:
             grammar = self._auto_grammar(request)
             if grammar is not None:
                 prepared.sampling = dataclasses.replace(prepared.sampling, grammar=grammar)
-        if self.reasoning_parser and prepared.sampling.grammar is None and not request._reasoning_inline:
-            # (a grammar holds the output from its first token: no thinking to split)
-            prepared.reasoning_inside = reasoning.starts_inside(self.tokenizer.decode(prompt_ids[-8:]))
+        if self.reasoning_parser and self._thinks_freely(request) and not request._reasoning_inline:
+            tail = self.tokenizer.decode(prompt_ids[-64:])
+            prepared.reasoning_inside = reasoning.starts_inside(self.reasoning_parser, tail)
             if self._think_is_special:
                 prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)
         return self._fan_out([prepared], request.n)
+
+    @staticmethod
+    def _thinks_freely(request: ChatCompletionRequest) -> bool:
+        """Whether the answer's text is free to think first: not under a response format's or a forced call's grammar,
+        which holds it from its first token (strict tools' calls under auto leave the text free)."""
+        return request.tool_choice_resolved() in (None, "auto") and request_format(
+            request.response_format, request.structured_outputs) is None
 
     def _auto_grammar(self, request: ChatCompletionRequest) -> str | None:
         """``tool_choice: auto``'s grammar, if any: beside a response format, the format holds the answer and each call

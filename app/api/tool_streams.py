@@ -21,10 +21,11 @@ async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, 
     async with contextlib.aclosing(chunks):  # closed with this stream (a client gone): its request aborted at once
         async for chunk in chunks:
             choice = chunk["choices"][0]
+            held_logprobs += (choice["logprobs"] or {}).get("content") or []  # they go out with the text they are for
             if choice["delta"].get("reasoning"):  # a reasoning model's thinking (app/api/reasoning.py): out as it comes
                 thought = {key: choice["delta"][key] for key in ("reasoning", "reasoning_content")}
-                yield {**chunk, "choices": [{**choice, "delta": thought, "logprobs": None, "finish_reason": None}]}
-            held_logprobs += (choice["logprobs"] or {}).get("content") or []  # they go out with the text they are for
+                logprobs, held_logprobs = ({"content": held_logprobs} if held_logprobs else None), []
+                yield {**chunk, "choices": [{**choice, "delta": thought, "logprobs": logprobs, "finish_reason": None}]}
             text, calls = calls_in.feed(choice["delta"].get("content") or ""), calls_in.calls
             if choice["finish_reason"] is not None:
                 content, whole = calls_in.finish()

@@ -122,15 +122,16 @@ def allowed_tools(tool_choice: Any, tools: list[Tool]) -> tuple[str, list[Tool]]
         raise APIError(400, 'tool_choice allowed_tools must be {"mode": "auto" | "required", "tools": [{"type": "function", '
                        '"function": {"name": ...}}, ...]}', param="tool_choice.allowed_tools")
     by_name = {tool.name: tool for tool in tools}
-    allowed = []
+    allowed: dict[str, Tool] = {}  # each once, in the order given
     for i, entry in enumerate(entries):
         function = entry.get("function") if isinstance(entry, dict) and entry.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
         if name not in by_name:
-            raise APIError(400, f"tool_choice allowed_tools.tools[{i}] names no function among the tools",
-                           param=f"tool_choice.allowed_tools.tools[{i}]")
-        allowed.append(by_name[name])
-    return spec["mode"], allowed
+            kind = entry.get("type") if isinstance(entry, dict) else type(entry).__name__
+            raise APIError(400, f"tool_choice allowed_tools.tools[{i}] ({kind!r}) names no function among the tools: "
+                           "function tools only", param=f"tool_choice.allowed_tools.tools[{i}]")
+        allowed[name] = by_name[name]
+    return spec["mode"], list(allowed.values())
 
 
 def forced_schema(choice: str | Tool, tools: list[Tool], parallel: bool) -> dict | None:

@@ -5,7 +5,7 @@ streamed or not, calls read from the content, and what is left whole (a grammar'
 import pytest
 
 from app.api.protocol import ChatCompletionRequest, parse_body
-from app.api.reasoning import ReasoningSplitter, split
+from app.api.reasoning import ReasoningSplitter, split, starts_inside
 from app.api.responses import parse_request
 from app.config import AppConfig
 from tests.serve import fake_model
@@ -21,6 +21,8 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     ("Paris.", False, (None, "Paris.")),  # thinking off (an empty block in the prompt): all content
     ("Let me see, and", True, ("Let me see, and", None)),  # cut short while thinking
     ("a </thin", True, ("a </thin", None)),  # a marker's start that never became one
+    ("<think>Let me see.</think>Paris.", True, ("Let me see.", "Paris.")),  # opened again after the prompt's: dropped
+    ("Paris. <think>x</think>", False, (None, "Paris. <think>x</think>")),  # a block later in the answer: content
 ])
 def test_an_answer_splits_alike_whole_and_fed_in_any_pieces(text, inside, expected):
     assert split(text, inside) == expected
@@ -30,6 +32,17 @@ def test_an_answer_splits_alike_whole_and_fed_in_any_pieces(text, inside, expect
             r, c = splitter.finish() if piece is None else splitter.feed(piece)
             thought, content = thought + r, content + c
         assert (thought if expected[0] is not None else None, content or None) == (expected[0], expected[1] or None), size
+
+
+@pytest.mark.parametrize("parser, tail, inside", [
+    ("qwen3", "<|im_start|>assistant\n", False), ("qwen3", "<|im_start|>assistant\n<think>\n", True),
+    ("qwen3", "assistant\n<think>\n\n</think>\n\n", False),  # Qwen3's enable_thinking: false
+    ("qwen3", "assistant\n<think>\nLet me", True),  # a continued assistant turn, inside its block
+    ("deepseek_r1", "<｜Assistant｜>", True),  # R1's answer thinks first, as vLLM reads it
+    ("deepseek_r1", "<｜Assistant｜><think>\n", True), ("deepseek_r1", "<think>\n\n</think>\n\n", False),
+])
+def test_where_the_answer_starts_follows_the_prompts_last_block(parser, tail, inside):
+    assert starts_inside(parser, tail) is inside
 
 
 @pytest.fixture
@@ -82,6 +95,19 @@ async def test_calls_are_read_from_the_content_after_the_thinking(server):
     entries = [entry for d in deltas for entry in d["delta"].get("tool_calls", [])]
     assert "".join(e["function"]["arguments"] for e in entries) == '{"city": "Oslo"}'
     assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "tool_calls"
+
+
+async def test_beside_strict_tools_the_text_still_thinks_and_every_tokens_logprob_goes_out_once(server):
+    """A strict tool's grammar under auto leaves the text free (app/api/tools.py strict_calls): the thinking is still
+    split; each token's logprob goes out once, the thinking's with the thinking."""
+    answer = "<think>Rain.</think>It rains."
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    whole, deltas = await _whole_and_streamed(server, _body(answer, tools=[strict], logprobs=True))
+    assert (whole["message"]["reasoning"], whole["message"]["content"]) == ("Rain.", "It rains.")
+    thinking = [d for d in deltas if d["delta"].get("reasoning")]
+    assert thinking and all(d["logprobs"] for d in thinking)
+    streamed = sum(len((d["logprobs"] or {}).get("content") or []) for d in deltas)
+    assert streamed == len(whole["logprobs"]["content"]) == len(answer.encode())
 
 
 async def test_a_grammars_output_and_a_responses_text_stay_whole(server):

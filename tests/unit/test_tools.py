@@ -295,6 +295,8 @@ def test_allowed_tools_show_and_let_the_model_call_those_alone_in_their_mode():
     assert [t.name for t in required.parsed_tools()] == ["get_time"] and required.tool_choice_resolved() == "required"
     grammar = required.sampling_params(8).grammar
     assert "get_time" in grammar and "get_weather" not in grammar
+    twice = parse_body({**CHAT, "tools": [WEATHER, TIME], "tool_choice": choice("auto", "get_time", "get_time")}, ChatCompletionRequest)
+    assert [t.name for t in twice.parsed_tools()] == ["get_time"]  # each once
     auto = parse_body({**CHAT, "tools": [WEATHER, TIME], "tool_choice": choice("auto", "get_weather")}, ChatCompletionRequest)
     assert [t.name for t in auto.parsed_tools()] == ["get_weather"] and auto.tool_choice_resolved() == "auto"
     for bad, param in ((choice("auto", "get_news"), "tool_choice.allowed_tools.tools[0]"),
