@@ -292,7 +292,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # vLLM's: the tokenizer's own (a BOS) before the template's text, which has its own
     # A response request's ``truncation: "auto"`` (app/api/responses.py): no chat field, so no client sets it here
     _fit_by_dropping_oldest: bool = PrivateAttr(default=False)
-    _reasoning_inline: bool = PrivateAttr(default=False)  # a response request's: its reasoning stays in its text
 
     def _reject_unsupported(self) -> None:
         super()._reject_unsupported()

@@ -12,7 +12,8 @@ from typing import AsyncIterator
 
 from app.api.errors import APIError, to_api_error
 from app.api.growing import grow_item
-from app.api.responses import call_item, logprobs_of, message_item, named_for_responses, response_dict, usage_of
+from app.api.responses import (call_item, logprobs_of, message_item, named_for_responses, reasoning_item, response_dict,
+                               usage_of)
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +89,11 @@ class _ResponseStream:
             self.usage = usage_of(chunk["usage"])
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning"):  # a reasoning model's thinking (app/api/reasoning.py): a reasoning item
+                events += self._reasoning(delta["reasoning"])
             if delta.get("content"):
                 events += self._text(delta["content"], logprobs_of(choice.get("logprobs")))
-            elif not delta.get("tool_calls"):  # a token of no text of its own (part of a character, the end)
+            elif not delta.get("tool_calls") and not delta.get("reasoning"):  # a token of no text of its own
                 self._textless(logprobs_of(choice.get("logprobs")))
             for entry in delta.get("tool_calls") or []:
                 events += self._call(entry)
@@ -103,11 +106,14 @@ class _ResponseStream:
         events = self._close("completed")
         self.items.append(item)
         self.open = item
-        added = {**item, "content": []} if item["type"] == "message" else dict(item)  # copies: the item grows
+        added = {**item, "content": []} if item["type"] in ("message", "reasoning") else dict(item)  # copies: the item grows
         events.append(self._event("response.output_item.added", output_index=len(self.items) - 1, item=added))
         if item["type"] == "message":
             events.append(self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
                                       content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        elif item["type"] == "reasoning":
+            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
+                                      content_index=0, part={"type": "reasoning_text", "text": ""}))
         return events
 
     def _close(self, status: str) -> list[dict]:
@@ -120,6 +126,12 @@ class _ResponseStream:
             part = item["content"][0]
             events += [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                                    text=part["text"], logprobs=part["logprobs"]),
+                       self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                                   part=copy.deepcopy(part))]
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            events += [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                                   text=part["text"]),
                        self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                                    part=copy.deepcopy(part))]
         else:
@@ -149,6 +161,16 @@ class _ResponseStream:
         part["logprobs"] += logprobs
         return events + [self._event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items) - 1,
                                      content_index=0, delta=text, logprobs=logprobs)]
+
+    def _reasoning(self, text: str) -> list[dict]:
+        """The thinking, as a reasoning item's text (its tokens' logprobs are no output text's: none are given)."""
+        events = []
+        if self.open is None or self.open["type"] != "reasoning":
+            events += self._open(reasoning_item(f"rs_{uuid.uuid4().hex}", ""))
+        part = self.open["content"][0]
+        grow_item(part, "text", text)
+        return events + [self._event("response.reasoning_text.delta", item_id=self.open["id"], output_index=len(self.items) - 1,
+                                     content_index=0, delta=text)]
 
     def _call(self, entry: dict) -> list[dict]:
         events, function = [], entry.get("function") or {}

@@ -238,6 +238,12 @@ def message_item(item_id: str, text: str, status: str, logprobs: list | None = N
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
+def reasoning_item(item_id: str, text: str) -> dict:
+    """A reasoning model's thinking (app/api/reasoning.py), as its own output item before the answer."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": "in_progress"}
+
+
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments, "status": status}
 
@@ -273,7 +279,6 @@ def parse_request(raw: bytes) -> tuple[dict, Any]:
         raise named_for_responses(error) from None
     # "auto": an input past the context loses its oldest turns (the model's replica knows its context and tokenizer)
     request._fit_by_dropping_oldest = body.get("truncation") == "auto"
-    request._reasoning_inline = True  # no reasoning items are made: a model's thinking stays in its message's text
     return body, request
 
 

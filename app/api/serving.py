@@ -185,7 +185,7 @@ class OpenAIServing:
             grammar = self._auto_grammar(request)
             if grammar is not None:
                 prepared.sampling = dataclasses.replace(prepared.sampling, grammar=grammar)
-        if self.reasoning_parser and self._thinks_freely(request) and not request._reasoning_inline:
+        if self.reasoning_parser and self._thinks_freely(request):
             tail = self.tokenizer.decode(prompt_ids[-64:])
             prepared.reasoning_inside = reasoning.starts_inside(self.reasoning_parser, tail)
             if self._think_is_special:

@@ -2,8 +2,11 @@
 real serving layer over the fake model replaying recorded answers: the message's ``reasoning`` and ``content``,
 streamed or not, calls read from the content, and what is left whole (a grammar's output, a response's text)."""
 
+import json
+
 import pytest
 
+from app.api import response_stream
 from app.api.protocol import ChatCompletionRequest, parse_body
 from app.api.reasoning import ReasoningSplitter, split, starts_inside
 from app.api.responses import parse_request
@@ -110,14 +113,33 @@ async def test_beside_strict_tools_the_text_still_thinks_and_every_tokens_logpro
     assert streamed == len(whole["logprobs"]["content"]) == len(answer.encode())
 
 
-async def test_a_grammars_output_and_a_responses_text_stay_whole(server):
+async def test_a_grammars_output_stays_whole(server):
     answer = '<think>x</think>{"a": 1}'
     formatted = await server.serving.chat(parse_body(_body(answer, response_format={"type": "json_object"}), ChatCompletionRequest))
     assert formatted["choices"][0]["message"]["content"] == answer and "reasoning" not in formatted["choices"][0]["message"]
-    _, request = parse_request(str.encode(__import__("json").dumps(
-        {"model": "m", "input": _body("<think>x</think>Rain.")["messages"][0]["content"]})))
-    answered = await server.serving.chat(request)
-    assert answered["choices"][0]["message"]["content"] == "<think>x</think>Rain."  # no reasoning items are made
+
+
+async def test_a_responses_thinking_is_a_reasoning_item_before_its_message_streamed_or_not(server):
+    """As OpenAI's reasoning models answer: a ``reasoning`` item (its text as ``reasoning_text``, streamed as
+    ``response.reasoning_text.delta``s), then the message; each validates as the openai SDK's own models."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    body = {"model": "m", "input": _body("<think>Rain, probably.</think>It rains.")["messages"][0]["content"]}
+    whole_body, request = parse_request(json.dumps(body).encode())
+    whole = await response_stream.whole_response(whole_body, server.serving.chat_stream(request), "resp_1", 0)
+    stream_body, streamed = parse_request(json.dumps({**body, "stream": True}).encode())
+    events = [e async for e in response_stream.response_events(stream_body, server.serving.chat_stream(streamed), "resp_2", 0)]
+    Response.model_validate(whole, strict=True)
+    for event in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(event, strict=True)
+    thought, message = whole["output"]
+    assert (thought["type"], thought["content"][0]["text"], thought["status"]) == ("reasoning", "Rain, probably.", "completed")
+    assert message["type"] == "message" and message["content"][0]["text"] == "It rains."
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert deltas == "Rain, probably." and events[-1]["response"]["output"][0]["content"] == thought["content"]
+    done = [e["type"] for e in events].index("response.reasoning_text.done")
+    assert done < [e["type"] for e in events].index("response.output_text.delta")  # the item is done before the answer
 
 
 def test_an_unknown_parser_is_refused_at_load():
