@@ -43,6 +43,7 @@ class Prepared:
     logprobs_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     cache_salt: str | None = None  # vLLM's: its prompt's KV shared only with requests of the same salt
     reasoning_inside: bool | None = None  # a reasoning parser's: whether the answer starts thinking (None: no split)
+    reasoning_shown: bool = True  # include_reasoning: false leaves the thinking out
 
     def __post_init__(self) -> None:
         self.response_id = self.response_id or self.request_id

@@ -290,6 +290,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     documents: list[dict[str, Any]] | None = None  # for templates that show retrieved documents (RAG)
     add_special_tokens: bool = False  # vLLM's: the tokenizer's own (a BOS) before the template's text, which has its own
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the answer
     # A response request's ``truncation: "auto"`` (app/api/responses.py): no chat field, so no client sets it here
     _fit_by_dropping_oldest: bool = PrivateAttr(default=False)
 
@@ -304,6 +305,9 @@ class ChatCompletionRequest(_SamplingFields):
         if self.return_token_ids and self.stream and choice is not None:  # a call's chunks gather the text of several
             raise APIError(400, "return_token_ids is not streamed beside tool calling: a call goes out once its text is "
                            "whole, not token by token; send stream: false for the ids", param="return_token_ids")
+        if not self.include_reasoning and (self.logprobs or self.return_token_ids or self.prompt_logprobs is not None):
+            raise APIError(400, "include_reasoning: false cannot be combined with logprobs or token ids, which would show "
+                           "the thinking's tokens", param="include_reasoning")
         if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
             raise APIError(400, "continue_final_message continues the final message, add_generation_prompt opens a new "
                            "turn after it: set one of them", param="continue_final_message")

@@ -94,10 +94,10 @@ def _partial_marker(text: str, marker: str) -> int:
     return 0
 
 
-async def reasoned_chunks(chunks: AsyncIterator[dict], inside: bool) -> AsyncIterator[dict]:
+async def reasoned_chunks(chunks: AsyncIterator[dict], inside: bool, shown: bool = True) -> AsyncIterator[dict]:
     """One choice's chat chunks with each delta's text split: its reasoning as ``reasoning`` (and
-    ``reasoning_content``), the rest as ``content``; every chunk still goes out (a token held back while it may begin
-    a marker has an empty delta), the held text at the finish."""
+    ``reasoning_content``; none unless ``shown``), the rest as ``content``; every chunk still goes out (a token held
+    back while it may begin a marker has an empty delta), the held text at the finish."""
     splitter = ReasoningSplitter(inside)
     async with contextlib.aclosing(chunks):  # closed with this stream (a client gone): its request aborted at once
         async for chunk in chunks:
@@ -106,6 +106,7 @@ async def reasoned_chunks(chunks: AsyncIterator[dict], inside: bool) -> AsyncIte
             if choice["finish_reason"] is not None:
                 more_thought, more_content = splitter.finish()
                 thought, content = thought + more_thought, content + more_content
+            thought = thought if shown else ""
             delta = {"reasoning": thought, "reasoning_content": thought} if thought else {}
             if content or (not thought and "content" in choice["delta"]):
                 delta["content"] = content

@@ -99,7 +99,9 @@ class OpenAIServing:
 
         def choice_chunks(plan: Prepared) -> AsyncIterator[dict]:  # the reasoning apart, where the model's parser splits it
             plain = self._chunks(plan, _chat_choice, kind, request)
-            return plain if plan.reasoning_inside is None else reasoning.reasoned_chunks(plain, plan.reasoning_inside)
+            if plan.reasoning_inside is None:
+                return plain
+            return reasoning.reasoned_chunks(plain, plan.reasoning_inside, plan.reasoning_shown)
 
         if choice == "auto":  # content as it comes, calls once their text is whole
             one_call = request.parallel_tool_calls is False
@@ -145,7 +147,7 @@ class OpenAIServing:
         message = self._chat_message(content or "", choice, one_call, shown, finish_reason)
         if content is None and message["content"] == "":
             message["content"] = None
-        if thought is not None:
+        if thought is not None and plan.reasoning_shown:
             message["reasoning"] = message["reasoning_content"] = thought
         return message
 
@@ -185,6 +187,10 @@ class OpenAIServing:
             grammar = self._auto_grammar(request)
             if grammar is not None:
                 prepared.sampling = dataclasses.replace(prepared.sampling, grammar=grammar)
+        if not request.include_reasoning and not self.reasoning_parser:  # its thinking would stay in the text
+            raise APIError(400, f"include_reasoning: false needs a reasoning parser, which model {self.model_name!r} is not "
+                           "served with (model.reasoning_parser)", param="include_reasoning")
+        prepared.reasoning_shown = request.include_reasoning
         if self.reasoning_parser and self._thinks_freely(request):
             tail = self.tokenizer.decode(prompt_ids[-64:])
             prepared.reasoning_inside = reasoning.starts_inside(self.reasoning_parser, tail)

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from app.api import response_stream
+from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest, parse_body
 from app.api.reasoning import ReasoningSplitter, split, starts_inside
 from app.api.responses import parse_request
@@ -111,6 +112,16 @@ async def test_beside_strict_tools_the_text_still_thinks_and_every_tokens_logpro
     assert thinking and all(d["logprobs"] for d in thinking)
     streamed = sum(len((d["logprobs"] or {}).get("content") or []) for d in deltas)
     assert streamed == len(whole["logprobs"]["content"]) == len(answer.encode())
+
+
+async def test_include_reasoning_false_leaves_the_thinking_out(server, tools_server):
+    whole, deltas = await _whole_and_streamed(server, _body("<think>Rain.</think>It rains.", include_reasoning=False))
+    assert whole["message"] == {"role": "assistant", "content": "It rains."}
+    assert not any("reasoning" in d["delta"] for d in deltas) and _joined(deltas, "content") == "It rains."
+    for serving, extra in ((server.serving, {"logprobs": True}), (tools_server.serving, {})):  # no parser: no way to
+        with pytest.raises(APIError) as caught:
+            await serving.chat(parse_body(_body("x", include_reasoning=False, **extra), ChatCompletionRequest))
+        assert caught.value.param == "include_reasoning"
 
 
 async def test_a_grammars_output_stays_whole(server):
