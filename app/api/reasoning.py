@@ -2,15 +2,17 @@
 text between ``<think>`` and ``</think>`` is the message's ``reasoning`` (vLLM's field; also ``reasoning_content``,
 the DeepSeek API's and older vLLM's name, which LiteLLM and Open WebUI read), the rest its ``content``.
 
-The output starts inside the reasoning when the prompt ends with an open ``<think>`` (DeepSeek-R1's template, Qwen3's
-thinking templates), or when the output opens one; otherwise (Qwen3 with ``enable_thinking: false``, whose template
-writes an empty think block) it is all content. ``deepseek_r1`` and ``qwen3`` name the same reading: both models write
-these markers. An answer cut short inside its reasoning has no content."""
+The answer starts inside the reasoning when the prompt leaves a ``<think>`` open (DeepSeek-R1's template, Qwen3's
+thinking templates) or when the answer opens one, and, for ``deepseek_r1`` (as vLLM reads R1), when the prompt holds
+no block at all; otherwise (Qwen3 with ``enable_thinking: false``, whose template writes an empty block) it is all
+content (``starts_inside``). An answer cut short inside its reasoning has no content."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
+
+from app.api.structured import request_format
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -24,6 +26,28 @@ def starts_inside(parser: str, prompt_tail: str) -> bool:
     if opened > closed:
         return True
     return parser == "deepseek_r1" and opened == closed == -1
+
+
+def answer_starts_inside(parser: str | None, request, tokenizer, prompt_ids: list[int]) -> bool | None:
+    """Whether a chat answer starts thinking (``starts_inside``), or None where it is not split: no parser, or a
+    response format's or forced call's grammar holding it from its first token (strict tools' calls under auto leave
+    the text free)."""
+    if parser is None or request.tool_choice_resolved() not in (None, "auto"):
+        return None
+    if request_format(request.response_format, request.structured_outputs) is not None:
+        return None
+    return starts_inside(parser, tokenizer.decode(prompt_ids[-64:]))
+
+
+def reasoned_message(text: str, inside: bool, shown: bool, build: Callable[[str], dict]) -> dict:
+    """The message ``build`` makes of a whole answer's content, with its reasoning (where ``shown``) beside it."""
+    thought, content = split(text, inside)
+    message = build(content or "")
+    if content is None and message["content"] == "":
+        message["content"] = None
+    if thought is not None and shown:
+        message["reasoning"] = message["reasoning_content"] = thought
+    return message
 
 
 def is_special(tokenizer) -> bool:

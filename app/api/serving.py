@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 import uuid
 from typing import AsyncIterator
@@ -141,15 +142,10 @@ class OpenAIServing:
 
     def _reasoned_message(self, plan: Prepared, text: str, choice, one_call: bool, shown: list, finish_reason: str | None) -> dict:
         """The assistant's message, its reasoning apart where the model's parser splits it (calls read from the rest)."""
+        build = functools.partial(self._chat_message, choice=choice, one_call=one_call, shown=shown, finish_reason=finish_reason)
         if plan.reasoning_inside is None:
-            return self._chat_message(text, choice, one_call, shown, finish_reason)
-        thought, content = reasoning.split(text, plan.reasoning_inside)
-        message = self._chat_message(content or "", choice, one_call, shown, finish_reason)
-        if content is None and message["content"] == "":
-            message["content"] = None
-        if thought is not None and plan.reasoning_shown:
-            message["reasoning"] = message["reasoning_content"] = thought
-        return message
+            return build(text)
+        return reasoning.reasoned_message(text, plan.reasoning_inside, plan.reasoning_shown, build)
 
     def _chat_message(self, text: str, choice, one_call: bool = False, shown: list | None = None,
                       finish_reason: str | None = "stop") -> dict:
@@ -191,19 +187,10 @@ class OpenAIServing:
             raise APIError(400, f"include_reasoning: false needs a reasoning parser, which model {self.model_name!r} is not "
                            "served with (model.reasoning_parser)", param="include_reasoning")
         prepared.reasoning_shown = request.include_reasoning
-        if self.reasoning_parser and self._thinks_freely(request):
-            tail = self.tokenizer.decode(prompt_ids[-64:])
-            prepared.reasoning_inside = reasoning.starts_inside(self.reasoning_parser, tail)
-            if self._think_is_special:
-                prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)
+        prepared.reasoning_inside = reasoning.answer_starts_inside(self.reasoning_parser, request, self.tokenizer, prompt_ids)
+        if prepared.reasoning_inside is not None and self._think_is_special:
+            prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)
         return self._fan_out([prepared], request.n)
-
-    @staticmethod
-    def _thinks_freely(request: ChatCompletionRequest) -> bool:
-        """Whether the answer's text is free to think first: not under a response format's or a forced call's grammar,
-        which holds it from its first token (strict tools' calls under auto leave the text free)."""
-        return request.tool_choice_resolved() in (None, "auto") and request_format(
-            request.response_format, request.structured_outputs) is None
 
     def _auto_grammar(self, request: ChatCompletionRequest) -> str | None:
         """``tool_choice: auto``'s grammar, if any: beside a response format, the format holds the answer and each call
