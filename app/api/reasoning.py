@@ -50,6 +50,28 @@ def reasoned_message(text: str, inside: bool, shown: bool, build: Callable[[str]
     return message
 
 
+def thinking_tokens(token_ids: list[int], inside: bool, tokenizer) -> int:
+    """How many of an answer's tokens are its thinking: up to and including ``</think>`` where that is one token (all
+    of them where it never came), else as many as its reasoning's text encodes to; 0 for an answer that did not think."""
+    thought, _ = split(tokenizer.decode(token_ids), inside)
+    if thought is None:
+        return 0
+    close = tokenizer.encode(CLOSE, add_special_tokens=False)
+    if len(close) == 1:
+        return token_ids.index(close[0]) + 1 if close[0] in token_ids else len(token_ids)
+    return len(tokenizer.encode(thought, add_special_tokens=False))
+
+
+def usage_with_thinking(usage: dict, plans: list, tokenizer) -> dict:
+    """A chat answer's usage with ``completion_tokens_details.reasoning_tokens`` (as OpenAI's and vLLM's with a
+    reasoning parser) where its thinking is split."""
+    split_plans = [p for p in plans if p.reasoning_inside is not None and p.token_ids]
+    if not any(p.reasoning_inside is not None for p in plans):
+        return usage
+    count = sum(thinking_tokens(p.token_ids, p.reasoning_inside, tokenizer) for p in split_plans)
+    return {**usage, "completion_tokens_details": {"reasoning_tokens": count}}
+
+
 def is_special(tokenizer) -> bool:
     """Whether ``</think>`` is one token the tokenizer leaves out of text under ``skip_special_tokens``."""
     ids = tokenizer.encode(CLOSE, add_special_tokens=False)

@@ -260,7 +260,8 @@ def usage_of(usage: dict | None) -> dict | None:
         return None
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)},
             "total_tokens": usage["total_tokens"]}
 
 

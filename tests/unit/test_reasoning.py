@@ -79,6 +79,10 @@ async def test_the_thinking_is_the_messages_reasoning_streamed_or_not(server):
     assert _joined(deltas, "reasoning") == _joined(deltas, "reasoning_content") == "Rain, probably."
     assert _joined(deltas, "content") == "It rains in Oslo." and "<" not in _joined(deltas, "content")
     assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "stop"
+    answer = await server.serving.chat(parse_body(_body("<think>Rain, probably.</think>It rains in Oslo."), ChatCompletionRequest))
+    assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": len("Rain, probably.")}  # a byte a token
+    plain = await server.serving.chat(parse_body(_body("It rains."), ChatCompletionRequest))
+    assert plain["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
 
 
 async def test_a_prompt_that_opens_the_block_starts_the_answer_thinking(server):
@@ -147,6 +151,7 @@ async def test_a_responses_thinking_is_a_reasoning_item_before_its_message_strea
     thought, message = whole["output"]
     assert (thought["type"], thought["content"][0]["text"], thought["status"]) == ("reasoning", "Rain, probably.", "completed")
     assert message["type"] == "message" and message["content"][0]["text"] == "It rains."
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == len("Rain, probably.")
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
     assert deltas == "Rain, probably." and events[-1]["response"]["output"][0]["content"] == thought["content"]
     done = [e["type"] for e in events].index("response.reasoning_text.done")
@@ -156,3 +161,20 @@ async def test_a_responses_thinking_is_a_reasoning_item_before_its_message_strea
 def test_an_unknown_parser_is_refused_at_load():
     with pytest.raises(ValueError, match="reasoning_parser"):
         AppConfig.from_dict({"models": [{"model": {"source": "fake-tools", "reasoning_parser": "o1"}}]})
+
+
+def test_thinking_tokens_count_up_to_the_end_marker_where_it_is_one_token():
+    class OneTokenMarkers:  # </think> as one token, as Qwen3's and DeepSeek-R1's tokenizers have it
+        pieces = {1: "Rain", 2: ".", 9: "</think>", 3: "It rains."}
+
+        def encode(self, text, add_special_tokens=False):
+            return [9] if text == "</think>" else [1] * len(text)
+
+        def decode(self, ids):
+            return "".join(self.pieces[i] for i in ids)
+
+    from app.api.reasoning import thinking_tokens
+
+    assert thinking_tokens([1, 2, 9, 3], True, OneTokenMarkers()) == 3  # its thinking and the marker
+    assert thinking_tokens([1, 2], True, OneTokenMarkers()) == 2  # cut short while thinking: all of it
+    assert thinking_tokens([3], False, OneTokenMarkers()) == 0  # it did not think
