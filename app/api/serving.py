@@ -250,7 +250,7 @@ class OpenAIServing:
             if streams is not None:
                 await streams.aclose()  # closing the expression around it does not close it
         if request.include_usage:
-            yield {**self._chunk(plans[0], kind, None), "usage": self._usage(plans)}
+            yield {**self._chunk(plans[0], kind, None), "usage": reasoning.usage_with_thinking(usage(plans), plans, self.tokenizer)}
 
     # ---- shared -------------------------------------------------------------------------
     def _prepare(self, prefix: str, prompt_ids: list[int], request: _SamplingFields, max_tokens: int | None) -> Prepared:
@@ -364,9 +364,6 @@ class OpenAIServing:
         return self.logprob_format.completion(logprobs, echoed.prompt_token_ids, echoed.prompt_logprobs, text_offset,
                                               echoed.sampling.logprobs, as_ids)
 
-    def _usage(self, plans: list[Prepared]) -> dict:
-        return reasoning.usage_with_thinking(usage(plans), plans, self.tokenizer)
-
     def _chunk(self, prepared: Prepared, kind: str, choice: dict | None) -> dict:
         chunk = {"id": prepared.response_id, "object": kind, "created": prepared.created, "model": prepared.model}
         chunk["choices"] = [choice] if choice is not None else []
@@ -374,7 +371,7 @@ class OpenAIServing:
 
     def _response(self, plans: list[Prepared], kind: str, choices: list[dict]) -> dict:
         response = self._chunk(plans[0], kind, None)
-        response["choices"], response["usage"] = choices, self._usage(plans)
+        response["choices"], response["usage"] = choices, reasoning.usage_with_thinking(usage(plans), plans, self.tokenizer)
         return response
 
     # ---- tokens (vLLM's /tokenize and /detokenize): the prompts' reading ---------------------------
