@@ -178,3 +178,26 @@ def test_thinking_tokens_count_up_to_the_end_marker_where_it_is_one_token():
     assert thinking_tokens([1, 2, 9, 3], True, OneTokenMarkers()) == 3  # its thinking and the marker
     assert thinking_tokens([1, 2], True, OneTokenMarkers()) == 2  # cut short while thinking: all of it
     assert thinking_tokens([3], False, OneTokenMarkers()) == 0  # it did not think
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_a_marker_the_tokenizer_calls_special_is_found_by_decoding_it(special):
+    """Qwen3's and DeepSeek-R1's tokenizers have ``</think>`` as one added token, special or not: where it is special,
+    ``skip_special_tokens`` would leave it out of the text, so the parser's requests keep special tokens."""
+    from tokenizers import AddedToken, Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from app.api.reasoning import is_special
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")),
+                                        unk_token="[UNK]")
+    tokenizer.add_tokens([AddedToken("<think>", special=special), AddedToken("</think>", special=special)], special_tokens=special)
+    assert is_special(tokenizer) is special
+    ids = tokenizer.encode("</think>", add_special_tokens=False)
+    assert len(ids) == 1 and (tokenizer.decode(ids, skip_special_tokens=True) == "") is special
+    from app.api.serving import OpenAIServing
+
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    serving = OpenAIServing(None, tokenizer, "m", 64, [0], len(tokenizer), reasoning_parser="qwen3")
+    [plan] = serving._chat_plans(parse_body({"messages": [{"role": "user", "content": "a"}]}, ChatCompletionRequest))
+    assert plan.reasoning_inside is False and plan.sampling.skip_special_tokens is not special
