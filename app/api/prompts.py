@@ -52,6 +52,14 @@ class Prompts:
         return {"prompt": await asyncio.to_thread(self.tokenizer.decode, request.tokens)}
 
     def chat(self, request: ChatCompletionRequest) -> list[int]:
+        return self.encoded_chat(self.chat_text(request), request)
+
+    def encoded_chat(self, text: str, request: ChatCompletionRequest) -> list[int]:
+        # The template already wrote the special tokens it wants: no second BOS, unless asked (vLLM's add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+
+    def chat_text(self, request: ChatCompletionRequest) -> str:
+        """The chat's prompt as the model's template writes it."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
         messages = _known_roles([m.as_template_message() for m in request.messages], self.tokenizer.chat_template)
@@ -74,8 +82,7 @@ class Prompts:
                 tokenize=False, **extra, **variables)
         except Exception as exc:  # template errors (e.g. role order) come from the model's own template
             raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
-        # The template already wrote the special tokens it wants: no second BOS, unless asked (vLLM's add_special_tokens)
-        return self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        return text
 
     def fitted_chat(self, request: ChatCompletionRequest, limit: int) -> list[int]:
         """The chat's prompt, its oldest turns dropped until it is at most ``limit`` tokens (the Responses API's

@@ -17,18 +17,29 @@ from app.api.structured import request_format
 OPEN, CLOSE = "<think>", "</think>"
 
 
-def starts_inside(parser: str, prompt_tail: str) -> bool:
-    """Whether the answer starts thinking, from the prompt's last characters: where they leave a think block open
-    (its last ``<think>`` after its last ``</think>``: DeepSeek-R1's template, Qwen3's thinking templates, an assistant
-    turn continued from inside one); for ``deepseek_r1`` also where they hold no block at all, as vLLM reads R1 (its
-    answer thinks first, until ``</think>``), but not where they close one (thinking turned off)."""
-    opened, closed = prompt_tail.rfind(OPEN), prompt_tail.rfind(CLOSE)
+def starts_inside(parser: str, tail: str, continued: bool = False) -> bool:
+    """Whether the answer starts thinking, from what the template writes after the last message (its opening of the
+    assistant's turn) or, ``continued``, the assistant message the answer continues: where that leaves a think block
+    open (its last ``<think>`` after its last ``</think>``: DeepSeek-R1's template, Qwen3's thinking templates, a
+    message continued from inside one); for ``deepseek_r1`` also where a turn it opens holds no block at all, as vLLM
+    reads R1 (its answer thinks first, until ``</think>``), but not where it closes one (thinking turned off)."""
+    opened, closed = tail.rfind(OPEN), tail.rfind(CLOSE)
     if opened > closed:
         return True
-    return parser == "deepseek_r1" and opened == closed == -1
+    return parser == "deepseek_r1" and not continued and opened == closed == -1
 
 
-def answer_starts_inside(parser: str | None, request, tokenizer, prompt_ids: list[int]) -> bool | None:
+def generation_tail(prompt_text: str, request) -> str:
+    """What the answer follows: the assistant message it continues (``continue_final_message``), else what the
+    template wrote after the last message's text (the user's own words, which may hold the markers, are left out)."""
+    last = request.messages[-1].text()
+    if request.continue_final_message:
+        return last
+    at = prompt_text.rfind(last) if last else -1
+    return prompt_text[at + len(last):] if at >= 0 else ""
+
+
+def answer_starts_inside(parser: str | None, request, prompt_text: str) -> bool | None:
     """Whether a chat answer starts thinking (``starts_inside``), or None where it is not split: no parser, or a
     response format's or forced call's grammar holding it from its first token (strict tools' calls under auto leave
     the text free)."""
@@ -36,7 +47,7 @@ def answer_starts_inside(parser: str | None, request, tokenizer, prompt_ids: lis
         return None
     if request_format(request.response_format, request.structured_outputs) is not None:
         return None
-    return starts_inside(parser, tokenizer.decode(prompt_ids[-64:]))
+    return starts_inside(parser, generation_tail(prompt_text, request), request.continue_final_message)
 
 
 def reasoned_message(text: str, inside: bool, shown: bool, build: Callable[[str], dict]) -> dict:

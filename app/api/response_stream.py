@@ -90,6 +90,7 @@ class _ResponseStream:
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("reasoning"):  # a reasoning model's thinking (app/api/reasoning.py): a reasoning item
+                self.held_logprobs = []  # of tokens before it (a <think> the answer opened): the thinking's, no text's
                 events += self._reasoning(delta["reasoning"])
             if delta.get("content"):
                 events += self._text(delta["content"], logprobs_of(choice.get("logprobs")))
@@ -140,10 +141,11 @@ class _ResponseStream:
         return events + [self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
 
     def _textless(self, logprobs: list) -> None:
-        """Logprobs of tokens with no text of their own: the open message's, else the next message's."""
+        """Logprobs of tokens with no text of their own: the open message's, else the next message's; none while the
+        thinking is open (its markers' tokens are no output text's)."""
         if self.open is not None and self.open["type"] == "message":
             self.open["content"][0]["logprobs"] += logprobs
-        else:
+        elif self.open is None or self.open["type"] != "reasoning":
             self.held_logprobs += logprobs
 
     def _text(self, text: str, logprobs: list) -> list[dict]:

@@ -27,7 +27,7 @@ _TRANSLATED = ("input", "instructions", "max_output_tokens", "tools", "tool_choi
 _WHY_UNSET = {"previous_response_id": "this server keeps no responses: send the conversation as input",
               "conversation": "this server keeps no conversations: send the conversation as input"}
 _LOGPROBS = "message.output_text.logprobs"
-_INCLUDABLE = (_LOGPROBS, "reasoning.encrypted_content")  # no reasoning items are made: nothing to include
+_INCLUDABLE = (_LOGPROBS, "reasoning.encrypted_content")  # reasoning items are made in the clear: nothing to encrypt
 # The chat request's names in its 400s, as the response request names them
 _NAMES = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"), ("messages", "input"),
           ("verbosity", "text.verbosity"), ("reasoning_effort", "reasoning.effort"))
@@ -123,7 +123,8 @@ def _messages(instructions: Any, given: Any) -> list[dict]:
 
 def _message(item: Any, param: str, messages: list[dict]) -> dict | None:
     """The chat message of one input item; None where it joins the assistant message before it (its calls and its
-    text are one turn, however the items split them) or is dropped (a reasoning item: the models here make none)."""
+    text are one turn, however the items split them) or is dropped (a reasoning item given back: templates show an
+    earlier turn's answer, not its thinking)."""
     if not isinstance(item, dict):
         raise APIError(400, f"{param} must be an object (a message or a function call item)", param=param)
     kind = item.get("type", "message")

@@ -170,7 +170,8 @@ class OpenAIServing:
 
     # ---- one OpenAI request, several engine requests (app/api/fanout.py) -------------------
     def _chat_plans(self, request: ChatCompletionRequest) -> list[Prepared]:
-        prompt_ids = self.prompts.chat(request)
+        text = self.prompts.chat_text(request)
+        prompt_ids = self.prompts.encoded_chat(text, request)
         if request._fit_by_dropping_oldest:  # a response's truncation: auto; room for its answer (up to half the context)
             reserve = min(request.requested_max_tokens or 1, self.max_model_len // 2)
             if len(prompt_ids) + reserve > self.max_model_len:
@@ -187,7 +188,7 @@ class OpenAIServing:
             raise APIError(400, f"include_reasoning: false needs a reasoning parser, which model {self.model_name!r} is not "
                            "served with (model.reasoning_parser)", param="include_reasoning")
         prepared.reasoning_shown = request.include_reasoning
-        prepared.reasoning_inside = reasoning.answer_starts_inside(self.reasoning_parser, request, self.tokenizer, prompt_ids)
+        prepared.reasoning_inside = reasoning.answer_starts_inside(self.reasoning_parser, request, text)
         if prepared.reasoning_inside is not None and self._think_is_special:
             prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)
         return self._fan_out([prepared], request.n)

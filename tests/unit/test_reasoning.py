@@ -47,6 +47,7 @@ def test_an_answer_splits_alike_whole_and_fed_in_any_pieces(text, inside, expect
 ])
 def test_where_the_answer_starts_follows_the_prompts_last_block(parser, tail, inside):
     assert starts_inside(parser, tail) is inside
+    assert starts_inside(parser, tail, continued=True) is (tail.rfind("<think>") > tail.rfind("</think>"))
 
 
 @pytest.fixture
@@ -92,6 +93,20 @@ async def test_a_prompt_that_opens_the_block_starts_the_answer_thinking(server):
     whole, deltas = await _whole_and_streamed(server, {**body, "continue_final_message": True})
     assert (whole["message"]["reasoning"], whole["message"]["content"]) == ("Rain, probably.", "It rains.")
     assert (_joined(deltas, "reasoning"), _joined(deltas, "content")) == ("Rain, probably.", "It rains.")
+
+
+async def test_the_start_is_read_from_the_turn_the_answer_follows_not_from_the_users_words(server):
+    """A user quoting the markers starts no thinking; a long continued assistant turn that opened a block (past any
+    fixed window of the prompt's end) goes on thinking."""
+    quoted = _body("Ok.")
+    quoted["messages"][0]["content"] = "Explain <think>. " + quoted["messages"][0]["content"]
+    whole = (await server.serving.chat(parse_body(quoted, ChatCompletionRequest)))["choices"][0]
+    assert whole["message"]["content"] == "Ok." and "reasoning" not in whole["message"]
+    body = _body("more.</think>Answer.")
+    body["messages"].append({"role": "assistant", "content": "<think>" + "so far " * 20})
+    continued, deltas = await _whole_and_streamed(server, {**body, "continue_final_message": True})
+    assert (continued["message"]["reasoning"], continued["message"]["content"]) == ("more.", "Answer.")
+    assert (_joined(deltas, "reasoning"), _joined(deltas, "content")) == ("more.", "Answer.")
 
 
 async def test_calls_are_read_from_the_content_after_the_thinking(server):
@@ -152,6 +167,11 @@ async def test_a_responses_thinking_is_a_reasoning_item_before_its_message_strea
     assert (thought["type"], thought["content"][0]["text"], thought["status"]) == ("reasoning", "Rain, probably.", "completed")
     assert message["type"] == "message" and message["content"][0]["text"] == "It rains."
     assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == len("Rain, probably.")
+    with_logprobs = {**body, "include": ["message.output_text.logprobs"]}
+    logged_body, logged = parse_request(json.dumps(with_logprobs).encode())
+    logged_whole = await response_stream.whole_response(logged_body, server.serving.chat_stream(logged), "resp_3", 0)
+    tokens = [entry["token"] for entry in logged_whole["output"][1]["content"][0]["logprobs"]]
+    assert "".join(tokens) == "It rains."  # the message's own tokens, none of the thinking's markers
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
     assert deltas == "Rain, probably." and events[-1]["response"]["output"][0]["content"] == thought["content"]
     done = [e["type"] for e in events].index("response.reasoning_text.done")
