@@ -76,10 +76,10 @@ def thinking_tokens(token_ids: list[int], inside: bool, tokenizer) -> int:
 def usage_with_thinking(usage: dict, plans: list, tokenizer) -> dict:
     """A chat answer's usage with ``completion_tokens_details.reasoning_tokens`` (as OpenAI's and vLLM's with a
     reasoning parser) where its thinking is split."""
-    split_plans = [p for p in plans if p.reasoning_inside is not None and p.token_ids]
-    if not any(p.reasoning_inside is not None for p in plans):
+    if all(p.reasoning_inside is None for p in plans):
         return usage
-    count = sum(thinking_tokens(p.token_ids, p.reasoning_inside, tokenizer) for p in split_plans)
+    count = sum(thinking_tokens(p.token_ids, p.reasoning_inside, tokenizer) for p in plans
+                if p.reasoning_inside is not None and p.token_ids)
     return {**usage, "completion_tokens_details": {"reasoning_tokens": count}}
 
 

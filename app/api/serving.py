@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import time
 import uuid
 from typing import AsyncIterator
@@ -22,6 +21,7 @@ from app.api.errors import APIError, rejection_reason
 from app.api.fim import fim_prompt
 from app.api.fanout import Prepared, best_candidates, fan_out, gather_or_cancel, merged, num_prompts, usage
 from app.api.logprobs import LogprobFormatter, next_text_offset
+from app.api.messages import assistant_message
 from app.api.prompts import Prompts
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from app.api.token_requests import DetokenizeRequest, TokenizeRequest
@@ -128,7 +128,8 @@ class OpenAIServing:
         shown = request.parsed_tools()
 
         def answer() -> dict:
-            choices = [{"index": p.index, "message": self._reasoned_message(p, text, choice, one_call, shown, last.finish_reason),
+            choices = [{"index": p.index,
+                        "message": assistant_message(p, text, choice, self.tool_parser, one_call, shown, last.finish_reason),
                         "logprobs": self.logprob_format.chat(lps, p.logprobs_as_ids), "finish_reason": last.finish_reason}
                        for p, (text, last, lps) in zip(plans, results)]
             for entry in choices:  # a forced function's answer stops as any answer does (OpenAI, vLLM); the model's own calls
@@ -139,34 +140,6 @@ class OpenAIServing:
             return response
 
         return await _formatted(answer, request.logprobs or request.prompt_logprobs is not None)
-
-    def _reasoned_message(self, plan: Prepared, text: str, choice, one_call: bool, shown: list, finish_reason: str | None) -> dict:
-        """The assistant's message, its reasoning apart where the model's parser splits it (calls read from the rest)."""
-        build = functools.partial(self._chat_message, choice=choice, one_call=one_call, shown=shown, finish_reason=finish_reason)
-        if plan.reasoning_inside is None:
-            return build(text)
-        return reasoning.reasoned_message(text, plan.reasoning_inside, plan.reasoning_shown, build)
-
-    def _chat_message(self, text: str, choice, one_call: bool = False, shown: list | None = None,
-                      finish_reason: str | None = "stop") -> dict:
-        """The assistant's message; with tool calling, the calls read out of its text (app/api/tools.py). With
-        ``parallel_tool_calls: false`` a free answer keeps its first call only, as vLLM does (a required or named
-        choice's grammar already allows just one). Calls a stop string ended inside are no calls: the text is the
-        content (cut by max_tokens, they are given as far as they came, with finish_reason "length")."""
-        if choice is None:
-            return {"role": "assistant", "content": text}
-        if choice == "auto":
-            content, calls = tools.parse_calls(text, self.tool_parser, shown)
-            calls = calls[:1] if one_call else calls
-        else:  # constrained to the call's JSON: no content unless cut short (then the text, finish_reason "length")
-            calls = tools.forced_calls(text, choice)
-            content = None if calls else text
-        if calls and finish_reason == "stop" and not tools.whole_arguments(calls):
-            content, calls = text, []
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [call.as_openai() for call in calls]
-        return message
 
     # ---- one OpenAI request, several engine requests (app/api/fanout.py) -------------------
     def _chat_plans(self, request: ChatCompletionRequest) -> list[Prepared]:
