@@ -38,8 +38,11 @@ def capped_max_tokens(max_tokens: int | None, room: int, request, max_model_len:
 
 
 def check_token_ids(sampling: SamplingParams, vocab_size: int) -> None:
-    """Token ids a request names (stop_token_ids, logit_bias) are the model's, and min_tokens leaves a token to choose."""
-    for param, ids in (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", [t for t, _ in sampling.logit_bias])):
+    """Token ids a request names (stop_token_ids, logit_bias, allowed_token_ids) are the model's, and min_tokens leaves
+    a token to choose."""
+    named = (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", [t for t, _ in sampling.logit_bias]),
+             ("allowed_token_ids", sampling.allowed_token_ids))
+    for param, ids in named:
         outside = [t for t in ids if not 0 <= t < vocab_size]
         if outside:
             raise APIError(400, f"{param} token ids must be in [0, {vocab_size}); got {outside[0]}", param=param)

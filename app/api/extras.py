@@ -1,6 +1,6 @@
-"""vLLM's request extras on an answer, beside OpenAI's fields: the token ids (``return_token_ids``), the prompt's
-logprobs (``prompt_logprobs``), a long prompt cut to size (``truncate_prompt_tokens``) and each chunk's usage so far
-(``stream_options.continuous_usage_stats``)."""
+"""vLLM's request extras, beside OpenAI's fields: the token ids (``return_token_ids``), the prompt's logprobs
+(``prompt_logprobs``), a long prompt cut to size (``truncate_prompt_tokens``), each chunk's usage so far
+(``stream_options.continuous_usage_stats``), ``bad_words`` as token sequences and a chat's ``echo``."""
 
 from __future__ import annotations
 
@@ -46,3 +46,24 @@ def choice_usage(prepared: Prepared, generated: int) -> dict:
     """One choice's usage so far, as vLLM's continuous_usage_stats gives it in each chunk: its prompt and its tokens."""
     prompt = len(prepared.prompt_token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+
+def bad_words_token_ids(tokenizer, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as the tokens that write it, as vLLM reads them: the word (leading spaces stripped) alone, and
+    after a space where that is a different first token and as many tokens (a word in mid-sentence)."""
+    sequences: list[tuple[int, ...]] = []
+    for i, word in enumerate(words or ()):
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not alone:
+            raise APIError(400, f"bad_words[{i}] ({word!r}) is no token: give words with text", param="bad_words")
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return tuple(sequences)
+
+
+def echoed_turn(request) -> str | None:
+    """vLLM's chat ``echo``: the last message's text, where it is the assistant's (the answer continues it)."""
+    last = request.messages[-1]
+    return last.text() if request.echo and last.role == "assistant" else None

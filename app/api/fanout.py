@@ -34,7 +34,7 @@ class Prepared:
     response_id: str = ""  # the OpenAI response's id (the first engine request's)
     index: int = 0  # its choice index: prompt_index * n + j
     prompt_index: int = 0
-    echo: str | None = None  # completions with echo: the prompt's text, sent before the answer
+    echo: str | None = None  # sent before the answer: a completion's prompt, a chat's continued message (echo)
     last: RequestOutput | None = None  # its last output, once it has one
     prompt_logprobs: list[TokenLogprob | None] | None = None  # sampling.prompt_logprobs: from its first output
     prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt scored; the one token computed is no answer

@@ -18,15 +18,16 @@ class Prompts:
         self.tokenizer, self.model_name = tokenizer, model_name
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
 
-    def completion(self, prompt) -> list[list[int]]:
-        """One or several prompts (text, or token ids), each as token ids."""
+    def completion(self, prompt, add_special_tokens: bool = True) -> list[list[int]]:
+        """One or several prompts (text, or token ids), each as token ids; a text's with the tokenizer's special tokens
+        (a BOS) unless ``add_special_tokens`` is false."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            return [self._completion_one(p) for p in prompt]
-        return [self._completion_one(prompt)]
+            return [self._completion_one(p, add_special_tokens) for p in prompt]
+        return [self._completion_one(prompt, add_special_tokens)]
 
-    def _completion_one(self, prompt) -> list[int]:
+    def _completion_one(self, prompt, add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size}); got {bad[0]}", param="prompt")

@@ -98,12 +98,19 @@ class _SamplingFields(_Strict):
     service_tier: str | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices (each its own engine request: app/api/fanout.py)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)  # vLLM's: the only tokens the answer may hold
+    bad_words: list[str] | None = None  # vLLM's: words the answer never holds (as tokenized, alone or after a space)
+    spaces_between_special_tokens: bool = True  # vLLM's: a fast tokenizer joins special tokens as it decodes them
+    use_beam_search: bool = False  # vLLM's: no beam search here (n / best_of sample choices)
+    length_penalty: float = 1.0  # vLLM's: read by beam search alone
     # Structured outputs (app/api/structured.py): OpenAI's field, or vLLM's {json|regex|choice|grammar|json_object}
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
 
-    def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None) -> SamplingParams:
-        """Fields the client left unset take the model's configured defaults, then OpenAI's."""
+    def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None,
+                        bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+        """Fields the client left unset take the model's configured defaults, then OpenAI's; ``bad_words`` as the
+        serving layer tokenized them."""
         defaults = {**OPENAI_DEFAULTS, **(defaults or {})}
 
         def pick(name: str) -> Any:
@@ -125,6 +132,8 @@ class _SamplingFields(_Strict):
                 logprobs=self.num_logprobs(),
                 prompt_logprobs=self.num_prompt_logprobs(),
                 logit_bias=_token_biases(self.logit_bias),
+                allowed_token_ids=tuple(self.allowed_token_ids or ()),
+                bad_words_token_ids=bad_words_token_ids,
                 grammar=self.grammar(),
             )
         except ValueError as exc:  # a combination the per-field checks cannot see (min_tokens > max_tokens, ...)
@@ -153,6 +162,9 @@ class _SamplingFields(_Strict):
     def _reject_unsupported(self) -> None:
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:  # {}: as vLLM
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if self.use_beam_search:
+            raise APIError(400, "beam search is not supported: sample several choices with n (or best_of on completions)",
+                           param="use_beam_search")
         if self.priority != 0:  # as vLLM without --scheduling-policy priority
             raise APIError(400, "priority is not supported: requests are served first come, first served (leave it 0)",
                            param="priority")
@@ -180,6 +192,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # legacy completions: the number of alternatives
     echo: bool = False
     suffix: str | None = None  # fill-in-the-middle, on models with FIM tokens (app/api/fim.py)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's own special tokens (a BOS) around a text prompt
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # candidates per prompt; the n most likely are returned
 
     @model_validator(mode="before")
@@ -287,6 +300,7 @@ class ChatCompletionRequest(_SamplingFields):
     # and how the prompt ends: the assistant's turn opened, or the final message left open for the model to continue
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    echo: bool = False  # vLLM's: an answer continuing the assistant's last message starts with that message
     continue_final_message: bool = False
     documents: list[dict[str, Any]] | None = None  # for templates that show retrieved documents (RAG)
     add_special_tokens: bool = False  # vLLM's: the tokenizer's own (a BOS) before the template's text, which has its own

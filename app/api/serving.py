@@ -132,6 +132,9 @@ class OpenAIServing:
                         "message": assistant_message(p, text, choice, self.tool_parser, one_call, shown, last.finish_reason),
                         "logprobs": self.logprob_format.chat(lps, p.logprobs_as_ids), "finish_reason": last.finish_reason}
                        for p, (text, last, lps) in zip(plans, results)]
+            for entry, p in zip(choices, plans):
+                if p.echo:  # vLLM's echo: the assistant message continued
+                    entry["message"]["content"] = p.echo + (entry["message"]["content"] or "")
             for entry in choices:  # a forced function's answer stops as any answer does (OpenAI, vLLM); the model's own calls
                 if choice in ("auto", "required") and entry["message"].get("tool_calls") and entry["finish_reason"] == "stop":
                     entry["finish_reason"] = "tool_calls"
@@ -151,6 +154,7 @@ class OpenAIServing:
                 prompt_ids = self.prompts.fitted_chat(request, self.max_model_len - reserve)
         prompt_ids = extras.truncated(prompt_ids, request.truncate_prompt_tokens, request.truncation_side, self.max_model_len)
         prepared = self._prepare("chatcmpl", prompt_ids, request, request.requested_max_tokens)
+        prepared.echo = extras.echoed_turn(request)  # sent before the answer, never read as part of it
         if self.tool_parser == "mistral" and request.tool_choice_resolved() == "auto":  # [TOOL_CALLS] is a special token
             prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)  # kept for the parser, as vLLM
         if request.tool_choice_resolved() == "auto":
@@ -177,7 +181,7 @@ class OpenAIServing:
 
     def _completion_plans(self, request: CompletionRequest) -> list[Prepared]:
         prompt = fim_prompt(self.tokenizer, request.prompt, request.suffix, self.model_name) if request.suffix else request.prompt
-        whole = self.prompts.completion(prompt)
+        whole = self.prompts.completion(prompt, request.add_special_tokens)
         prompts = [extras.truncated(ids, request.truncate_prompt_tokens, request.truncation_side, self.max_model_len)
                    for ids in whole]
         candidates = request.best_of or request.n  # prompts x candidates: at most MAX_CHOICES (checked at parse)
@@ -215,6 +219,9 @@ class OpenAIServing:
                     if request.continuous_usage:
                         opening["usage"] = extras.choice_usage(p, 0)
                     yield opening
+                    if p.echo:  # vLLM's echo: the assistant message continued, as a chunk of its own
+                        yield {**self._chunk(p, kind, _chat_choice(p.echo, None, index=p.index)),
+                               **({"usage": opening["usage"]} if request.continuous_usage else {})}
             if first is not None:
                 yield first
                 async for chunk in chunks:
@@ -231,7 +238,8 @@ class OpenAIServing:
         room = budget.room_left(prompt_ids, self.vocab_size, self.max_model_len, "messages" if prefix == "chatcmpl" else "prompt")
         max_tokens = budget.capped_max_tokens(max_tokens, room, request, self.max_model_len)
         prompt_only = max_tokens == 0
-        sampling = request.sampling_params(1 if prompt_only else max_tokens or room, self.default_sampling)
+        bad_words = extras.bad_words_token_ids(self.tokenizer, request.bad_words)
+        sampling = request.sampling_params(1 if prompt_only else max_tokens or room, self.default_sampling, bad_words)
         budget.check_token_ids(sampling, self.vocab_size)
         request_id = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever id a client sends
         response_id = f"{prefix}-{request.request_id}" if request.request_id else request_id
@@ -307,7 +315,7 @@ class OpenAIServing:
         prompt's; vLLM's ``continuous_usage_stats``: each carries its choice's usage so far."""
         chat, token_ids = kind.startswith("chat"), request.return_token_ids
         prompt_ids = None if chat or not token_ids else prepared.prompt_token_ids
-        echo = prepared.echo  # the first chunk carries the prompt (and its logprobs) before the answer
+        echo = None if chat else prepared.echo  # a completion's first chunk: the prompt (and its logprobs), then the answer
         text_offset = 0  # completions: each chunk's token offsets continue the chunks' before it
         async for output in self._generate(prepared):
             # A chunk for every output that carries a token, as vLLM streams: a token with no text of its own (a

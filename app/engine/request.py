@@ -45,6 +45,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # tokens a request may bias (OpenAI's limit): each is applied at every step
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids: each token is checked against them
 MAX_STOP_CHARS = 1024  # characters of one stop string: the text is searched for each after every token
+# Banned token sequences (vLLM's bad_words, as tokenized) and their tokens in all: each is matched at every step.
+MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS = 128, 1024
 # Integers a request may carry (seeds, counts): what torch and the wire formats hold, as OpenAI and vLLM bound them.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # A distribution over a few token ids: (ids, probabilities), the probabilities summing to 1.
@@ -92,6 +94,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) that ended the output stays in it
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's plus the n most likely
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), as OpenAI's logit_bias
+    allowed_token_ids: tuple[int, ...] = ()  # vLLM's: when given, the only tokens that can be chosen
+    # vLLM's bad_words as token sequences: a sequence's last token cannot be chosen where the output ends with the rest
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # None: none; n >= 0: each prompt token's logprob (the first has none) and the n most likely alternatives.
     # The whole prompt is computed for it (no prefix-cache hit), as vLLM's prompt_logprobs.
     prompt_logprobs: int | None = None
@@ -106,6 +111,8 @@ class SamplingParams:
         self.stop_token_ids = tuple(dict.fromkeys(self.stop_token_ids or ()))  # each once: every token checks them
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
         self.logit_bias = tuple(sorted((int(token), float(value)) for token, value in bias))
+        self.allowed_token_ids = tuple(sorted(set(self.allowed_token_ids or ())))
+        self.bad_words_token_ids = tuple(dict.fromkeys(tuple(word) for word in self.bad_words_token_ids or ()))
         if self.top_k == -1:
             self.top_k = 0
         checks = [  # (holds, the field, what it must be)
@@ -126,6 +133,13 @@ class SamplingParams:
             (all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop", f"stop strings are at most {MAX_STOP_CHARS} characters"),
             (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"),
             (len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, as OpenAI's does"),
+            (all(INT64_MIN <= t <= INT64_MAX for t in self.allowed_token_ids), "allowed_token_ids",
+             "allowed_token_ids must be 64-bit integers"),
+            (all(self.bad_words_token_ids), "bad_words", "each bad word must be at least one token"),
+            (len(self.bad_words_token_ids) <= MAX_BAD_WORDS, "bad_words",
+             f"at most {MAX_BAD_WORDS} bad words, as tokenized (a word can count twice: alone and after a space)"),
+            (sum(map(len, self.bad_words_token_ids)) <= MAX_BAD_WORDS_TOKENS, "bad_words",
+             f"bad words hold at most {MAX_BAD_WORDS_TOKENS} tokens in all"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "logprobs",
              f"prompt logprobs must be in [0, {MAX_LOGPROBS}]"),

@@ -15,7 +15,7 @@ import torch
 
 from app.cpu.argmax import argmax_rows
 from app.engine.grammar import Grammars, consume
-from app.engine.request import Request, SparseProbs, TokenLogprob
+from app.engine.request import Request, SamplingParams, SparseProbs, TokenLogprob
 
 _NEG_INF = float("-inf")
 
@@ -148,7 +148,8 @@ def token_logprobs(raw: torch.Tensor, tokens: list[int], requests: Sequence[Requ
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """OpenAI logit_bias, then presence/frequency penalties over output tokens; HF repetition penalty over all
-    tokens. In place, on the rows that ask."""
+    tokens; then vLLM's bans: every token outside allowed_token_ids, and each bad word's last token where the output
+    ends with the rest of it. In place, on the rows that ask."""
     rows = [i for i, r in enumerate(requests) if has_penalty(r)]
     if not rows:
         return logits
@@ -170,13 +171,29 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
             values = logits[row, seen]
             penalized = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
             logits[row, seen] = penalized
+        ban_tokens(logits[row], params, requests[row].output_token_ids)
     return logits
+
+
+def ban_tokens(row: torch.Tensor, params: SamplingParams, output: Sequence[int]) -> None:
+    """``row``: [V] logits, in place. A token banned here is -inf, whatever a bias or penalty made it."""
+    vocab = row.shape[-1]
+    if params.allowed_token_ids:
+        allowed = [t for t in params.allowed_token_ids if 0 <= t < vocab]
+        kept = row[allowed].clone()
+        row.fill_(_NEG_INF)
+        row[allowed] = kept
+    for word in params.bad_words_token_ids:  # as vLLM: the output's last len(word) - 1 tokens against the word's first
+        *prefix, last = word
+        if len(prefix) <= len(output) and list(output[len(output) - len(prefix):]) == prefix and 0 <= last < vocab:
+            row[last] = _NEG_INF
 
 
 def has_penalty(request: Request) -> bool:
     """Whether the request's logits are changed before sampling (a bias or a penalty)."""
     p = request.sampling
-    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0 or bool(p.logit_bias)
+    return (p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0 or bool(p.logit_bias)
+            or bool(p.allowed_token_ids) or bool(p.bad_words_token_ids))
 
 
 def mask_stop_tokens_before_min(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
