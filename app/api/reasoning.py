@@ -5,14 +5,15 @@ the DeepSeek API's and older vLLM's name, which LiteLLM and Open WebUI read), th
 The answer starts inside the reasoning when the prompt leaves a ``<think>`` open (DeepSeek-R1's template, Qwen3's
 thinking templates) or when the answer opens one, and, for ``deepseek_r1`` (as vLLM reads R1), when the prompt holds
 no block at all; otherwise (Qwen3 with ``enable_thinking: false``, whose template writes an empty block) it is all
-content (``starts_inside``). An answer cut short inside its reasoning has no content."""
+content (``starts_inside``). An answer cut short inside its reasoning has no content. A response format's or forced
+call's grammar holds the answer after the thinking (``after_thinking``), as vLLM starts it after the reasoning ends."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import AsyncIterator, Callable
 
-from app.api.structured import request_format
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -40,14 +41,37 @@ def generation_tail(prompt_text: str, request) -> str:
 
 
 def answer_starts_inside(parser: str | None, request, prompt_text: str) -> bool | None:
-    """Whether a chat answer starts thinking (``starts_inside``), or None where it is not split: no parser, or a
-    response format's or forced call's grammar holding it from its first token (strict tools' calls under auto leave
-    the text free)."""
-    if parser is None or request.tool_choice_resolved() not in (None, "auto"):
-        return None
-    if request_format(request.response_format, request.structured_outputs) is not None:
+    """Whether a chat answer starts thinking (``starts_inside``), or None where it is not split (no parser)."""
+    if parser is None:
         return None
     return starts_inside(parser, generation_tail(prompt_text, request), request.continue_final_message)
+
+
+def after_thinking(grammar: str, tokenizer, inside: bool) -> str:
+    """``grammar`` (llguidance's: its JSON form, or Lark's text) holding the answer after its thinking: free text up to ``</think>``
+    (where the answer does not start inside, either a ``<think>`` block first or no thinking at all), whitespace, then
+    what ``grammar`` allows. A marker that is one token the tokenizer added (Qwen3's, DeepSeek-R1's) is that token
+    (llguidance reads every added token as special, never as text); any other is its text, the thinking ending at
+    its first occurrence."""
+    top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}  # or Lark
+    first, *rest = top["grammars"]
+    opening, closing = _marker(tokenizer, OPEN), _marker(tokenizer, CLOSE)
+    if closing.startswith("<["):
+        thinking = f"thinking: TEXT {closing}\nTEXT: /(?s:.*)/\n"
+    else:  # lazy: the thinking ends at the first </think>
+        thinking = f"thinking[lazy]: TEXT {closing}\nTEXT: /(?s:.*)/ & ~/(?s:.*)<\\/think>(?s:.*)/\n"
+    head = f"(WS? {opening})? thinking" if inside else f"(WS? {opening} thinking)?"  # inside: it may open it again
+    lark = f"%llguidance {{}}\nstart: {head} WS? @answer_after_thinking\nWS: /[ \\t\\r\\n]+/\n{thinking}"
+    grammars = [{"name": "thinking_then_answer", "lark_grammar": lark}, {**first, "name": "answer_after_thinking"}, *rest]
+    return json.dumps({**top, "grammars": grammars})
+
+
+def _marker(tokenizer, text: str) -> str:
+    """``text`` in a Lark rule: ``<[id]>`` where it is one token the tokenizer added, else a string."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) == 1 and ids[0] in (getattr(tokenizer, "added_tokens_decoder", None) or {}):
+        return f"<[{ids[0]}]>"
+    return json.dumps(text)
 
 
 def reasoned_message(text: str, inside: bool, shown: bool, build: Callable[[str], dict]) -> dict:

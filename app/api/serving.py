@@ -166,6 +166,9 @@ class OpenAIServing:
                            "served with (model.reasoning_parser)", param="include_reasoning")
         prepared.reasoning_shown = request.include_reasoning
         prepared.reasoning_inside = reasoning.answer_starts_inside(self.reasoning_parser, request, text)
+        if prepared.reasoning_inside is not None and prepared.sampling.grammar is not None:  # the format after the thinking
+            grammar = reasoning.after_thinking(prepared.sampling.grammar, self.tokenizer, prepared.reasoning_inside)
+            prepared.sampling = dataclasses.replace(prepared.sampling, grammar=grammar)
         if prepared.reasoning_inside is not None and self._think_is_special:
             prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)
         return self._fan_out([prepared], request.n)

@@ -22,10 +22,9 @@ async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, 
         async for chunk in chunks:
             choice = chunk["choices"][0]
             held_logprobs += (choice["logprobs"] or {}).get("content") or []  # they go out with the text they are for
-            if choice["delta"].get("reasoning"):  # a reasoning model's thinking (app/api/reasoning.py): out as it comes
-                thought = {key: choice["delta"][key] for key in ("reasoning", "reasoning_content")}
+            if choice["delta"].get("reasoning"):
                 logprobs, held_logprobs = ({"content": held_logprobs} if held_logprobs else None), []
-                yield {**chunk, "choices": [{**choice, "delta": thought, "logprobs": logprobs, "finish_reason": None}]}
+                yield thinking_chunk(chunk, choice, logprobs)
             text, calls = calls_in.feed(choice["delta"].get("content") or ""), calls_in.calls
             if choice["finish_reason"] is not None:
                 content, whole = calls_in.finish()
@@ -42,6 +41,13 @@ async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, 
                 finish = "tool_calls" if whole_calls and choice["finish_reason"] == "stop" else choice["finish_reason"]
                 logprobs = {"content": held_logprobs} if held_logprobs else None  # tokens of no text (a call's end)
                 yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+def thinking_chunk(chunk: dict, choice: dict, logprobs: dict | None) -> dict:
+    """A reasoning model's thinking in ``choice``'s delta (app/api/reasoning.py), as a chunk of its own: it goes out as
+    it comes, before any call."""
+    thought = {key: choice["delta"][key] for key in ("reasoning", "reasoning_content")}
+    return {**chunk, "choices": [{**choice, "delta": thought, "logprobs": logprobs, "finish_reason": None}]}
 
 
 def call_entries(calls: list[tuple[str, str]], sent: list[int]) -> list[dict]:
@@ -67,6 +73,9 @@ async def named_call_chunks(chunks: AsyncIterator[dict], name: str) -> AsyncIter
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             choice = chunk["choices"][0]
+            if choice["delta"].get("reasoning"):  # the call comes after the thinking
+                yield thinking_chunk(chunk, choice, choice["logprobs"])
+                choice = {**choice, "logprobs": None}
             text = held + (choice["delta"].get("content") or "")
             text = text if begun else text.lstrip()  # whitespace before the JSON is left out
             fragment = text.rstrip()
@@ -90,6 +99,9 @@ async def required_call_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dic
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             choice = chunk["choices"][0]
+            if choice["delta"].get("reasoning"):  # the calls come after the thinking
+                yield thinking_chunk(chunk, choice, choice["logprobs"])
+                choice = {**choice, "logprobs": None}
             piece = choice["delta"].get("content") or ""
             text += piece
             reader.feed(piece)

@@ -143,10 +143,22 @@ async def test_include_reasoning_false_leaves_the_thinking_out(server, tools_ser
         assert caught.value.param == "include_reasoning"
 
 
-async def test_a_grammars_output_stays_whole(server):
-    answer = '<think>x</think>{"a": 1}'
-    formatted = await server.serving.chat(parse_body(_body(answer, response_format={"type": "json_object"}), ChatCompletionRequest))
-    assert formatted["choices"][0]["message"]["content"] == answer and "reasoning" not in formatted["choices"][0]["message"]
+@pytest.mark.parametrize("answer, extra", [
+    ('<think>Cold.</think>\n\n{"a": 1}', {"response_format": {"type": "json_object"}}),
+    ('<think>Cold.</think>\n{"city": "Oslo"}', {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    ('<think>Cold.</think>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]', {"tools": [WEATHER], "tool_choice": "required"}),
+])
+async def test_a_format_or_a_forced_call_comes_after_the_thinking_streamed_or_not(server, answer, extra):
+    """The grammar holds the answer after the thinking (app/api/reasoning.py after_thinking; on a real tokenizer in
+    tests/model/test_reasoned_formats.py): the thinking is the reasoning, the format's text the content or the call."""
+    whole, deltas = await _whole_and_streamed(server, _body(answer, **extra))
+    assert whole["message"]["reasoning"] == _joined(deltas, "reasoning") == "Cold."
+    if "tools" in extra:
+        [call] = whole["message"]["tool_calls"]
+        entries = [entry for d in deltas for entry in d["delta"].get("tool_calls", [])]
+        assert call["function"]["arguments"] == "".join(e["function"]["arguments"] for e in entries) == '{"city": "Oslo"}'
+    else:
+        assert whole["message"]["content"] == _joined(deltas, "content") == '\n\n{"a": 1}'
 
 
 async def test_a_responses_thinking_is_a_reasoning_item_before_its_message_streamed_or_not(server):

@@ -1,0 +1,77 @@
+"""A reasoning model's structured output after its thinking (app/api/reasoning.py ``after_thinking``), on the embedded
+model's real tokenizer and engine: the thinking is free until ``</think>`` (as its text, or as one token the
+tokenizer added, as Qwen3's and DeepSeek-R1's are), then the format holds the answer; speculation changes no token."""
+
+import re
+
+import pytest
+from tokenizers import AddedToken
+
+from app.api.reasoning import after_thinking
+from app.api.structured import request_grammar
+from app.config import SpecConfig
+from app.engine import Request, SamplingParams
+from app.engine.grammar import Grammars
+from tests.model.conftest import make_engine, run_engine
+
+pytestmark = pytest.mark.model
+
+DIGITS = request_grammar(None, {"regex": "[0-9]+"})
+JSON = request_grammar({"type": "json_object"}, None)
+
+
+@pytest.fixture(scope="module")
+def tokenizers(loaded_rounded):
+    """The embedded tokenizer as it is (the markers are text), and with the markers as added tokens."""
+    added = loaded_rounded.tokenizer.__class__.from_pretrained(loaded_rounded.tokenizer.name_or_path)
+    added.add_tokens([AddedToken("<think>", normalized=False), AddedToken("</think>", normalized=False)])
+    return {"text": loaded_rounded.tokenizer, "added": added}
+
+
+@pytest.mark.parametrize("markers", ["text", "added"])
+@pytest.mark.parametrize("inside, text, accepted", [
+    (True, 'Hmm, {"a": 1}? No.</think>\n\n{"a": 2}', True),  # the thinking may hold what the format would take
+    (True, '{"a": 2}', False),  # still thinking: no answer yet
+    (True, 'So.</think>no', None),  # after the thinking, the format or nothing
+    (False, '{"a": 2}', True),  # thinking off: the answer at once ...
+    (False, '\n<think>Hm.</think>{"a": 3}', True),  # ... or a block first (Qwen3 opens its own)
+    (False, 'Hm.</think>{"a": 3}', None),
+])
+def test_the_grammar_frees_the_thinking_and_holds_the_answer(tokenizers, markers, inside, text, accepted):
+    tokenizer = tokenizers[markers]
+    grammars = Grammars(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+    matcher = grammars.matcher(after_thinking(JSON, tokenizer, inside))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert (tokenizer.convert_tokens_to_ids("</think>") in ids) is (markers == "added" and "</think>" in text)
+    consumed = all(matcher.consume_token(t) for t in ids)
+    assert (None if not consumed else matcher.is_accepting()) is accepted
+
+
+PROMPTS = [
+    "a</think>1 b</think>2 c</think>3 d</think>4 e",  # the model writes </think> soon (and n-grams draft past it)
+    "Think first.</think>Answer: 42. Think again.</think>Answer: 7. Think",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n<think>",  # never closes its block in 24 tokens
+]
+
+
+def _run(loaded, grammar, engine=None) -> list[str]:
+    requests = [Request(str(i), loaded.tokenizer.encode(p), SamplingParams(max_tokens=24, temperature=0, grammar=grammar),
+                        loaded.eos_token_ids) for i, p in enumerate(PROMPTS)]
+    outputs = run_engine(engine or make_engine(loaded, max_model_len=512), requests)
+    return [loaded.tokenizer.decode([t for t in outputs[r.request_id] if t not in loaded.eos_token_ids]) for r in requests]
+
+
+def test_the_answer_after_the_thinking_follows_the_format_and_speculation_changes_no_token(loaded_rounded):
+    free = _run(loaded_rounded, None)
+    held = _run(loaded_rounded, after_thinking(DIGITS, loaded_rounded.tokenizer, inside=True))
+    for free_text, text in zip(free, held):
+        thought, closed, answer = text.partition("</think>")
+        if not closed:  # no answer yet: the thinking is what the model writes unconstrained
+            assert text == free_text
+            continue
+        assert free_text.startswith(thought + closed)  # free up to the marker, as the model writes it
+        assert re.fullmatch(r"\s*[0-9]+", answer), text  # then the format
+    assert sum("</think>" in text for text in held) == 2
+    engine = make_engine(loaded_rounded, max_model_len=512, speculative=SpecConfig(drafter="ngram", num_speculative_tokens=4))
+    assert _run(loaded_rounded, after_thinking(DIGITS, loaded_rounded.tokenizer, inside=True), engine) == held
+    assert engine.stats()["spec_num_accepted_tokens"] > 0  # drafts were verified, the grammar's masks among them
