@@ -18,7 +18,10 @@ from app.api.errors import APIError
 from app.engine import RequestOutput, SamplingParams
 from app.engine.request import INT64_MAX, INT64_MIN, TokenLogprob
 
-MAX_CHOICES = 128  # engine requests one OpenAI request may fan out to (prompts x best_of), as OpenAI's n limit
+MAX_CHOICES = 128  # choices (n, best_of) per prompt, as OpenAI's n limit
+# Engine requests one OpenAI request may fan out to (prompts x best_of) before any prompt is tokenized; past the
+# replica's own bound (engine.max_num_seqs + engine.max_queued_requests, fan_out) it is a 400 too
+MAX_GENERATIONS = 4096
 
 
 @dataclass
@@ -122,7 +125,8 @@ def fan_out(prepared: list[Prepared], count: int, n: int | None, holds: int | No
         return prepared
     if holds is not None and len(prepared) * count > holds:
         raise APIError(400, f"{len(prepared)} prompt(s) x {count} choices is more generations than this replica holds "
-                       f"at once ({holds}: engine.max_num_seqs + engine.max_queued_requests); send fewer", param="n")
+                       f"at once ({holds}: engine.max_num_seqs + engine.max_queued_requests); send fewer",
+                       param="n" if count > 1 else "prompt")
     n, base, response_id = n or count, prepared[0].request_id, prepared[0].response_id
     plans: list[Prepared] = []
     for prompt_index, p in enumerate(prepared):

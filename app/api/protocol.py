@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from app.api.bodies import json_object, require_plain_text
 from app.api.errors import APIError
-from app.api.fanout import MAX_CHOICES
+from app.api.fanout import MAX_CHOICES, MAX_GENERATIONS
 from app.api.structured import compiled, request_grammar
 from app.api.tools import Tool, allowed_tools, forced_schema, parse_tools, resolve_choice
 from app.engine.request import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
@@ -201,8 +201,8 @@ class CompletionRequest(_SamplingFields):
         """More prompts than generations a request may ask for: a 400 before validation, which takes each prompt in one
         call that holds the GIL (~1 s for 500,000 small lists, while the replica's streams wait)."""
         prompt = data.get("prompt") if isinstance(data, dict) else None
-        if isinstance(prompt, list) and len(prompt) > MAX_CHOICES and isinstance(prompt[0], (str, list)):
-            raise APIError(400, f"{len(prompt)} prompts is more than {MAX_CHOICES} generations; send fewer at once",
+        if isinstance(prompt, list) and len(prompt) > MAX_GENERATIONS and isinstance(prompt[0], (str, list)):
+            raise APIError(400, f"{len(prompt)} prompts is more than {MAX_GENERATIONS} generations; send fewer at once",
                            param="prompt")
         return data
 
@@ -219,9 +219,9 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, "max_tokens 0 generates nothing: it is taken with echo (the prompt and, with logprobs, "
                            "its tokens' logprobs)", param="max_tokens")
         prompts = len(self.prompt) if self.prompt and not isinstance(self.prompt, str) and not isinstance(self.prompt[0], int) else 1
-        if prompts * (self.best_of or self.n) > MAX_CHOICES:  # before any is tokenized: a list can hold millions
-            raise APIError(400, f"{prompts} prompts x {self.best_of or self.n} choices is more than {MAX_CHOICES} generations; "
-                           "send fewer at once", param="prompt")
+        if prompts * (self.best_of or self.n) > MAX_GENERATIONS:  # before any is tokenized: a list can hold millions
+            raise APIError(400, f"{prompts} prompts x {self.best_of or self.n} choices is more than {MAX_GENERATIONS} "
+                           "generations; send fewer at once", param="prompt")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs

@@ -238,11 +238,15 @@ def test_stream_options_unstreamed_are_a_400_unless_empty_as_vllm_takes_them():
 
 
 def test_more_prompts_than_a_request_may_generate_are_a_400_before_each_is_validated():
-    for prompts in (["x"] * 129, [[1, 2]] * 200_000):
+    for prompts in (["x"] * 4097, [[1, 2]] * 200_000):
         with pytest.raises(APIError) as info:
             parse_body(json.dumps({"prompt": prompts}), CompletionRequest)
         assert (info.value.status, info.value.param) == (400, "prompt")
-        assert info.value.message.startswith(f"{len(prompts)} prompts is more than 128")
+        assert info.value.message.startswith(f"{len(prompts)} prompts is more than 4096")
+    with pytest.raises(APIError) as info:
+        parse_body({"prompt": ["x"] * 1024, "n": 8}, CompletionRequest)
+    assert info.value.message.startswith("1024 prompts x 8 choices is more than 4096")
+    assert len(parse_body({"prompt": ["x"] * 4096}, CompletionRequest).prompt) == 4096  # the replica's bound decides
 
 
 def test_an_openai_answer_replayed_as_history_is_accepted_and_names_reach_the_template():

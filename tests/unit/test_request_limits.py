@@ -26,6 +26,21 @@ async def test_more_choices_than_the_replica_ever_holds_is_a_400_and_as_many_ans
     assert len(answer["choices"]) == 4
     with pytest.raises(APIError, match="3 prompt"):
         await server.serving.completion(parse_body({"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2}, CompletionRequest))
+    with pytest.raises(APIError) as info:
+        await server.serving.completion(parse_body({"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2}, CompletionRequest))
+    assert info.value.param == "prompt"
+
+
+async def test_a_replica_that_holds_more_takes_a_list_of_prompts_past_openais_n_limit(quick_fake_steps):
+    """An RL rollout posts its whole batch as one request: the replica's own bound decides, not OpenAI's 128."""
+    served = {"model": {"source": "fake-wide"}, "engine": {"separate_process": False, "max_num_seqs": 64, "max_queued_requests": 200}}
+    server = fake_model_server(AppConfig.from_dict({"models": [served]}).models[0])
+    try:
+        prompts = [f"p{i}" for i in range(200)]
+        answer = await server.serving.completion(parse_body({"prompt": prompts, "max_tokens": 2}, CompletionRequest))
+        assert [c["text"] for c in answer["choices"]] == [p[:2] for p in prompts]  # the fake echoes each prompt
+    finally:
+        server.shutdown(timeout_s=1)
 
 
 async def test_every_token_a_stop_token_under_min_tokens_is_a_400(server):
@@ -114,7 +129,7 @@ def test_repeated_stop_token_ids_count_once():
 
 def test_more_prompts_than_choices_are_refused_before_any_is_tokenized():
     with pytest.raises(APIError) as info:
-        parse_body({"prompt": ["a"] * 65, "n": 2}, CompletionRequest)
-    assert (info.value.status, info.value.param) == (400, "prompt") and "65 prompts x 2 choices" in info.value.message
-    assert parse_body({"prompt": ["a"] * 64, "n": 2}, CompletionRequest)
+        parse_body({"prompt": ["a"] * 2049, "n": 2}, CompletionRequest)
+    assert (info.value.status, info.value.param) == (400, "prompt") and "2049 prompts x 2 choices" in info.value.message
+    assert parse_body({"prompt": ["a"] * 2048, "n": 2}, CompletionRequest)
     assert parse_body({"prompt": [1] * 500, "n": 128}, CompletionRequest)  # token ids: one prompt
