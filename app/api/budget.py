@@ -37,9 +37,9 @@ def capped_max_tokens(max_tokens: int | None, room: int, request, max_model_len:
     return None if max_tokens is None else min(max_tokens, room)
 
 
-def check_token_ids(sampling: SamplingParams, vocab_size: int) -> None:
-    """Token ids a request names (stop_token_ids, logit_bias, allowed_token_ids) are the model's, and min_tokens leaves
-    a token to choose."""
+def check_token_ids(sampling: SamplingParams, vocab_size: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    """Token ids a request names (stop_token_ids, logit_bias, allowed_token_ids) are the model's, and what it bans
+    leaves a token to choose: under min_tokens, and wherever allowed_token_ids meet bad_words."""
     named = (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", [t for t, _ in sampling.logit_bias]),
              ("allowed_token_ids", sampling.allowed_token_ids))
     for param, ids in named:
@@ -49,3 +49,13 @@ def check_token_ids(sampling: SamplingParams, vocab_size: int) -> None:
     if sampling.min_tokens and len(set(sampling.stop_token_ids)) >= vocab_size:
         raise APIError(400, "stop_token_ids holds every token of the vocabulary, so min_tokens leaves none to choose",
                        param="stop_token_ids")
+    if not sampling.allowed_token_ids:
+        return
+    left = set(sampling.allowed_token_ids) - {word[0] for word in sampling.bad_words_token_ids if len(word) == 1}
+    if not left:
+        raise APIError(400, "every token of allowed_token_ids is a bad word: no token is left to choose",
+                       param="allowed_token_ids")
+    stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
+    if sampling.min_tokens and not left - stops:
+        raise APIError(400, "allowed_token_ids hold only EOS and stop tokens, which min_tokens bans: no token is left to "
+                       "choose", param="allowed_token_ids")

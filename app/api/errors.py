@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from app.engine.errors import (EngineDeadError, EngineOverloadedError, EngineQueueTimeoutError, EngineShutdownError,
-                               GrammarFailedError, ReplicaDrainingError, RequestFailedError)
+                               GrammarFailedError, NoTokenLeftFailedError, ReplicaDrainingError,
+                               RequestFailedError)
 
 # What json.loads raises on text it cannot read: not JSON (JSONDecodeError is a ValueError), nested past the parser's
 # depth (RecursionError), an integer of 4,300+ digits (ValueError). A JSON string inside a body, or a model's output,
@@ -69,6 +70,8 @@ def to_api_error(exc: BaseException, request_id: str | None = None) -> APIError:
     if isinstance(innermost, GrammarFailedError):  # the request's grammar, not our failure: llguidance's words
         return APIError(400, f"the output cannot follow this request's grammar with this model's vocabulary: "
                              f"{innermost.reason}", code="invalid_grammar")
+    if isinstance(innermost, NoTokenLeftFailedError):
+        return APIError(400, f"no token is left to choose: {innermost.reason}; allow more tokens", code="no_token_left")
     status, message, code = _server_failure(chain)
     return APIError(status, f"{message} (request id {request_id})" if request_id else message, code=code)
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from app.api.errors import APIError
+from app.engine.request import MAX_BAD_WORDS
 from app.api.fanout import Prepared
 from app.api.logprobs import LogprobFormatter
 
@@ -52,14 +53,18 @@ def bad_words_token_ids(tokenizer, words: list[str] | None) -> tuple[tuple[int, 
     """Each bad word as the tokens that write it, as vLLM reads them: the word (leading spaces stripped) alone, and
     after a space where that is a different first token and as many tokens (a word in mid-sentence)."""
     sequences: list[tuple[int, ...]] = []
-    for i, word in enumerate(words or ()):
-        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+    for word in dict.fromkeys(word.lstrip() for word in words or ()):  # each once (a list of repeats is one word)
+        alone = tuple(tokenizer.encode(word, add_special_tokens=False))
         if not alone:
-            raise APIError(400, f"bad_words[{i}] ({word!r}) is no token: give words with text", param="bad_words")
-        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            raise APIError(400, "bad_words holds an entry that is no token (empty, or spaces): give words with text",
+                           param="bad_words")
+        spaced = tuple(tokenizer.encode(" " + word, add_special_tokens=False))
         sequences.append(alone)
         if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
             sequences.append(spaced)
+        if len(sequences) > MAX_BAD_WORDS:  # as vLLM counts them: tokenizing stops at the first past the bound
+            raise APIError(400, f"bad_words: at most {MAX_BAD_WORDS} words as tokenized (a word can count twice: alone "
+                           "and after a space)", param="bad_words")
     return tuple(sequences)
 
 

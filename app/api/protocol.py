@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import typing
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -23,7 +23,7 @@ from app.api.errors import APIError
 from app.api.fanout import MAX_CHOICES, MAX_GENERATIONS
 from app.api.structured import compiled, request_grammar
 from app.api.tools import Tool, allowed_tools, forced_schema, parse_tools, resolve_choice
-from app.engine.request import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from app.engine.request import INT64_MAX, INT64_MIN, MAX_BAD_WORDS, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams
 
 
 # What an unset field means, unless the model's config sets `default_sampling`.
@@ -99,7 +99,8 @@ class _SamplingFields(_Strict):
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices (each its own engine request: app/api/fanout.py)
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # vLLM's: the only tokens the answer may hold
-    bad_words: list[str] | None = None  # vLLM's: words the answer never holds (as tokenized, alone or after a space)
+    # vLLM's: words the answer never holds (as tokenized, alone or after a space); bounded before any is tokenized
+    bad_words: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] | None = Field(None, max_length=4 * MAX_BAD_WORDS)
     spaces_between_special_tokens: bool = True  # vLLM's: a fast tokenizer joins special tokens as it decodes them
     use_beam_search: bool = False  # vLLM's: no beam search here (n / best_of sample choices)
     length_penalty: float = 1.0  # vLLM's: read by beam search alone

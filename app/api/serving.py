@@ -153,7 +153,8 @@ class OpenAIServing:
             if len(prompt_ids) + reserve > self.max_model_len:
                 prompt_ids = self.prompts.fitted_chat(request, self.max_model_len - reserve)
         prompt_ids = extras.truncated(prompt_ids, request.truncate_prompt_tokens, request.truncation_side, self.max_model_len)
-        prepared = self._prepare("chatcmpl", prompt_ids, request, request.requested_max_tokens)
+        bad_words = extras.bad_words_token_ids(self.tokenizer, request.bad_words)
+        prepared = self._prepare("chatcmpl", prompt_ids, request, request.requested_max_tokens, bad_words)
         prepared.echo = extras.echoed_turn(request)  # sent before the answer, never read as part of it
         if self.tool_parser == "mistral" and request.tool_choice_resolved() == "auto":  # [TOOL_CALLS] is a special token
             prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)  # kept for the parser, as vLLM
@@ -188,7 +189,8 @@ class OpenAIServing:
         prompts = [extras.truncated(ids, request.truncate_prompt_tokens, request.truncation_side, self.max_model_len)
                    for ids in whole]
         candidates = request.best_of or request.n  # prompts x candidates: at most MAX_CHOICES (checked at parse)
-        prepared = [self._prepare("cmpl", ids, request, request.max_tokens) for ids in prompts]
+        bad_words = extras.bad_words_token_ids(self.tokenizer, request.bad_words)  # once for all the prompts
+        prepared = [self._prepare("cmpl", ids, request, request.max_tokens, bad_words) for ids in prompts]
         if request.echo:
             texts = request.prompt if isinstance(request.prompt, list) and isinstance(request.prompt[0], str) else (
                 [request.prompt] if isinstance(request.prompt, str) else [self.tokenizer.decode(ids) for ids in prompts])
@@ -237,13 +239,13 @@ class OpenAIServing:
             yield {**self._chunk(plans[0], kind, None), "usage": reasoning.usage_with_thinking(usage(plans), plans, self.tokenizer)}
 
     # ---- shared -------------------------------------------------------------------------
-    def _prepare(self, prefix: str, prompt_ids: list[int], request: _SamplingFields, max_tokens: int | None) -> Prepared:
+    def _prepare(self, prefix: str, prompt_ids: list[int], request: _SamplingFields, max_tokens: int | None,
+                 bad_words: tuple[tuple[int, ...], ...] = ()) -> Prepared:
         room = budget.room_left(prompt_ids, self.vocab_size, self.max_model_len, "messages" if prefix == "chatcmpl" else "prompt")
         max_tokens = budget.capped_max_tokens(max_tokens, room, request, self.max_model_len)
         prompt_only = max_tokens == 0
-        bad_words = extras.bad_words_token_ids(self.tokenizer, request.bad_words)
         sampling = request.sampling_params(1 if prompt_only else max_tokens or room, self.default_sampling, bad_words)
-        budget.check_token_ids(sampling, self.vocab_size)
+        budget.check_token_ids(sampling, self.vocab_size, self.eos_token_ids)
         request_id = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever id a client sends
         response_id = f"{prefix}-{request.request_id}" if request.request_id else request_id
         model = request.model or self.model_name

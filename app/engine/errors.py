@@ -35,11 +35,26 @@ class GrammarFailedError(RequestFailedError):
         return text.split(": ", 1)[1] if text.startswith("request ") and ": " in text else text
 
 
+class NoTokenLeftFailedError(RequestFailedError):
+    """Every token was banned at some step of this request (its allowed_token_ids, bad_words, min_tokens' stop tokens
+    and format together): the request's to change."""
+
+    @property
+    def reason(self) -> str:
+        """The sampler's words, without the engine's prefixes (the exception's class, the request id)."""
+        text = str(self).removeprefix("NoTokenLeftError: ")
+        return text.split(": ", 1)[1] if text.startswith("request ") and ": " in text else text
+
+
+_FAILURES = {"GrammarError: ": GrammarFailedError, "NoTokenLeftError: ": NoTokenLeftFailedError}  # the request's own
+
+
 def engine_failure(error: str | None, phase_times: dict[str, float] | None = None) -> RequestFailedError:
     """The engine's text for a failed request, as the exception its caller maps to a status; it carries the
     request's queue/prefill/decode times for the metrics."""
     text = error or "request failed in the engine"
-    failure = (GrammarFailedError if text.startswith("GrammarError: ") else RequestFailedError)(text)
+    kind = next((kind for prefix, kind in _FAILURES.items() if text.startswith(prefix)), RequestFailedError)
+    failure = kind(text)
     failure.phase_times = phase_times or {}
     return failure
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,8 +134,8 @@ class SamplingParams:
             (all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop", f"stop strings are at most {MAX_STOP_CHARS} characters"),
             (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"),
             (len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, as OpenAI's does"),
-            (all(INT64_MIN <= t <= INT64_MAX for t in self.allowed_token_ids), "allowed_token_ids",
-             "allowed_token_ids must be 64-bit integers"),
+            (all(0 <= t <= INT64_MAX for t in self.allowed_token_ids), "allowed_token_ids",
+             "allowed_token_ids must be token ids (>= 0)"),
             (all(self.bad_words_token_ids), "bad_words", "each bad word must be at least one token"),
             (len(self.bad_words_token_ids) <= MAX_BAD_WORDS, "bad_words",
              f"at most {MAX_BAD_WORDS} bad words, as tokenized (a word can count twice: alone and after a space)"),
@@ -154,6 +155,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @functools.cached_property
+    def allowed_index(self) -> Any:
+        """allowed_token_ids as a sorted index tensor, made once: every step of the request applies it."""
+        import torch
+
+        return torch.tensor(self.allowed_token_ids, dtype=torch.long)
 
 
 @dataclass

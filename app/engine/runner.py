@@ -223,14 +223,14 @@ class ModelRunner:
         errors: list[str | None] = [None] * len(items)
         if plain:  # the steady state without drafts samples the logits as they are (the sampler keeps raw rows)
             rows = logits if not drafting else logits[torch.tensor([first_row[i] for i in plain], device=logits.device)]
-            for i, sampled in zip(plain, _isolated(self._sample_plain, rows, [items[i] for i in plain])):
+            for i, sampled in zip(plain, _isolated(self._sample_plain, rows, [items[i] for i in plain], self.sampler)):
                 if isinstance(sampled, str):
                     errors[i] = sampled
                 else:
                     emitted[i], logprobs[i] = [sampled[0]], [sampled[1]]
         if drafting:
             rows = torch.cat([torch.arange(first_row[i], first_row[i + 1]) for i in drafting]).to(logits.device)
-            for i, verified in zip(drafting, _isolated(self._verify, logits[rows], [items[i] for i in drafting])):  # a copy
+            for i, verified in zip(drafting, _isolated(self._verify, logits[rows], [items[i] for i in drafting], self.sampler)):  # a copy
                 if isinstance(verified, str):
                     errors[i] = verified
                 else:
@@ -287,15 +287,18 @@ class ModelRunner:
         self.sampler.forget(request_id)
 
 
-def _isolated(batched, rows: torch.Tensor, items: list[ScheduledRequest]) -> list:
+def _isolated(batched, rows: torch.Tensor, items: list[ScheduledRequest], sampler: Sampler) -> list:
     """``batched(rows, items)``: one result per item, from one batched call. If that call raises, each item's
     rows again alone: the item that raises gets its error text instead of a result, and the others the result
-    they had in the batch (sampling is per row, and a seeded row draws from its own generator). One request's
-    bad parameters or a bug its input reaches never fail its batch-mates."""
+    they had in the batch (sampling is per row, and a seeded row draws from its own generator, put back as it was
+    before the failed call: draws made for rows verified before the failing one are drawn again alike). One
+    request's bad parameters or a bug its input reaches never fail its batch-mates."""
+    states = sampler.generator_states([item.request for item in items])
     try:
         return batched(rows, items)
     except Exception:  # noqa: BLE001 - re-run below, item by item
         logger.warning("sampling a batch of %d failed; sampling its requests one at a time", len(items))
+    sampler.restore_generator_states(states)
     results, start = [], 0
     for item in items:
         count = 1 + item.num_spec_tokens

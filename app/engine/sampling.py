@@ -59,7 +59,7 @@ class Sampler:
             logits = self.grammars.mask(logits, requests)
         logits = mask_stop_tokens_before_min(logits, requests)  # after the grammar: it yields where only EOS is left
         greedy_tokens = argmax_rows(logits)  # [B]
-        _require_finite(logits.gather(1, greedy_tokens.unsqueeze(1)), requests)  # each row's largest logit
+        require_a_token(logits.gather(1, greedy_tokens.unsqueeze(1)), requests)  # each row's largest logit
         if all(r.sampling.greedy for r in requests):
             return greedy_tokens.tolist(), {}
         probs = truncated_probs(logits, requests)  # [B, V]
@@ -84,6 +84,14 @@ class Sampler:
             request.matcher = self.grammars.matcher(request.sampling.grammar)
             for token_id in request.output_token_ids:  # one that comes with output (a draft call: the target's so far)
                 consume(request, token_id)             # continues the grammar from there, not from its start
+
+    def generator_states(self, requests: Sequence[Request]) -> dict[str, torch.Tensor]:
+        """The seeded requests' generators' states (restore_generator_states puts them back)."""
+        return {r.request_id: g.get_state() for r in requests if (g := self._generators.get(r.request_id)) is not None}
+
+    def restore_generator_states(self, states: dict[str, torch.Tensor]) -> None:
+        for request_id, state in states.items():
+            self._generators[request_id].set_state(state)
 
     def generator_for(self, request: Request, device: torch.device) -> torch.Generator:
         """The request's own generator (made at admission, or on first use; for seeded requests only)."""
@@ -179,10 +187,11 @@ def ban_tokens(row: torch.Tensor, params: SamplingParams, output: Sequence[int])
     """``row``: [V] logits, in place. A token banned here is -inf, whatever a bias or penalty made it."""
     vocab = row.shape[-1]
     if params.allowed_token_ids:
-        allowed = [t for t in params.allowed_token_ids if 0 <= t < vocab]
-        kept = row[allowed].clone()
+        allowed = params.allowed_index.to(row.device)
+        allowed = allowed[allowed < vocab] if int(allowed[-1]) >= vocab else allowed
+        kept = row.index_select(0, allowed)
         row.fill_(_NEG_INF)
-        row[allowed] = kept
+        row.index_copy_(0, allowed, kept)
     for word in params.bad_words_token_ids:  # as vLLM: the output's last len(word) - 1 tokens against the word's first
         *prefix, last = word
         if len(prefix) <= len(output) and list(output[len(output) - len(prefix):]) == prefix and 0 <= last < vocab:
@@ -213,13 +222,22 @@ def mask_stop_tokens_before_min(logits: torch.Tensor, requests: Sequence[Request
     return logits
 
 
-def _require_finite(chosen: torch.Tensor, requests: Sequence[Request]) -> None:
-    """chosen: [B, 1], each row's chosen logit or weight. A row whose every token is -inf or NaN has no token to give
-    (the model's logits were not finite): it fails, alone (the runner samples its batch-mates again without it)."""
-    bad = [r.request_id for r, ok in zip(requests, torch.isfinite(chosen).squeeze(1).tolist()) if not ok]
-    if bad:
-        raise ValueError(f"no token can be chosen for request {bad[0]}: its logits are not finite (NaN or inf), "
-                         "or every token is masked")
+class NoTokenLeftError(ValueError):
+    """Every token of a request's row is banned: its allowed_token_ids, bad_words, min_tokens' stop tokens and grammar
+    together leave none (the model's logits were finite): the request's to change."""
+
+
+def require_a_token(chosen: torch.Tensor, requests: Sequence[Request]) -> None:
+    """chosen: [B, 1], each row's largest logit after the masks. -inf: every token was banned (NoTokenLeftError); NaN
+    or +inf: the model's logits were not finite (ValueError). Either fails that request alone (the runner samples its
+    batch-mates again without it)."""
+    for request, value in zip(requests, chosen.squeeze(1).tolist()):
+        if value == _NEG_INF:
+            raise NoTokenLeftError(f"request {request.request_id}: its allowed_token_ids, bad_words, min_tokens' stop "
+                                   "tokens and format together ban every token at output token "
+                                   f"{request.num_output_tokens + 1}")
+        if not math.isfinite(value):
+            raise ValueError(f"no token can be chosen for request {request.request_id}: its logits are not finite (NaN or inf)")
 
 
 # Top-k / top-p keep a prefix of the tokens by probability; it is looked for among this many of the most likely

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from app.engine.request import Request
-from app.engine.sampling import apply_penalties, has_penalty, mask_stop_tokens_before_min, truncated_probs
+from app.engine.sampling import apply_penalties, has_penalty, mask_stop_tokens_before_min, require_a_token, truncated_probs
 
 
 def processed_probs(
@@ -63,6 +63,7 @@ def processed_probs(
         flat[:, vocab_size:] = float("-inf")
     flat = apply_penalties(flat, rows)  # [B*S, V]
     flat = mask_stop_tokens_before_min(flat, rows)  # [B*S, V]
+    require_a_token(flat.amax(dim=-1, keepdim=True), rows)  # a position with every token banned fails its request
 
     greedy = torch.tensor([r.sampling.greedy for r in rows], dtype=torch.bool, device=flat.device)  # [B*S]
     probs = torch.zeros_like(flat)  # [B*S, V]

@@ -22,7 +22,7 @@ import torch
 
 from app.cpu.argmax import argmax_rows
 from app.engine.request import Request, SparseProbs
-from app.engine.sampling import apply_penalties, mask_stop_tokens_before_min
+from app.engine.sampling import apply_penalties, mask_stop_tokens_before_min, require_a_token
 from app.spec.probs import position_request, processed_probs
 from app.spec.rejection import padded_from_packed, rejection_sample
 
@@ -54,7 +54,9 @@ def _verify_greedy(rows, requests, drafts, starts, chosen, emitted, accepted) ->
     logits = logits.float()  # the sampler's precision: penalties and biases on bf16 logits round otherwise
     position_requests = [position_request(requests[b], list(drafts[b][:j])) for b in chosen for j in range(len(drafts[b]) + 1)]
     logits = mask_stop_tokens_before_min(apply_penalties(logits, position_requests), position_requests)
-    targets = argmax_rows(logits.contiguous()).tolist()  # [G]: the sampler's greedy choice at every position
+    picks = argmax_rows(logits.contiguous())  # [G]: the sampler's greedy choice at every position
+    require_a_token(logits.gather(1, picks.unsqueeze(1)), position_requests)  # one with every token banned fails alone
+    targets = picks.tolist()
     at = 0
     for b in chosen:
         n = len(drafts[b])

@@ -1,8 +1,11 @@
 """vLLM's ``allowed_token_ids`` and ``bad_words`` on the real model: masking what greedy decoding would not choose
 changes nothing; what is banned never appears."""
 
+import asyncio
+
 import pytest
 
+from app.api.errors import to_api_error
 from app.api.extras import bad_words_token_ids
 from app.api.protocol import CompletionRequest, parse_body
 
@@ -37,3 +40,13 @@ async def test_a_bad_word_the_greedy_answer_starts_with_never_appears_in_it(serv
     assert any(_holds(plain["token_ids"], s) for s in banned)  # the word, as one of the forms banned
     answer = await _answer(server_fp32, bad_words=[word], max_tokens=16)
     assert not any(_holds(answer["token_ids"], s) for s in banned) and answer["token_ids"][0] != plain["token_ids"][0]
+
+
+async def test_a_format_the_allowed_tokens_cannot_write_is_a_400_and_a_batch_mate_is_served(server_fp32):
+    """json_object's answer starts with "{", which allowed_token_ids leave out: no token is left at the first step."""
+    a = server_fp32.info.tokenizer.encode("a", add_special_tokens=False)
+    stuck = _answer(server_fp32, allowed_token_ids=a, response_format={"type": "json_object"}, ignore_eos=False)
+    results = await asyncio.gather(stuck, _answer(server_fp32), return_exceptions=True)
+    error = to_api_error(results[0])
+    assert (error.status, error.code) == (400, "no_token_left") and "allowed_token_ids" in error.message
+    assert results[1]["token_ids"] == (await _answer(server_fp32))["token_ids"]

@@ -8,8 +8,12 @@ import torch
 from app.api import extras
 from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from app.api.errors import to_api_error
+from app.engine.errors import engine_failure
 from app.engine.request import Request, SamplingParams
-from app.engine.sampling import Sampler
+from app.engine.runner import _isolated
+from app.engine.sampling import NoTokenLeftError, Sampler
+from app.engine.scheduler import ScheduledRequest
 from app.spec.verify import verify_drafts
 
 V = 8
@@ -123,3 +127,55 @@ def test_a_completions_text_prompt_leaves_out_the_tokenizers_bos_when_asked():
     assert prompts.completion("hi there") == [[0, 2, 3]]
     assert prompts.completion(["hi there", "hi"], add_special_tokens=False) == [[2, 3], [2]]
     assert parse_body({"prompt": "hi"}, CompletionRequest).add_special_tokens is True  # vLLM's default for completions
+
+
+def test_where_every_token_is_banned_the_request_fails_alone_with_or_without_drafts():
+    """allowed 3 and 4; after a 3, both are bad words: no token is left. The sampler and greedy verification both raise
+    the request's own error (the runner then fails it alone); its batch-mate is unaffected."""
+    stuck = dict(temperature=0, allowed_token_ids=[3, 4], bad_words_token_ids=[(3, 3), (3, 4)])
+    logits = torch.zeros(2, V)
+    with pytest.raises(NoTokenLeftError, match="request stuck.*output token 2"):
+        Sampler().sample(logits.clone(), [_req("stuck", output=[3], **stuck), _req("fine", temperature=0)])
+    with pytest.raises(NoTokenLeftError):
+        verify_drafts(torch.zeros(2, V), [_req("stuck", **stuck)], [[3]], [None])  # the position after the draft 3
+    with pytest.raises(NoTokenLeftError):
+        verify_drafts(torch.zeros(2, V), [_req("stuck", **{**stuck, "temperature": 1.0, "seed": 1})], [[3]], [None])
+    assert verify_drafts(torch.zeros(2, V), [_req("fine", temperature=0)], [[0]], [None]) == ([[0, 0]], [1])
+
+
+def test_a_batch_that_fails_puts_each_seeded_generator_back_before_its_requests_run_alone():
+    """A batched call can draw for one seeded request and then raise for another: run alone after, the first draws
+    what it would have drawn alone."""
+    sampler = Sampler()
+    seeded, failing = _req("seeded", temperature=1.0, seed=11), _req("failing", temperature=1.0, seed=3)
+    for request in (seeded, failing):
+        sampler.admit(request, torch.device("cpu"))
+
+    def draws(rows, items):
+        out = [torch.rand(1, generator=sampler.generator_for(item.request, rows.device)).item() for item in items]
+        if any(item.request is failing for item in items):
+            raise ValueError("no token can be drawn")
+        return out
+
+    alone = torch.rand(1, generator=torch.Generator().manual_seed(11)).item()  # its generator's first draw
+    batch = [ScheduledRequest(seeded, 1), ScheduledRequest(failing, 1)]
+    results = _isolated(draws, torch.zeros(2, V), batch, sampler)
+    assert results[0] == alone and results[1].startswith("ValueError")
+
+
+@pytest.mark.parametrize("body", [
+    {"allowed_token_ids": [97], "bad_words": ["a"]},  # the fake model: one byte a token
+    {"allowed_token_ids": [97], "stop_token_ids": [97], "min_tokens": 1},
+])
+async def test_bans_that_leave_no_token_are_a_400_before_any_work(tools_server, body):
+    with pytest.raises(APIError) as caught:
+        await tools_server.serving.completion(parse_body({"prompt": "abc", "max_tokens": 2, **body}, CompletionRequest))
+    assert (caught.value.status, caught.value.param) == (400, "allowed_token_ids")
+
+
+def test_a_request_the_engine_finds_with_no_token_left_is_a_400_naming_why():
+    failure = engine_failure("NoTokenLeftError: request cmpl-1-0: its allowed_token_ids, bad_words, min_tokens' stop "
+                             "tokens and format together ban every token at output token 3")
+    error = to_api_error(failure, "cmpl-1")
+    assert (error.status, error.code) == (400, "no_token_left") and "output token 3" in error.message
+    assert "cmpl-1-0" not in error.message
