@@ -64,10 +64,11 @@ class Prompts:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
         messages = _known_roles([m.as_template_message() for m in request.messages], self.tokenizer.chat_template)
-        shown = request.parsed_tools() if request.tool_choice_resolved() is not None else []
+        listed = request.parsed_tools()
+        shown = listed if request.tool_choice_resolved() is not None else []  # tool_choice none: no call is invited
         extra = {}
-        if tools.template_renders_tools(self.tokenizer, bool(shown)):
-            extra = {"tools": [t.as_openai() for t in shown]} if shown else {}
+        if tools.template_renders_tools(self.tokenizer, bool(listed)):  # as vLLM: under none too, in the model's format
+            extra = {"tools": [t.as_openai() for t in listed]} if listed else {}
             messages = [tools.with_loaded_arguments(m) for m in messages]
         else:  # a template without tools: tools, calls and results as Hermes-style text
             messages = tools.render_for_template(messages, shown)

@@ -11,7 +11,9 @@
   call stays the answer's content: nothing is dropped. For Hermes, a tool's ``strict: true`` holds the calls to the
   tools' schemas by a grammar while the text stays free (``strict_calls``); beside a JSON response format the
   grammar is the format's answer or calls (``answer_or_calls``).
-- ``"none"`` (or no tools): plain chat; the tools are not shown to the model.
+- ``"none"`` (or no tools): plain chat, no call read out of the answer; a template that renders tools still gets them,
+  as vLLM passes them (a transcript's earlier calls read against their definitions), but no text inviting calls is
+  added to a template that does not.
 
 A chat template that renders tools itself (its source mentions ``tools``) gets them as transformers passes them.
 Templates that do not, like the embedded SmolLM2's, which joins only ``role`` and ``content``, get the tools as a

@@ -211,6 +211,26 @@ def test_named_templates_render_tools_through_their_tool_use_template():
     assert texts == ["TOOLS get_weather,get_time\nuser: Weather in Oslo?\n", "user: Weather in Oslo?\n"]
 
 
+def test_under_tool_choice_none_a_template_that_renders_tools_gets_them_and_no_calls_are_invited_otherwise():
+    """As vLLM (its default): the model's own template shows the tools; a template without tools gets no Hermes text
+    inviting calls, which tool_choice none forbids. The answer is plain content either way."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from app.api.serving import OpenAIServing
+
+    turns = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    texts = []
+    for template in ("TOOLS {{ tools | map(attribute='function.name') | join(',') }}\n" + turns, turns):
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+                                            unk_token="[UNK]")
+        tokenizer.chat_template = template
+        tokenizer.encode = lambda text, add_special_tokens=True: texts.append(text) or [0]
+        serving = OpenAIServing(None, tokenizer, "m", 64, [0], 1)
+        serving.prompts.chat(parse_body({**CHAT, "tools": [WEATHER, TIME], "tool_choice": "none"}, ChatCompletionRequest))
+    assert texts == ["TOOLS get_weather,get_time\nuser: Weather in Oslo?\n", "user: Weather in Oslo?\n"]
+
+
 @pytest.mark.parametrize("template, parser", [
     ("{{ bos_token }}[AVAILABLE_TOOLS]{{ tools }}[/AVAILABLE_TOOLS]{% if m.tool_calls %}[TOOL_CALLS]{% endif %}", "mistral"),
     ("<|start_header_id|>assistant<|end_header_id|>{{- '<|python_tag|>' + tool_call.name }}", "llama3_json"),
