@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, Union
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from app.api import legacy_functions
 from app.api.bodies import json_object, require_plain_text
 from app.api.errors import APIError
 from app.api.fanout import MAX_CHOICES, MAX_GENERATIONS
@@ -308,6 +309,18 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the answer
     # A response request's ``truncation: "auto"`` (app/api/responses.py): no chat field, so no client sets it here
     _fit_by_dropping_oldest: bool = PrivateAttr(default=False)
+    _legacy_functions: bool = PrivateAttr(default=False)  # answered as function_call (app/api/legacy_functions.py)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _functions_as_tools(cls, data: Any, handler) -> "ChatCompletionRequest":
+        """OpenAI's deprecated functions and function_call (and a transcript's function messages) as tool calling."""
+        legacy = False
+        if isinstance(data, dict):
+            data, legacy = legacy_functions.translated_request(data)
+        request = handler(data)
+        request._legacy_functions = legacy
+        return request
 
     def _reject_unsupported(self) -> None:
         super()._reject_unsupported()

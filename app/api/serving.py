@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from app.api import budget, extras, reasoning, tool_streams, tools
+from app.api import budget, extras, legacy_functions, reasoning, tool_streams, tools
 from app.api.errors import APIError, rejection_reason
 from app.api.fim import fim_prompt
 from app.api.fanout import Prepared, best_candidates, fan_out, gather_or_cancel, merged, num_prompts, usage
@@ -116,6 +116,8 @@ class OpenAIServing:
                                       tool_streams.required_call_chunks(choice_chunks(plan)))
         else:
             streamed = self._streamed(plans, request, _chat_choice, kind, chunker=choice_chunks)
+        if request._legacy_functions:  # the deprecated functions: each call fragment as delta.function_call
+            streamed = legacy_functions.chunks(streamed)
         async with contextlib.aclosing(streamed) as chunks:  # closed with this stream, as completion_stream's
             async for chunk in chunks:
                 yield chunk
@@ -140,7 +142,7 @@ class OpenAIServing:
                     entry["finish_reason"] = "tool_calls"
             response = self._response(plans, "chat.completion", choices)
             extras.add_to_chat_response(response, plans, request, self.logprob_format)
-            return response
+            return legacy_functions.answer(response) if request._legacy_functions else response
 
         return await _formatted(answer, request.logprobs or request.prompt_logprobs is not None)
 
