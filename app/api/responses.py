@@ -19,9 +19,10 @@ from app.api.errors import APIError
 # Fields taken as they are or translated below; accepted and left without effect; taken unset (null, empty) only
 _PASSED = ("model", "temperature", "top_p", "user", "parallel_tool_calls", "stream", "top_k", "min_p", "seed", "stop",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos")
+# max_tool_calls bounds calls of built-in tools, which are refused here: without effect on function calls
 _IGNORED = ("metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention",
-            "prompt_cache_options", "safety_identifier", "stream_options")
-_UNSET_ONLY = ("previous_response_id", "conversation", "background", "prompt", "max_tool_calls", "context_management")
+            "prompt_cache_options", "safety_identifier", "stream_options", "max_tool_calls")
+_UNSET_ONLY = ("previous_response_id", "conversation", "background", "prompt", "context_management")
 _TRANSLATED = ("input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "include", "top_logprobs",
                "reasoning", "truncation")
 _WHY_UNSET = {"previous_response_id": "this server keeps no responses: send the conversation as input",
@@ -47,6 +48,9 @@ def chat_body(body: Any) -> dict:
     if body.get("metadata") is not None and not (isinstance(body["metadata"], dict)
                                                  and all(isinstance(v, str) for v in body["metadata"].values())):
         raise APIError(400, "metadata must map keys to strings", param="metadata")
+    calls = body.get("max_tool_calls")
+    if calls is not None and (not isinstance(calls, int) or isinstance(calls, bool) or calls < 0):
+        raise APIError(400, "max_tool_calls must be a non-negative integer", param="max_tool_calls")
     if body.get("stream") is not None and not isinstance(body["stream"], bool):  # the chat request's is always true
         raise APIError(400, "stream must be true or false", param="stream")
     chat = {key: body[key] for key in _PASSED if body.get(key) is not None}
@@ -230,7 +234,7 @@ def response_dict(body: dict, response_id: str, created: int, model: str, status
         "store": False, "temperature": given("temperature"), "top_p": given("top_p"),
         "text": given("text", {"format": {"type": "text"}}), "tool_choice": given("tool_choice", "auto"),
         "tools": given("tools", []), "truncation": given("truncation", "disabled"), "metadata": given("metadata", {}),
-        "user": given("user"), "usage": usage,
+        "user": given("user"), "usage": usage, "max_tool_calls": given("max_tool_calls"),
     }
 
 

@@ -55,6 +55,7 @@ def test_input_items_become_the_chat_messages_with_instructions_first():
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
     ({"tools": [{**WEATHER, "paramters": {}}]}, "tools[0].paramters"),  # a misspelt field: no tool of no arguments
     ({"text": {"verbosity": "low"}}, "text.verbosity is not supported"),  # as chat's verbosity
+    ({"max_tool_calls": -1}, "max_tool_calls"),
 ])
 def test_what_the_chat_path_cannot_do_is_a_400_naming_it(extra, named):
     with pytest.raises(APIError) as refused:
@@ -205,3 +206,11 @@ async def test_an_answer_cut_by_max_output_tokens_is_incomplete_streamed_or_not(
     assert whole["status"] == "incomplete" and whole["incomplete_details"] == {"reason": "max_output_tokens"}
     assert whole["output"][0]["content"][0]["text"] == "It is"
     assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["output"][0]["content"][0]["text"] == "It is"
+
+
+def test_max_tool_calls_bounds_built_in_tools_alone_so_it_is_taken_and_echoed():
+    """OpenAI's max_tool_calls counts calls of built-in tools, which are refused here: function calls are as without it."""
+    body = {"model": "m", "input": "Weather?", "tools": [WEATHER], "max_tool_calls": 1}
+    chat = responses.chat_body(body)
+    assert chat == responses.chat_body({k: v for k, v in body.items() if k != "max_tool_calls"})
+    assert responses.response_dict(body, "resp_1", 0, "m", "completed", [], None)["max_tool_calls"] == 1
