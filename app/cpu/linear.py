@@ -80,12 +80,20 @@ class PackedLinear(nn.Module):
         self.kernel = kernel
         _hold(self, kernel.pack(linear.weight))
         self.bias = linear.bias
+        self.weight = weight_stand_in(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.apply(x, self.packed_weight, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel.name}"
+
+
+def weight_stand_in(weight: torch.Tensor) -> torch.Tensor:
+    """A packed layer's ``weight``: the original's shape, dtype and device, for a model that reads them (HunYuan's MoE
+    router casts its input to its weight's dtype), without its values or storage: NaN wherever anything computes with
+    it, which the load-time parity check refuses."""
+    return torch.full((), float("nan"), dtype=weight.dtype, device=weight.device).expand(weight.shape)
 
 
 def _hold(module: nn.Module, packed: torch.Tensor | tuple) -> None:
@@ -127,6 +135,7 @@ class PackedSiblingLinear(nn.Module):
         self.shared, self.member = shared, member
         if member == 0:  # the packed weight is counted once, on the first sibling
             _hold(self, shared.packed_weight)
+        self.weight = weight_stand_in(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.shared.output(self.member, x)

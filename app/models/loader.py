@@ -170,9 +170,27 @@ def _hide_the_weight_loading_bar() -> None:
     hf_logging.set_tqdm_hook(hook)
 
 
+def _model_class(checkpoint_config):
+    """transformers' class for the checkpoint: its causal LM, or, for a multimodal model type transformers registers
+    as image-text-to-text alone (Mistral Small 3.1's mistral3, Qwen2.5-VL, LLaVA), that model, whose text decoder
+    the engine serves (the load-time parity check decides whether it serves it exactly)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+    model_type = getattr(checkpoint_config, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    if model_type is not None and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES \
+            and not getattr(checkpoint_config, "auto_map", None):  # remote code brings its own class
+        raise ModelLoadError(f"transformers has no text-generation class for model type {model_type!r} (neither a causal "
+                             "LM nor an image-text-to-text model): not a model this server generates with")
+    return AutoModelForCausalLM
+
+
 def load_model(config: ModelConfig) -> LoadedModel:
     """Load weights and tokenizer; errors name the model and the cause."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     device = resolve_device(config.device)
     path, gguf_file = resolve_source(config.source)
@@ -190,12 +208,13 @@ def load_model(config: ModelConfig) -> LoadedModel:
     _hide_the_weight_loading_bar()
     if config.quantization == "gptq":
         quiet_gptqmodel()
+    model_class = _model_class(checkpoint_config)
     try:
         quantization = _quantization_kwargs(config, path, gguf_file, dtype, device, common)
         tokenizer = AutoTokenizer.from_pretrained(path, **common)
         # device_map, not .to(): quantized weights are placed as they load and must not move afterwards.
-        model, loading = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device}, output_loading_info=True,
-                                                              **quantization, **common)
+        model, loading = model_class.from_pretrained(
+            path, dtype=dtype, device_map={"": device}, output_loading_info=True, **quantization, **common)
     except (OSError, ValueError, KeyError, ImportError, RuntimeError, SafetensorError) as exc:
         raise ModelLoadError(f"model {config.source!r} could not be loaded from {path!r}: {exc}") from exc
     _require_every_weight(config.source, loading)

@@ -52,6 +52,8 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "gemma3": ("Gemma3TextConfig", {**SMALL, "head_dim": 16, "sliding_window": WINDOW, "sliding_window_pattern": 2,
                                     "query_pre_attn_scalar": 16}),
     "starcoder2": ("Starcoder2Config", {**SMALL, "sliding_window": None}),
+    # its router reads its own weight's dtype in its forward (a packed Linear keeps a stand-in of it)
+    "hunyuan-moe": ("HunYuanMoEV1Config", {**SMALL, "head_dim": 16, "num_experts": 4, "moe_topk": 2}),
     # its config's window is past any context served here: every layer attends the whole history (refused before)
     "phimoe": ("PhimoeConfig", {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4096}),
     # sliding layers in its config that never pass their window to the attention function: refused by the check

@@ -1,4 +1,4 @@
-"""The model zoo: twenty-four tiny seeded checkpoints of transformers architectures, each served exactly as transformers
+"""The model zoo: twenty-five tiny seeded checkpoints of transformers architectures, each served exactly as transformers
 computes it (fp32: every greedy token transformers' top choice up to a 1e-4 near-tie, every logprob within 1e-4)
 or refused at load. Prompts of 7-50 tokens in a batch of 4 (longer than the sliding windows), prefilled in
 chunks of at most 32 tokens, then one alone (the prefix cache holds its first blocks) and one that shares a
@@ -15,7 +15,7 @@ from app.engine import Request, SamplingParams
 from app.engine.engine import LLMEngine
 from app.engine.kv_cache import DROPPED
 from app.engine.parity import ParityError, check_parity
-from app.models import load_model
+from app.models import ModelLoadError, load_model
 from tests.model.zoo.checkpoints import ARCHITECTURES, WINDOW, _spread_norms, build_checkpoint
 
 pytestmark = pytest.mark.model
@@ -37,9 +37,12 @@ def _engine(path, **engine_fields):
 
 
 def _reference_model(path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    from app.models.loader import _model_class
+
+    model_class = _model_class(AutoConfig.from_pretrained(path))  # transformers' own class for it, as the loader picks
+    return model_class.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def _prompts(tokenizer, vocab: int) -> list[list[int]]:
@@ -255,3 +258,56 @@ def test_a_multimodal_checkpoint_serves_its_text_decoder_exactly(zoo_dir, tokeni
     assert engine.runner.kv_pool.shape[0] == 2 and engine.runner.kv_pool.shape[-1] == 16
     check_parity(engine, loaded)
     _assert_matches_transformers(_reference_model(path), _run(engine, _prompts(tokenizer, len(tokenizer)), "batch"))
+
+
+def _image_text_to_text_config(kind: str, tokenizer):
+    """A tiny multimodal config of a model type transformers registers as image-text-to-text alone."""
+    import transformers
+
+    vocab, small = len(tokenizer), dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=384)
+    text = dict(vocab_size=vocab + 8, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **small)
+    if kind == "mistral3":  # Mistral Small 3.1 / 3.2
+        return transformers.Mistral3Config(
+            text_config=transformers.MistralConfig(**text, head_dim=16, sliding_window=None), image_token_index=vocab + 1,
+            vision_config=transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                           num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
+            spatial_merge_size=1)
+    if kind == "qwen2_5_vl":  # its multimodal RoPE: three sections, one position each for text
+        return transformers.Qwen2_5_VLConfig(
+            text_config={**text, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}},
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                               fullatt_block_indexes=[0]),
+            image_token_id=vocab + 1, video_token_id=vocab + 2, vision_start_token_id=vocab + 3)
+    return transformers.LlavaConfig(text_config=transformers.LlamaConfig(**text), image_token_index=vocab + 1,
+                                    vision_config=transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64,
+                                                                                num_hidden_layers=1, num_attention_heads=2,
+                                                                                image_size=28, patch_size=14))
+
+
+@pytest.mark.parametrize("kind", ["mistral3", "qwen2_5_vl", "llava"])
+def test_a_model_transformers_has_as_image_text_to_text_alone_serves_its_text_decoder_exactly(kind, zoo_dir, tokenizer):
+    """transformers has no causal-LM class for these multimodal types: the loader takes their image-text-to-text model,
+    whose text prompts are served exactly as transformers computes them."""
+    from transformers import AutoModelForImageTextToText
+
+    path = zoo_dir / f"{kind}-multimodal"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        model = AutoModelForImageTextToText.from_config(_image_text_to_text_config(kind, tokenizer), dtype=torch.float32)
+        _spread_norms(model)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    loaded = load_model(ModelConfig(source=str(path), dtype="float32", max_model_len=256))
+    assert type(loaded.model).__name__.endswith("ForConditionalGeneration")
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=32, max_num_seqs=16))
+    check_parity(engine, loaded)
+    _assert_matches_transformers(_reference_model(path), _run(engine, _prompts(tokenizer, len(tokenizer)), "batch"))
+
+
+def test_a_model_type_transformers_cannot_generate_with_is_refused_naming_it(tmp_path):
+    from transformers import T5Config
+
+    T5Config(d_model=64, num_layers=1, num_heads=2, d_kv=32, d_ff=64).save_pretrained(tmp_path)  # encoder-decoder
+    with pytest.raises(ModelLoadError, match="no text-generation class for model type 't5'"):
+        load_model(ModelConfig(source=str(tmp_path), dtype="float32"))
