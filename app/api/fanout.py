@@ -47,6 +47,7 @@ class Prepared:
     cache_salt: str | None = None  # vLLM's: its prompt's KV shared only with requests of the same salt
     reasoning_inside: bool | None = None  # a reasoning parser's: whether the answer starts thinking (None: no split)
     reasoning_shown: bool = True  # include_reasoning: false leaves the thinking out
+    call_ends_thinking: str | None = None  # Qwen3's: a call's marker while thinking ends the thinking there, as vLLM reads it
 
     def __post_init__(self) -> None:
         self.response_id = self.response_id or self.request_id

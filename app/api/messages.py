@@ -16,7 +16,7 @@ def assistant_message(plan: Prepared, text: str, choice, tool_parser: str, one_c
                               finish_reason=finish_reason)
     if plan.reasoning_inside is None:
         return build(text)
-    return reasoning.reasoned_message(text, plan.reasoning_inside, plan.reasoning_shown, build)
+    return reasoning.reasoned_message(text, plan.reasoning_inside, plan.reasoning_shown, build, plan.call_ends_thinking)
 
 
 def chat_message(text: str, choice, tool_parser: str, one_call: bool = False, shown: list | None = None,

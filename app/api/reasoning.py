@@ -16,6 +16,7 @@ from typing import AsyncIterator, Callable
 
 
 OPEN, CLOSE = "<think>", "</think>"
+CALL_MARKER = "<tool_call>"  # Hermes' and Qwen3-Coder's calls open with it
 
 
 def starts_inside(parser: str, tail: str, continued: bool = False) -> bool:
@@ -47,6 +48,14 @@ def answer_starts_inside(parser: str | None, request, prompt_text: str) -> bool 
     return starts_inside(parser, generation_tail(prompt_text, request), request.continue_final_message)
 
 
+def call_ends_thinking(parser: str | None, tool_parser: str, request, plan) -> str | None:
+    """Qwen3's call marker, where a call written while thinking ends the thinking (vLLM's qwen3 parser reads it so):
+    calls read from the free text (``auto``, no grammar holding the answer), in a format that opens with the marker."""
+    if parser != "qwen3" or plan.reasoning_inside is None or request.tool_choice_resolved() != "auto":
+        return None
+    return CALL_MARKER if plan.sampling.grammar is None and tool_parser in ("hermes", "qwen3_coder") else None
+
+
 def after_thinking(grammar: str, tokenizer, inside: bool) -> str:
     """``grammar`` (llguidance's: its JSON form, or Lark's text) holding the answer after its thinking: free text up to ``</think>``
     (where the answer does not start inside, either a ``<think>`` block first or no thinking at all), whitespace, then
@@ -74,9 +83,9 @@ def _marker(tokenizer, text: str) -> str:
     return json.dumps(text)
 
 
-def reasoned_message(text: str, inside: bool, shown: bool, build: Callable[[str], dict]) -> dict:
+def reasoned_message(text: str, inside: bool, shown: bool, build: Callable[[str], dict], ends_at: str | None = None) -> dict:
     """The message ``build`` makes of a whole answer's content, with its reasoning (where ``shown``) beside it."""
-    thought, content = split(text, inside)
+    thought, content = split(text, inside, ends_at)
     message = build(content or "")
     if content is None and message["content"] == "":
         message["content"] = None
@@ -85,15 +94,18 @@ def reasoned_message(text: str, inside: bool, shown: bool, build: Callable[[str]
     return message
 
 
-def thinking_tokens(token_ids: list[int], inside: bool, tokenizer) -> int:
-    """How many of an answer's tokens are its thinking: up to and including ``</think>`` where that is one token (all
-    of them where it never came), else as many as its reasoning's text encodes to; 0 for an answer that did not think."""
-    thought, _ = split(tokenizer.decode(token_ids), inside)
+def thinking_tokens(token_ids: list[int], inside: bool, tokenizer, ends_at: str | None = None) -> int:
+    """How many of an answer's tokens are its thinking: up to and including ``</think>`` where that is one token, all of
+    them where the thinking never ended, else as many as its reasoning's text encodes to; 0 for an answer that did not
+    think."""
+    thought, content = split(tokenizer.decode(token_ids), inside, ends_at)
     if thought is None:
         return 0
     close = tokenizer.encode(CLOSE, add_special_tokens=False)
-    if len(close) == 1:
-        return token_ids.index(close[0]) + 1 if close[0] in token_ids else len(token_ids)
+    if len(close) == 1 and close[0] in token_ids:
+        return token_ids.index(close[0]) + 1
+    if content is None:
+        return len(token_ids)
     return len(tokenizer.encode(thought, add_special_tokens=False))
 
 
@@ -102,7 +114,7 @@ def usage_with_thinking(usage: dict, plans: list, tokenizer) -> dict:
     reasoning parser) where its thinking is split."""
     if all(p.reasoning_inside is None for p in plans):
         return usage
-    count = sum(thinking_tokens(p.token_ids, p.reasoning_inside, tokenizer) for p in plans
+    count = sum(thinking_tokens(p.token_ids, p.reasoning_inside, tokenizer, p.call_ends_thinking) for p in plans
                 if p.reasoning_inside is not None and p.token_ids)
     return {**usage, "completion_tokens_details": {"reasoning_tokens": count}}
 
@@ -117,8 +129,9 @@ class ReasoningSplitter:
     """An answer's text, fed piece by piece, split into (reasoning, content) pieces; text that may be the start of a
     marker waits until it is known not to be one, so a stream never shows a marker's characters."""
 
-    def __init__(self, inside: bool) -> None:
+    def __init__(self, inside: bool, ends_at: str | None = None) -> None:
         self.inside = inside
+        self.ends_at = ends_at  # a marker that also ends the thinking, and stays in the content (Qwen3's <tool_call>)
         self.opening = True  # at the output's start: it may open a think block, or open it again (whitespace waits)
         self.done = False  # past </think>: the rest is content
         self._held = ""
@@ -137,11 +150,16 @@ class ReasoningSplitter:
                 self.opening = False
             if self.inside and not self.done:
                 end = self._held.find(CLOSE)
+                call = self._held.find(self.ends_at) if self.ends_at else -1
+                if call >= 0 and (end < 0 or call < end):  # a call while thinking: the thinking ended there
+                    reasoning += self._held[:call]
+                    self._held, self.done = self._held[call:], True
+                    continue
                 if end >= 0:
                     reasoning += self._held[:end]
                     self._held, self.done = self._held[end + len(CLOSE):], True
                     continue
-                keep = _partial_marker(self._held, CLOSE)
+                keep = max(_partial_marker(self._held, CLOSE), _partial_marker(self._held, self.ends_at or ""))
                 reasoning += self._held[:len(self._held) - keep]
                 self._held = self._held[len(self._held) - keep:]
                 return reasoning, content
@@ -155,10 +173,10 @@ class ReasoningSplitter:
         return (held, "") if self.inside and not self.done else ("", held)
 
 
-def split(text: str, inside: bool) -> tuple[str | None, str | None]:
+def split(text: str, inside: bool, ends_at: str | None = None) -> tuple[str | None, str | None]:
     """A whole answer's (reasoning, content), as its stream splits it: None where there is none (what follows
     </think> is the content as written, as vLLM gives it)."""
-    splitter = ReasoningSplitter(inside)
+    splitter = ReasoningSplitter(inside, ends_at)
     reasoning, content = splitter.feed(text)
     more_reasoning, more_content = splitter.finish()
     reasoning, content = reasoning + more_reasoning, content + more_content
@@ -175,11 +193,12 @@ def _partial_marker(text: str, marker: str) -> int:
     return 0
 
 
-async def reasoned_chunks(chunks: AsyncIterator[dict], inside: bool, shown: bool = True) -> AsyncIterator[dict]:
+async def reasoned_chunks(chunks: AsyncIterator[dict], inside: bool, shown: bool = True,
+                          ends_at: str | None = None) -> AsyncIterator[dict]:
     """One choice's chat chunks with each delta's text split: its reasoning as ``reasoning`` (and
     ``reasoning_content``; none unless ``shown``), the rest as ``content``; every chunk still goes out (a token held
     back while it may begin a marker has an empty delta), the held text at the finish."""
-    splitter = ReasoningSplitter(inside)
+    splitter = ReasoningSplitter(inside, ends_at)
     async with contextlib.aclosing(chunks):  # closed with this stream (a client gone): its request aborted at once
         async for chunk in chunks:
             choice = chunk["choices"][0]

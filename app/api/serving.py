@@ -102,7 +102,7 @@ class OpenAIServing:
             plain = self._chunks(plan, _chat_choice, kind, request)
             if plan.reasoning_inside is None:
                 return plain
-            return reasoning.reasoned_chunks(plain, plan.reasoning_inside, plan.reasoning_shown)
+            return reasoning.reasoned_chunks(plain, plan.reasoning_inside, plan.reasoning_shown, plan.call_ends_thinking)
 
         if choice == "auto":  # content as it comes, calls once their text is whole
             one_call = request.parallel_tool_calls is False
@@ -169,6 +169,7 @@ class OpenAIServing:
                            "served with (model.reasoning_parser)", param="include_reasoning")
         prepared.reasoning_shown = request.include_reasoning
         prepared.reasoning_inside = reasoning.answer_starts_inside(self.reasoning_parser, request, text)
+        prepared.call_ends_thinking = reasoning.call_ends_thinking(self.reasoning_parser, self.tool_parser, request, prepared)
         if prepared.reasoning_inside is not None and prepared.sampling.grammar is not None:  # the format after the thinking
             grammar = reasoning.after_thinking(prepared.sampling.grammar, self.tokenizer, prepared.reasoning_inside)
             prepared.sampling = dataclasses.replace(prepared.sampling, grammar=grammar)

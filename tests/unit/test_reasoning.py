@@ -233,3 +233,33 @@ def test_a_marker_the_tokenizer_calls_special_is_found_by_decoding_it(special):
     serving = OpenAIServing(None, tokenizer, "m", 64, [0], len(tokenizer), reasoning_parser="qwen3")
     [plan] = serving._chat_plans(parse_body({"messages": [{"role": "user", "content": "a"}]}, ChatCompletionRequest))
     assert plan.reasoning_inside is False and plan.sampling.skip_special_tokens is not special
+
+
+def test_a_call_marker_ends_the_thinking_where_it_is_given_alike_whole_and_in_pieces():
+    text = 'I need it. <tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    expected = ("I need it. ", '<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert split(text, True, "<tool_call>") == expected and split(text, True) == (text, None)
+    assert split("a</think>b <tool_call>", True, "<tool_call>") == ("a", "b <tool_call>")  # after the thinking: content
+    for size in (1, 2, 3, 5):
+        splitter, thought, content = ReasoningSplitter(True, "<tool_call>"), "", ""
+        for piece in [text[i:i + size] for i in range(0, len(text), size)] + [None]:
+            r, c = splitter.finish() if piece is None else splitter.feed(piece)
+            thought, content = thought + r, content + c
+        assert (thought, content) == expected, size
+
+
+async def test_a_qwen3_call_written_while_thinking_ends_the_thinking_and_is_the_call(server):
+    """As vLLM's qwen3 parser reads it: the call is made, the thinking before it the reasoning. Without tools, or where a
+    strict tool's grammar holds the calls (its thinking ends at </think> alone), the marker stays in the thinking."""
+    answer = '<think>I need the weather. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    whole, deltas = await _whole_and_streamed(server, _body(answer, tools=[WEATHER]))
+    assert whole["message"]["reasoning"] == _joined(deltas, "reasoning") == "I need the weather. "
+    [call] = whole["message"]["tool_calls"]
+    entries = [entry for d in deltas for entry in d["delta"].get("tool_calls", [])]
+    assert call["function"]["arguments"] == "".join(e["function"]["arguments"] for e in entries) == '{"city": "Oslo"}'
+    assert whole["finish_reason"] == deltas[-1]["finish_reason"] == "tool_calls"
+    plain = await server.serving.chat(parse_body(_body(answer), ChatCompletionRequest))
+    assert "<tool_call>" in plain["choices"][0]["message"]["reasoning"]
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    held = await server.serving.chat(parse_body(_body(answer, tools=[strict]), ChatCompletionRequest))
+    assert "<tool_call>" in held["choices"][0]["message"]["reasoning"] and "tool_calls" not in held["choices"][0]["message"]
