@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import json
 import re
-import typing
 from typing import Annotated, Any, Literal, Union
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from app.api import legacy_functions
 from app.api.bodies import json_object, require_plain_text
+from app.api.chat_message import ChatMessage
 from app.api.errors import APIError
 from app.api.fanout import MAX_CHOICES, MAX_GENERATIONS
+from app.api.strict_model import StrictModel
 from app.api.structured import compiled, request_grammar
 from app.api.tools import Tool, allowed_tools, forced_schema, parse_tools, resolve_choice
 from app.engine.request import INT64_MAX, INT64_MIN, MAX_BAD_WORDS, MAX_LOGPROBS, MAX_STOP_CHARS, SamplingParams
@@ -39,29 +40,13 @@ OPENAI_DEFAULTS: dict[str, Any] = {
 }
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: Any) -> Any:
-        """An explicit null takes the field's default where the field has no null of its own, as OpenAI's
-        nullable fields do (clients send ``"n": null`` for an unset option); a field that takes null (``max_tokens``:
-        as long as the context allows) or must be given sees the null itself."""
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {key: value for key, value in data.items()
-                if value is not None or key not in fields or fields[key].is_required() or _takes_null(fields[key])}
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
     include_obfuscation: bool = True  # OpenAI's padding of streamed chunks against length side channels: none here
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StrictModel):
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -177,10 +162,6 @@ class _SamplingFields(_Strict):
                            param="ignore_eos")
 
 
-def _takes_null(field: pydantic.fields.FieldInfo) -> bool:
-    return field.annotation is Any or type(None) in typing.get_args(field.annotation)
-
-
 def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
     try:
         return {int(token): value for token, value in (logit_bias or {}).items()}
@@ -234,51 +215,6 @@ class CompletionRequest(_SamplingFields):
         echoed = self.logprobs if self.echo else None
         counts = [count for count in (echoed, self.prompt_logprobs) if count is not None]
         return max(counts) if counts else None
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (app/api/tools.py renders them)
-    tool_call_id: str | None = None  # a tool message: the call it answers
-    # An assistant message of OpenAI's shape replayed as history: output metadata, not shown to the model
-    refusal: str | None = None
-    annotations: list[Any] | None = None
-    audio: None = None  # a reference to an earlier audio answer: none is ever given here
-    function_call: None = None  # the deprecated form of tool_calls
-    # An earlier answer's reasoning, replayed (LiteLLM, the Agents SDK): to the template, which shows it or not
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-    provider_specific_fields: dict[str, Any] | None = None  # LiteLLM's metadata on a replayed message: not shown
-
-    def as_template_message(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.tool_calls:
-            for i, call in enumerate(self.tool_calls):
-                function = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(function, dict) or not all(isinstance(function.get(key), str) for key in ("name", "arguments")):
-                    raise APIError(400, "a tool call needs function.name and function.arguments (a JSON string)",
-                                   param=f"messages.tool_calls[{i}]")
-            message["tool_calls"] = self.tool_calls
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        if self.name is not None:  # the participant's name, for templates that render it
-            message["name"] = self.name
-        for field in ("reasoning_content", "reasoning"):  # transformers shows it under each name templates read
-            if getattr(self, field) is not None:
-                message[field] = getattr(self, field)
-        return message
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, "only text content parts are supported", param="messages", code="unsupported_content")
-            parts.append(part["text"])
-        return "\n".join(parts)  # as vLLM joins them: parts are separate pieces of text
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -384,7 +320,7 @@ _FEATURES_NOT_SERVED = {
 }
 
 
-def parse_body(raw: bytes | str | dict, model_cls: type[_Strict]) -> Any:
+def parse_body(raw: bytes | str | dict, model_cls: type[StrictModel]) -> Any:
     """Parse a request body into ``model_cls``, turning every problem into a 400 naming the field."""
     raw = json_object(raw)
     require_plain_text(raw)

@@ -26,7 +26,7 @@ from app.api.prompts import Prompts
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from app.api.token_requests import DetokenizeRequest, TokenizeRequest
 from app.api.structured import request_format
-from app.engine import AsyncEngine, Request, RequestOutput, SamplingParams
+from app.engine import AsyncEngine, Request, RequestOutput
 from app.engine.request import TokenLogprob
 from app.engine.async_engine import Admit
 from app.engine.errors import EngineQueueTimeoutError

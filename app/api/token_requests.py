@@ -8,12 +8,14 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from app.api.chat_message import ChatMessage
 from app.api.errors import APIError
-from app.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Strict, parse_body
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from app.api.strict_model import StrictModel
 from app.engine.request import INT64_MAX, INT64_MIN
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(StrictModel):
     """The seeds' simple endpoint: a prompt and a token budget; the rest mirrors completions."""
 
     prompt: str = Field(min_length=1)
@@ -31,7 +33,7 @@ class GenerateRequest(_Strict):
         return CompletionRequest(max_tokens=self.max_new_tokens, **fields)
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """vLLM's ``POST /tokenize``: the token ids a completion's ``prompt`` or a chat's ``messages`` (with ``tools``)
     would send to the model."""
 
@@ -60,7 +62,7 @@ class TokenizeRequest(_Strict):
         return parse_body({"messages": messages, **fields}, ChatCompletionRequest)
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     """vLLM's ``POST /detokenize``: the text of token ids."""
 
     model: str | None = None
