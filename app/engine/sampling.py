@@ -233,11 +233,15 @@ def require_a_token(chosen: torch.Tensor, requests: Sequence[Request]) -> None:
     batch-mates again without it)."""
     for request, value in zip(requests, chosen.squeeze(1).tolist()):
         if value == _NEG_INF:
-            raise NoTokenLeftError(f"request {request.request_id}: its allowed_token_ids, bad_words, min_tokens' stop "
-                                   "tokens and format together ban every token at output token "
-                                   f"{request.num_output_tokens + 1}")
+            raise no_token_left(request)
         if not math.isfinite(value):
             raise ValueError(f"no token can be chosen for request {request.request_id}: its logits are not finite (NaN or inf)")
+
+
+def no_token_left(request: Request) -> NoTokenLeftError:
+    """The error of a request with every token banned at its next output token (``request`` as it stands there)."""
+    return NoTokenLeftError(f"request {request.request_id}: its allowed_token_ids, bad_words, min_tokens' stop tokens and "
+                            f"format together ban every token at output token {request.num_output_tokens + 1}")
 
 
 # Top-k / top-p keep a prefix of the tokens by probability; it is looked for among this many of the most likely

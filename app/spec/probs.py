@@ -30,6 +30,7 @@ def processed_probs(
     draft_token_ids: torch.Tensor | Sequence[Sequence[int]] | None = None,
     num_draft_tokens: torch.Tensor | Sequence[int] | None = None,
     vocab_size: int | None = None,
+    dead: list[int] | None = None,
 ) -> torch.Tensor:
     """Processed probabilities for every (sequence, position) row.
 
@@ -39,6 +40,9 @@ def processed_probs(
     num_draft_tokens: [B] how many of each row's draft tokens are real (default: all of them); position
                       ``j`` sees ``draft[b, :min(j, n_b)]``, so padding never enters a penalty.
     vocab_size:       if given, logits at ids ``>= vocab_size`` (a padded output head) get probability 0.
+    dead:             if given, filled with the flat rows (b * S + j) where the bans leave no token, which get a
+                      stand-in one-hot at token 0: verification reaches such a position only past drafts it kept, and
+                      fails the request there (verify.py); if not given, any such row raises NoTokenLeftError.
 
     Returns float32 [B, S, V] (or [B, V] for 2-D input). Sampled rows (temperature > 0) are the sampler's
     truncated softmax. Greedy rows are a one-hot at the token the engine's greedy sampler would pick
@@ -63,7 +67,14 @@ def processed_probs(
         flat[:, vocab_size:] = float("-inf")
     flat = apply_penalties(flat, rows)  # [B*S, V]
     flat = mask_stop_tokens_before_min(flat, rows)  # [B*S, V]
-    require_a_token(flat.amax(dim=-1, keepdim=True), rows)  # a position with every token banned fails its request
+    tops = flat.amax(dim=-1, keepdim=True)  # [B*S, 1]
+    banned = (tops == float("-inf")).squeeze(1)  # [B*S]: every token banned
+    if dead is None or not bool(banned.any()):
+        require_a_token(tops, rows)
+    else:
+        require_a_token(tops[~banned], [r for r, b in zip(rows, banned.tolist()) if not b])  # NaN: the model's failure
+        dead.extend(banned.nonzero().squeeze(1).tolist())
+        flat[banned, 0] = 0.0
 
     greedy = torch.tensor([r.sampling.greedy for r in rows], dtype=torch.bool, device=flat.device)  # [B*S]
     probs = torch.zeros_like(flat)  # [B*S, V]

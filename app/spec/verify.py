@@ -22,7 +22,7 @@ import torch
 
 from app.cpu.argmax import argmax_rows
 from app.engine.request import Request, SparseProbs
-from app.engine.sampling import apply_penalties, mask_stop_tokens_before_min, require_a_token
+from app.engine.sampling import apply_penalties, mask_stop_tokens_before_min, no_token_left, require_a_token
 from app.spec.probs import position_request, processed_probs
 from app.spec.rejection import padded_from_packed, rejection_sample
 
@@ -55,7 +55,7 @@ def _verify_greedy(rows, requests, drafts, starts, chosen, emitted, accepted) ->
     position_requests = [position_request(requests[b], list(drafts[b][:j])) for b in chosen for j in range(len(drafts[b]) + 1)]
     logits = mask_stop_tokens_before_min(apply_penalties(logits, position_requests), position_requests)
     picks = argmax_rows(logits.contiguous())  # [G]: the sampler's greedy choice at every position
-    require_a_token(logits.gather(1, picks.unsqueeze(1)), position_requests)  # one with every token banned fails alone
+    tops = logits.gather(1, picks.unsqueeze(1))  # [G, 1]
     targets = picks.tolist()
     at = 0
     for b in chosen:
@@ -64,6 +64,8 @@ def _verify_greedy(rows, requests, drafts, starts, chosen, emitted, accepted) ->
         kept = 0
         while kept < n and drafts[b][kept] == choice[kept]:
             kept += 1
+        # the positions emitted (past a rejected draft none is): one with every token banned fails the request alone
+        require_a_token(tops[at : at + kept + 1], position_requests[at : at + kept + 1])
         emitted[b], accepted[b] = choice[: kept + 1], kept
         at += n + 1
 
@@ -75,12 +77,16 @@ def _verify_sampled(rows, requests, drafts, starts, chosen, generators, draft_pr
     logits = padded_from_packed(rows[index], [n + 1 for n in counts], width)  # [B, K+1, V]
     draft_ids = torch.tensor([list(drafts[b]) + [0] * (width - 1 - len(drafts[b])) for b in chosen], dtype=torch.long)  # [B, K]
     subset = [requests[b] for b in chosen]
-    target = processed_probs(logits, subset, draft_ids, counts)  # [B, K+1, V]
+    dead: list[int] = []  # positions with every token banned (a stand-in there): the request fails if it reaches one
+    target = processed_probs(logits, subset, draft_ids, counts, dead=dead)  # [B, K+1, V]
     sent = [draft_probs[b] for b in chosen]
     q = dense_draft_probs(draft_ids, counts, sent, target.shape[-1]).to(target.device) if any(p is not None for p in sent) else None
     out = rejection_sample(draft_ids, counts, q, target, is_greedy=[False] * len(chosen),
                            generators=[generators[b] for b in chosen])
-    for b, tokens, kept in zip(chosen, out.tolist(), out.num_accepted.tolist()):
+    for k, (b, tokens, kept) in enumerate(zip(chosen, out.tolist(), out.num_accepted.tolist())):
+        reached = next((j for j in range(kept + 1) if k * width + j in dead), None)
+        if reached is not None:
+            raise no_token_left(position_request(requests[b], list(drafts[b][:reached])))
         emitted[b], accepted[b] = tokens, kept
 
 

@@ -179,3 +179,18 @@ def test_a_request_the_engine_finds_with_no_token_left_is_a_400_naming_why():
     error = to_api_error(failure, "cmpl-1")
     assert (error.status, error.code) == (400, "no_token_left") and "output token 3" in error.message
     assert "cmpl-1-0" not in error.message
+
+
+def test_a_position_past_a_rejected_draft_may_have_no_token_left_without_failing_the_request():
+    """Allowed 0-3; after a 2 every allowed token is a bad word. The target prefers 1, so a drafted 2 is rejected at the
+    first position and the next one, where nothing is left, is never reached: greedy or sampled, the request goes on
+    (without drafts it would never have chosen 2). A 2 the target does choose leaves nothing next: that fails it."""
+    bans = dict(allowed_token_ids=[0, 1, 2, 3], bad_words_token_ids=[(2, 0), (2, 1), (2, 2), (2, 3)])
+    rows = torch.tensor([[0.0, 30.0, -30.0, 0.0, 0, 0, 0, 0]] * 2)
+    for sampling in (dict(temperature=0), dict(temperature=1.0, seed=5)):
+        emitted, accepted = verify_drafts(rows.clone(), [_req("r", **bans, **sampling)], [[2]], [None])
+        assert (emitted, accepted) == ([[1]], [0])
+    rows[0] = torch.tensor([0.0, -30.0, 30.0, 0.0, 0, 0, 0, 0])  # now the target prefers 2 too
+    for sampling in (dict(temperature=0), dict(temperature=1.0, seed=5)):
+        with pytest.raises(NoTokenLeftError, match="output token 2"):
+            verify_drafts(rows.clone(), [_req("r", **bans, **sampling)], [[2]], [None])
