@@ -179,13 +179,31 @@ def _model_class(checkpoint_config):
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
     model_type = getattr(checkpoint_config, "model_type", None)
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+    if model_type is None or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES \
+            or "AutoModelForCausalLM" in (getattr(checkpoint_config, "auto_map", None) or {}):  # remote code's own class
+        return AutoModelForCausalLM
+    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        _require_a_text_decoder(checkpoint_config, AutoModelForImageTextToText)
         return AutoModelForImageTextToText
-    if model_type is not None and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES \
-            and not getattr(checkpoint_config, "auto_map", None):  # remote code brings its own class
-        raise ModelLoadError(f"transformers has no text-generation class for model type {model_type!r} (neither a causal "
-                             "LM nor an image-text-to-text model): not a model this server generates with")
-    return AutoModelForCausalLM
+    raise ModelLoadError(f"transformers has no text-generation class for model type {model_type!r} (neither a causal "
+                         "LM nor an image-text-to-text model): not a model this server generates with")
+
+
+def _require_a_text_decoder(checkpoint_config, auto_class) -> None:
+    """An image-text-to-text model whose text decoder runs alone: not an encoder-decoder, nor one whose forward needs
+    an image (BLIP-2's pixel_values) or other input beyond the text's."""
+    import inspect
+
+    model_type = checkpoint_config.model_type
+    if getattr(checkpoint_config, "is_encoder_decoder", False):
+        raise ModelLoadError(f"model type {model_type!r} is an encoder-decoder model: this server serves decoders")
+    forward = inspect.signature(auto_class._model_mapping[type(checkpoint_config)].forward)
+    needed = [name for name, parameter in forward.parameters.items() if name not in ("self", "input_ids")
+              and parameter.default is inspect.Parameter.empty and parameter.kind is not parameter.VAR_KEYWORD
+              and parameter.kind is not parameter.VAR_POSITIONAL]
+    if needed:
+        raise ModelLoadError(f"model type {model_type!r} needs {', '.join(needed)} in every forward pass: its text "
+                             "decoder cannot be served alone")
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
