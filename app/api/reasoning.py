@@ -102,11 +102,16 @@ def thinking_tokens(token_ids: list[int], inside: bool, tokenizer, ends_at: str 
     if thought is None:
         return 0
     close = tokenizer.encode(CLOSE, add_special_tokens=False)
-    if len(close) == 1 and close[0] in token_ids:
+    if len(close) == 1 and close[0] in token_ids and not _ended_by_call(thought, content, ends_at):
         return token_ids.index(close[0]) + 1
     if content is None:
         return len(token_ids)
     return len(tokenizer.encode(thought, add_special_tokens=False))
+
+
+def _ended_by_call(thought: str, content: str | None, ends_at: str | None) -> bool:
+    """Whether the thinking ended at a call's marker (its content starts with it), not at </think>."""
+    return bool(ends_at) and content is not None and content.startswith(ends_at)
 
 
 def usage_with_thinking(usage: dict, plans: list, tokenizer) -> dict:
@@ -134,6 +139,7 @@ class ReasoningSplitter:
         self.ends_at = ends_at  # a marker that also ends the thinking, and stays in the content (Qwen3's <tool_call>)
         self.opening = True  # at the output's start: it may open a think block, or open it again (whitespace waits)
         self.done = False  # past </think>: the rest is content
+        self.ended_by_call = False  # thinking ended at ends_at: the block's own </think>, if it comes, is left out (vLLM)
         self._held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -153,7 +159,7 @@ class ReasoningSplitter:
                 call = self._held.find(self.ends_at) if self.ends_at else -1
                 if call >= 0 and (end < 0 or call < end):  # a call while thinking: the thinking ended there
                     reasoning += self._held[:call]
-                    self._held, self.done = self._held[call:], True
+                    self._held, self.done, self.ended_by_call = self._held[call:], True, True
                     continue
                 if end >= 0:
                     reasoning += self._held[:end]
@@ -163,6 +169,14 @@ class ReasoningSplitter:
                 reasoning += self._held[:len(self._held) - keep]
                 self._held = self._held[len(self._held) - keep:]
                 return reasoning, content
+            if self.ended_by_call:  # the </think> of the block the call ended is no content
+                end = self._held.find(CLOSE)
+                if end < 0:
+                    keep = _partial_marker(self._held, CLOSE)
+                    content += self._held[:len(self._held) - keep]
+                    self._held = self._held[len(self._held) - keep:]
+                    return reasoning, content
+                self._held, self.ended_by_call = self._held[:end] + self._held[end + len(CLOSE):], False
             content += self._held
             self._held = ""
             return reasoning, content

@@ -197,10 +197,10 @@ def test_an_unknown_parser_is_refused_at_load():
 
 def test_thinking_tokens_count_up_to_the_end_marker_where_it_is_one_token():
     class OneTokenMarkers:  # </think> as one token, as Qwen3's and DeepSeek-R1's tokenizers have it
-        pieces = {1: "Rain", 2: ".", 9: "</think>", 3: "It rains."}
+        pieces = {1: "Rain", 2: ".", 9: "</think>", 3: "It rains.", 7: "<tool_call>{}</tool_call>"}
 
         def encode(self, text, add_special_tokens=False):
-            return [9] if text == "</think>" else [1] * len(text)
+            return [9] if text == "</think>" else [1] * len(text)  # a character a token otherwise
 
         def decode(self, ids):
             return "".join(self.pieces[i] for i in ids)
@@ -210,6 +210,8 @@ def test_thinking_tokens_count_up_to_the_end_marker_where_it_is_one_token():
     assert thinking_tokens([1, 2, 9, 3], True, OneTokenMarkers()) == 3  # its thinking and the marker
     assert thinking_tokens([1, 2], True, OneTokenMarkers()) == 2  # cut short while thinking: all of it
     assert thinking_tokens([3], False, OneTokenMarkers()) == 0  # it did not think
+    # Qwen3's call while thinking ended it: the thinking's own tokens, not up to the block's late </think>
+    assert thinking_tokens([1, 2, 7, 9, 3], True, OneTokenMarkers(), "<tool_call>") == len("Rain.")
 
 
 @pytest.mark.parametrize("special", [True, False])
@@ -240,12 +242,14 @@ def test_a_call_marker_ends_the_thinking_where_it_is_given_alike_whole_and_in_pi
     expected = ("I need it. ", '<tool_call>{"name": "f", "arguments": {}}</tool_call>')
     assert split(text, True, "<tool_call>") == expected and split(text, True) == (text, None)
     assert split("a</think>b <tool_call>", True, "<tool_call>") == ("a", "b <tool_call>")  # after the thinking: content
+    closed_late = text + "</think>\n\nDone."  # the block the call ended closes after it: that marker is no content
+    assert split(closed_late, True, "<tool_call>") == (expected[0], expected[1] + "\n\nDone.")
     for size in (1, 2, 3, 5):
         splitter, thought, content = ReasoningSplitter(True, "<tool_call>"), "", ""
-        for piece in [text[i:i + size] for i in range(0, len(text), size)] + [None]:
+        for piece in [closed_late[i:i + size] for i in range(0, len(closed_late), size)] + [None]:
             r, c = splitter.finish() if piece is None else splitter.feed(piece)
             thought, content = thought + r, content + c
-        assert (thought, content) == expected, size
+        assert (thought, content) == (expected[0], expected[1] + "\n\nDone."), size
 
 
 async def test_a_qwen3_call_written_while_thinking_ends_the_thinking_and_is_the_call(server):
