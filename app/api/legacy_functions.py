@@ -20,26 +20,28 @@ from app.api.errors import APIError
 def translated_request(data: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """The request body with functions as tools and the transcript's legacy messages as tool messages; and whether the
     answer takes the legacy shape (``functions`` were given)."""
-    data = {**data, "messages": _translated_messages(data["messages"])} if isinstance(data.get("messages"), list) else dict(data)
+    data = {**data, "messages": translated_messages(data["messages"])} if isinstance(data.get("messages"), list) else dict(data)
     functions, choice = data.pop("functions", None), data.pop("function_call", None)  # null: not given
     if functions is None and choice is None:
         return data, False
     if data.get("tools") is not None or data.get("tool_choice") is not None:
         raise APIError(400, "give tools and tool_choice, or the deprecated functions and function_call, not both",
                        param="functions")
-    if not isinstance(functions, list) or not functions:
-        raise APIError(400, "function_call needs functions (a list of {\"name\", \"description\", \"parameters\"})",
-                       param="functions")
+    if not isinstance(functions, list) or not functions or not all(isinstance(f, dict) and f.get("name") for f in functions):
+        raise APIError(400, "functions must be a list of {\"name\", \"description\", \"parameters\"} (function_call "
+                       "needs it)", param="functions")
+    if choice is not None and choice not in ("none", "auto") and not (isinstance(choice, dict) and set(choice) == {"name"}):
+        raise APIError(400, "function_call must be \"none\", \"auto\" or {\"name\": ...}", param="function_call")
     data["tools"] = [{"type": "function", "function": function} for function in functions]
-    if isinstance(choice, dict):
-        choice = {"type": "function", "function": choice}
     if choice is not None:
-        data["tool_choice"] = choice
+        data["tool_choice"] = {"type": "function", "function": choice} if isinstance(choice, dict) else choice
     data["parallel_tool_calls"] = False
     return data, True
 
 
-def _translated_messages(messages: list[Any]) -> list[Any]:
+def translated_messages(messages: list[Any]) -> list[Any]:
+    """A transcript's assistant ``function_call`` as its one tool call, a ``function`` message as the tool message
+    answering the latest call of its name."""
     calls: list[tuple[str, str]] = []  # (name, id) of each call so far
     translated = []
     for i, message in enumerate(messages):

@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from app.api import legacy_functions
 from app.api.chat_message import ChatMessage
 from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
@@ -47,6 +48,14 @@ class TokenizeRequest(StrictModel):
     chat_template_kwargs: dict[str, Any] | None = None  # messages': the template's own variables, as a chat request's
     documents: list[dict[str, Any]] | None = None  # messages': retrieved documents, as a chat request's
     return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_messages(cls, data: Any) -> Any:
+        """A transcript's deprecated function messages, read as a chat request reads them (app/api/legacy_functions.py)."""
+        if isinstance(data, dict) and isinstance(data.get("messages"), list):
+            return {**data, "messages": legacy_functions.translated_messages(data["messages"])}
+        return data
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":

@@ -7,6 +7,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest, parse_body
+from app.api.token_requests import TokenizeRequest
 from tests.serve.fake_model import REPLAY
 
 FUNCTION = {"name": "get_weather", "description": "Weather in a city",
@@ -56,6 +57,8 @@ async def test_a_transcript_of_function_messages_renders_as_its_tool_calls(tools
     with_functions = parse_body({"messages": legacy, "functions": [FUNCTION]}, ChatCompletionRequest)
     with_tools = parse_body({"messages": tools, "tools": [{"type": "function", "function": FUNCTION}]}, ChatCompletionRequest)
     assert prompts.chat_text(with_functions) == prompts.chat_text(with_tools)
+    tokenized = await tools_server.serving.tokenize(parse_body({"messages": legacy, "tools": with_tools.tools}, TokenizeRequest))
+    assert tokenized["tokens"] == prompts.chat(with_tools)  # /tokenize reads the transcript as chat does
     assert with_functions.messages[2].tool_call_id == with_functions.messages[1].tool_calls[0]["id"]
 
 
@@ -63,6 +66,9 @@ async def test_a_transcript_of_function_messages_renders_as_its_tool_calls(tools
     ({"functions": [FUNCTION], "tools": [{"type": "function", "function": FUNCTION}]}, "functions"),
     ({"function_call": "auto"}, "functions"),
     ({"functions": []}, "functions"),
+    ({"functions": ["get_weather"]}, "functions"),
+    ({"functions": [FUNCTION], "function_call": "required"}, "function_call"),  # not among the legacy API's choices
+    ({"functions": [FUNCTION], "function_call": 5}, "function_call"),
 ])
 def test_functions_beside_tools_or_missing_are_a_400(body, param):
     with pytest.raises(APIError) as caught:
