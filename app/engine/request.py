@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,12 +155,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    @functools.cached_property
-    def allowed_index(self) -> Any:
-        """allowed_token_ids as a sorted index tensor, made once: every step of the request applies it."""
+    def allowed_index(self, device: Any) -> Any:
+        """allowed_token_ids as a sorted index tensor on ``device``, made once: every step of the request applies it."""
         import torch
 
-        return torch.tensor(self.allowed_token_ids, dtype=torch.long)
+        cached = self.__dict__.setdefault("_allowed_index", {})  # not a field: never compared, copied or sent
+        if device not in cached:
+            cached[device] = torch.tensor(self.allowed_token_ids, dtype=torch.long, device=device)
+        return cached[device]
 
 
 @dataclass

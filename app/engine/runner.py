@@ -25,7 +25,7 @@ from app.models.exact_context import packed_step_limit
 from app.engine.kv_cache import BlockManager
 from app.engine.paged_attention import SequenceSlice, register_paged_attention
 from app.engine.request import Request, TokenLogprob
-from app.engine.sampling import Sampler, has_penalty, token_logprobs
+from app.engine.sampling import NoTokenLeftError, Sampler, has_penalty, token_logprobs
 from app.engine.scheduler import ScheduledRequest, SchedulerOutput
 from app.engine.text_config import text_config
 from app.models import LoadedModel
@@ -304,6 +304,9 @@ def _isolated(batched, rows: torch.Tensor, items: list[ScheduledRequest], sample
         count = 1 + item.num_spec_tokens
         try:
             results.extend(batched(rows[start : start + count], [item]))
+        except NoTokenLeftError as exc:  # the request's own bans: no fault of ours, no traceback
+            logger.warning("request %s failed while sampling: %s", item.request.request_id, exc)
+            results.append(f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # noqa: BLE001 - this request's failure, reported to it alone
             logger.exception("request %s failed while sampling", item.request.request_id)
             results.append(f"{type(exc).__name__}: {exc}")

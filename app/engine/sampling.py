@@ -187,8 +187,8 @@ def ban_tokens(row: torch.Tensor, params: SamplingParams, output: Sequence[int])
     """``row``: [V] logits, in place. A token banned here is -inf, whatever a bias or penalty made it."""
     vocab = row.shape[-1]
     if params.allowed_token_ids:
-        allowed = params.allowed_index.to(row.device)
-        allowed = allowed[allowed < vocab] if int(allowed[-1]) >= vocab else allowed
+        allowed = params.allowed_index(row.device)
+        allowed = allowed[allowed < vocab] if params.allowed_token_ids[-1] >= vocab else allowed  # sorted: the last the largest
         kept = row.index_select(0, allowed)
         row.fill_(_NEG_INF)
         row.index_copy_(0, allowed, kept)
