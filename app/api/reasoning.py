@@ -14,6 +14,8 @@ import contextlib
 import json
 from typing import AsyncIterator, Callable
 
+from app.api.structured import token_or_text
+
 
 OPEN, CLOSE = "<think>", "</think>"
 CALL_MARKER = "<tool_call>"  # Hermes' and Qwen3-Coder's calls open with it
@@ -64,7 +66,7 @@ def after_thinking(grammar: str, tokenizer, inside: bool) -> str:
     its first occurrence."""
     top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}  # or Lark
     first, *rest = top["grammars"]
-    opening, closing = _marker(tokenizer, OPEN), _marker(tokenizer, CLOSE)
+    opening, closing = token_or_text(tokenizer, OPEN), token_or_text(tokenizer, CLOSE)
     if closing.startswith("<["):
         thinking = f"thinking: TEXT {closing}\nTEXT: /(?s:.*)/\n"
     else:  # lazy: the thinking ends at the first </think>
@@ -73,14 +75,6 @@ def after_thinking(grammar: str, tokenizer, inside: bool) -> str:
     lark = f"%llguidance {{}}\nstart: {head} WS? @answer_after_thinking\nWS: /[ \\t\\r\\n]+/\n{thinking}"
     grammars = [{"name": "thinking_then_answer", "lark_grammar": lark}, {**first, "name": "answer_after_thinking"}, *rest]
     return json.dumps({**top, "grammars": grammars})
-
-
-def _marker(tokenizer, text: str) -> str:
-    """``text`` in a Lark rule: ``<[id]>`` where it is one token the tokenizer added, else a string."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) == 1 and ids[0] in (getattr(tokenizer, "added_tokens_decoder", None) or {}):
-        return f"<[{ids[0]}]>"
-    return json.dumps(text)
 
 
 def reasoned_message(text: str, inside: bool, shown: bool, build: Callable[[str], dict], ends_at: str | None = None) -> dict:

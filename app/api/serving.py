@@ -183,8 +183,8 @@ class OpenAIServing:
         found_format = request_format(request.response_format, request.structured_outputs)
         parallel = request.parallel_tool_calls is not False
         if found_format is not None:
-            return tools.answer_or_calls(found_format, request.parsed_tools(), self.tool_parser, parallel)
-        return tools.strict_calls(request.parsed_tools(), self.tool_parser, parallel)
+            return tools.answer_or_calls(found_format, request.parsed_tools(), self.tool_parser, parallel, self.tokenizer)
+        return tools.strict_calls(request.parsed_tools(), self.tool_parser, parallel, self.tokenizer)
 
     def _completion_plans(self, request: CompletionRequest) -> list[Prepared]:
         prompt = fim_prompt(self.tokenizer, request.prompt, request.suffix, self.model_name) if request.suffix else request.prompt

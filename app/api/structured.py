@@ -159,6 +159,15 @@ def _compiled_grammar(kind: str, text: str) -> tuple[str | None, str | None]:
     return (None, messages[0]) if is_error else (grammar, None)
 
 
+def token_or_text(tokenizer, text: str) -> str:
+    """``text`` in a Lark rule: ``<[id]>`` where it is one token the tokenizer added (Qwen's ``<tool_call>``, reasoning
+    models' ``</think>``: llguidance reads every added token as special, never as the text it writes), else a string."""
+    ids = tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None else []
+    if len(ids) == 1 and ids[0] in (getattr(tokenizer, "added_tokens_decoder", None) or {}):
+        return f"<[{ids[0]}]>"
+    return json.dumps(text)
+
+
 def require_compilable_size(value: Any, param: str) -> None:
     """A 400 naming ``param`` for a schema past what the engine compiles promptly (the limits above)."""
     if why := _too_large(value):

@@ -30,7 +30,7 @@ from typing import Any
 from app.api.errors import NOT_JSON, APIError
 from app.api.call_readers import END, MARKER, PYTHON_TAG, HermesReader, ListReader, call_from
 from app.api.schemas import call_schema, closed, tools_schema
-from app.api.structured import compiled, json_in_lark, require_compilable_size
+from app.api.structured import compiled, json_in_lark, require_compilable_size, token_or_text
 from app.api.xml_calls import XmlReader
 from app.config.model import TOOL_PARSERS
 _TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
@@ -145,7 +145,8 @@ def forced_schema(choice: str | Tool, tools: list[Tool], parallel: bool) -> dict
     return tools_schema([(t.name, closed(t.parameters)) for t in tools], parallel)
 
 
-def answer_or_calls(found_format: tuple[tuple[str, str], str], tools: list[Tool], parser: str, parallel: bool) -> str:
+def answer_or_calls(found_format: tuple[tuple[str, str], str], tools: list[Tool], parser: str, parallel: bool,
+                    tokenizer=None) -> str:
     """The grammar of ``tool_choice: auto`` beside a response format: an answer in the format, or the model's tool
     calls (Hermes blocks, each call's arguments held to its tool's schema), whichever the model begins; the format
     holds the answer, not the calls, as OpenAI applies it. Other call formats, and formats other than JSON: a 400."""
@@ -158,11 +159,12 @@ def answer_or_calls(found_format: tuple[tuple[str, str], str], tools: list[Tool]
         raise APIError(400, f"{param}: only a JSON format can stand beside tools under tool_choice auto, not a {kind}: "
                        f"{keep}", param=param)
     calls = 'call (WS? call)*' if parallel else "call"
-    rules = f"start: answer | calls\nanswer: {json_in_lark(text)}\ncalls: {calls}\ncall: {_hermes_call(tools, strict_only=False)}\n"
+    call = _hermes_call(tools, strict_only=False, tokenizer=tokenizer)
+    rules = f"%llguidance {{}}\nstart: answer | calls\nanswer: {json_in_lark(text)}\ncalls: {calls}\ncall: {call}\n"
     return compiled("lark", rules + _WHITESPACE, param)
 
 
-def strict_calls(tools: list[Tool], parser: str, parallel: bool) -> str | None:
+def strict_calls(tools: list[Tool], parser: str, parallel: bool, tokenizer=None) -> str | None:
     """The grammar of ``tool_choice: auto`` where a tool asks ``strict: true`` (the openai Agents SDK's default), as
     OpenAI's strict mode promises: the answer stays free text, and a call the model begins (its Hermes marker) names
     one of the tools, a strict tool's arguments held to its schema (another's to any object). The text runs lazily
@@ -171,15 +173,19 @@ def strict_calls(tools: list[Tool], parser: str, parallel: bool) -> str | None:
     if parser != "hermes" or not any(tool.strict for tool in tools):
         return None
     calls = "call* TEXT" if parallel else "call? TEXT"  # every marker begins a call: one only, if not parallel
-    rules = (f"start: {calls}\nTEXT: /(?s:.*)/ & ~/(?s:.*){MARKER}(?s:.*)/\nbefore_call[lazy]: TEXT \"{MARKER}\"\n"
-             f"call: before_call {_hermes_call(tools, strict_only=True, marked=False)}\n")
-    return compiled("lark", rules + _WHITESPACE, "tools")
+    marker = token_or_text(tokenizer, MARKER)
+    if marker.startswith("<["):  # a token of its own, which text never holds
+        text = f"TEXT: /(?s:.*)/\nbefore_call: TEXT {marker}\n"
+    else:
+        text = f"TEXT: /(?s:.*)/ & ~/(?s:.*){MARKER}(?s:.*)/\nbefore_call[lazy]: TEXT {marker}\n"
+    call = _hermes_call(tools, strict_only=True, marked=False, tokenizer=tokenizer)
+    return compiled("lark", f"%llguidance {{}}\nstart: {calls}\n{text}call: before_call {call}\n" + _WHITESPACE, "tools")
 
 
 _WHITESPACE = "WS: /[ \\t\\r\\n]+/\n"
 
 
-def _hermes_call(tools: list[Tool], strict_only: bool, marked: bool = True) -> str:
+def _hermes_call(tools: list[Tool], strict_only: bool, marked: bool = True, tokenizer=None) -> str:
     """A Hermes call block's rule body, as the chat template or this server's preamble writes it (whitespace inside
     the markers optional): its JSON names one of the tools, and its arguments follow the tool's schema (closed:
     app/api/schemas.py); with ``strict_only``, only a strict tool's do. ``marked``: the opening marker included.
@@ -191,8 +197,8 @@ def _hermes_call(tools: list[Tool], strict_only: bool, marked: bool = True) -> s
                                                  for call in calls_schema["anyOf"]]}
     require_compilable_size([calls_schema, arguments_first], "tools")  # what the engine compiles: both
     either = " | ".join(json_in_lark(json.dumps(schema)) for schema in (calls_schema, arguments_first))
-    opening = f'"{MARKER}" ' if marked else ""
-    return f'{opening}WS? ({either}) WS? "{END}"'
+    opening = f"{token_or_text(tokenizer, MARKER)} " if marked else ""  # as the tokenizer writes the markers
+    return f"{opening}WS? ({either}) WS? {token_or_text(tokenizer, END)}"
 
 
 def forced_calls(text: str, choice: str | Tool) -> list[ToolCall]:

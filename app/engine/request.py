@@ -159,7 +159,7 @@ class SamplingParams:
         """allowed_token_ids as a sorted index tensor on ``device``, made once: every step of the request applies it."""
         import torch
 
-        cached = self.__dict__.setdefault("_allowed_index", {})  # not a field: never compared, copied or sent
+        cached = self.__dict__.setdefault("_allowed_index", {})  # not a field: never compared, nor copied by replace
         if device not in cached:
             cached[device] = torch.tensor(self.allowed_token_ids, dtype=torch.long, device=device)
         return cached[device]

@@ -1,6 +1,7 @@
-"""A reasoning model's structured output after its thinking (app/api/reasoning.py ``after_thinking``), on the embedded
-model's real tokenizer and engine: the thinking is free until ``</think>`` (as its text, or as one token the
-tokenizer added, as Qwen3's and DeepSeek-R1's are), then the format holds the answer; speculation changes no token."""
+"""Grammars around markers a tokenizer may hold as tokens of their own (Qwen's <tool_call>, reasoning models'
+</think>), on the embedded model's real tokenizer and engine: a reasoning model's structured output after its thinking
+(app/api/reasoning.py ``after_thinking``: the thinking free until ``</think>``, as text or as one added token, then
+the format holds the answer; speculation changes no token), and strict tools' calls opened by their marker."""
 
 import re
 
@@ -75,3 +76,33 @@ def test_the_answer_after_the_thinking_follows_the_format_and_speculation_change
     engine = make_engine(loaded_rounded, max_model_len=512, speculative=SpecConfig(drafter="ngram", num_speculative_tokens=4))
     assert _run(loaded_rounded, after_thinking(DIGITS, loaded_rounded.tokenizer, inside=True), engine) == held
     assert engine.stats()["spec_num_accepted_tokens"] > 0  # drafts were verified, the grammar's masks among them
+
+
+@pytest.fixture(scope="module")
+def call_tokenizers(loaded_rounded):
+    """The embedded tokenizer as it is (Hermes' call markers are text), and with them as added tokens (Qwen's)."""
+    added = loaded_rounded.tokenizer.__class__.from_pretrained(loaded_rounded.tokenizer.name_or_path)
+    added.add_tokens([AddedToken("<tool_call>", normalized=False), AddedToken("</tool_call>", normalized=False)])
+    return {"text": loaded_rounded.tokenizer, "added": added}
+
+
+@pytest.mark.parametrize("markers", ["text", "added"])
+@pytest.mark.parametrize("text, accepted", [
+    ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', True),
+    ("No call needed: it rains.", True),  # the text stays free
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": 5}}</tool_call>', None),  # a strict tool's schema holds
+])
+def test_strict_calls_match_the_call_markers_as_the_tokenizer_writes_them(call_tokenizers, markers, text, accepted):
+    """Qwen's tokenizers add <tool_call> as a token of its own, which llguidance never reads as text: the grammar names
+    that token, or the model could never open a call."""
+    from app.api.tools import parse_tools, strict_calls
+
+    tokenizer = call_tokenizers[markers]
+    weather = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    grammar = strict_calls(parse_tools([weather]), "hermes", parallel=True, tokenizer=tokenizer)
+    matcher = Grammars(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id})).matcher(grammar)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert (tokenizer.convert_tokens_to_ids("<tool_call>") in ids) is (markers == "added" and "<tool_call>" in text)
+    consumed = all(matcher.consume_token(t) for t in ids)
+    assert (None if not consumed else matcher.is_accepting()) is accepted
