@@ -5,9 +5,9 @@
 from __future__ import annotations
 
 from app.api.errors import APIError
-from app.engine.request import MAX_BAD_WORDS
 from app.api.fanout import Prepared
 from app.api.logprobs import LogprobFormatter
+from app.engine.request import MAX_BAD_WORDS
 
 
 def truncated(prompt_ids: list[int], keep: int | None, side: str, max_model_len: int) -> list[int]:

@@ -191,7 +191,7 @@ class OpenAIServing:
         whole = self.prompts.completion(prompt, request.add_special_tokens)
         prompts = [extras.truncated(ids, request.truncate_prompt_tokens, request.truncation_side, self.max_model_len)
                    for ids in whole]
-        candidates = request.best_of or request.n  # prompts x candidates: at most MAX_CHOICES (checked at parse)
+        candidates = request.best_of or request.n  # prompts x candidates: bounded at parse, then by the replica (fan_out)
         bad_words = extras.bad_words_token_ids(self.tokenizer, request.bad_words)  # once for all the prompts
         prepared = [self._prepare("cmpl", ids, request, request.max_tokens, bad_words) for ids in prompts]
         if request.echo:
