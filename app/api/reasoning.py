@@ -59,9 +59,9 @@ def call_ends_thinking(parser: str | None, tool_parser: str, request, plan) -> s
 
 
 def after_thinking(grammar: str, tokenizer, inside: bool) -> str:
-    """``grammar`` (llguidance's: its JSON form, or Lark's text) holding the answer after its thinking: free text up to ``</think>``
-    (where the answer does not start inside, either a ``<think>`` block first or no thinking at all), whitespace, then
-    what ``grammar`` allows. A marker that is one token the tokenizer added (Qwen3's, DeepSeek-R1's) is that token
+    """``grammar`` (llguidance's: its JSON form, or Lark's text) holding the answer after its thinking: free text up to
+    ``</think>`` (where the answer does not start inside, either a ``<think>`` block first or no thinking at all),
+    whitespace, then what ``grammar`` allows. A marker that is one token the tokenizer added (Qwen3's, DeepSeek-R1's) is that token
     (llguidance reads every added token as special, never as text); any other is its text, the thinking ending at
     its first occurrence."""
     top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}  # or Lark
@@ -96,14 +96,14 @@ def thinking_tokens(token_ids: list[int], inside: bool, tokenizer, ends_at: str 
     if thought is None:
         return 0
     close = tokenizer.encode(CLOSE, add_special_tokens=False)
-    if len(close) == 1 and close[0] in token_ids and not _ended_by_call(thought, content, ends_at):
+    if len(close) == 1 and close[0] in token_ids and not _ended_by_call(content, ends_at):
         return token_ids.index(close[0]) + 1
     if content is None:
         return len(token_ids)
     return len(tokenizer.encode(thought, add_special_tokens=False))
 
 
-def _ended_by_call(thought: str, content: str | None, ends_at: str | None) -> bool:
+def _ended_by_call(content: str | None, ends_at: str | None) -> bool:
     """Whether the thinking ended at a call's marker (its content starts with it), not at </think>."""
     return bool(ends_at) and content is not None and content.startswith(ends_at)
 
