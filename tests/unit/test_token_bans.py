@@ -136,10 +136,12 @@ def test_where_every_token_is_banned_the_request_fails_alone_with_or_without_dra
     logits = torch.zeros(2, V)
     with pytest.raises(NoTokenLeftError, match="request stuck.*output token 2"):
         Sampler().sample(logits.clone(), [_req("stuck", output=[3], **stuck), _req("fine", temperature=0)])
+    rows = torch.zeros(2, V)
+    rows[:, 3] = 30.0  # the target takes the drafted 3 (greedy: its choice; sampled: all but certainly)
     with pytest.raises(NoTokenLeftError):
-        verify_drafts(torch.zeros(2, V), [_req("stuck", **stuck)], [[3]], [None])  # the position after the draft 3
+        verify_drafts(rows.clone(), [_req("stuck", **stuck)], [[3]], [None])  # the position after the draft 3
     with pytest.raises(NoTokenLeftError):
-        verify_drafts(torch.zeros(2, V), [_req("stuck", **{**stuck, "temperature": 1.0, "seed": 1})], [[3]], [None])
+        verify_drafts(rows.clone(), [_req("stuck", **{**stuck, "temperature": 1.0, "seed": 1})], [[3]], [None])
     assert verify_drafts(torch.zeros(2, V), [_req("fine", temperature=0)], [[0]], [None]) == ([[0, 0]], [1])
 
 
