@@ -14,7 +14,7 @@ import contextlib
 import json
 from typing import AsyncIterator, Callable
 
-from app.api.structured import token_or_text
+from app.api.structured import special_token, token_or_text
 
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -120,8 +120,7 @@ def usage_with_thinking(usage: dict, plans: list, tokenizer) -> dict:
 
 def is_special(tokenizer) -> bool:
     """Whether ``</think>`` is one token the tokenizer leaves out of text under ``skip_special_tokens``."""
-    ids = tokenizer.encode(CLOSE, add_special_tokens=False)
-    return len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == ""
+    return special_token(tokenizer, CLOSE)
 
 
 class ReasoningSplitter:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 import uuid
 from typing import AsyncIterator
@@ -146,6 +147,11 @@ class OpenAIServing:
 
         return await _formatted(answer, request.logprobs or request.prompt_logprobs is not None)
 
+    @functools.cached_property
+    def _call_is_special(self) -> bool:
+        """Whether this model's call marker is a special token, which the text its calls are read from must keep."""
+        return self.tool_parser in ("hermes", "qwen3_coder") and tools.marker_is_special(self.tokenizer)
+
     # ---- one OpenAI request, several engine requests (app/api/fanout.py) -------------------
     def _chat_plans(self, request: ChatCompletionRequest) -> list[Prepared]:
         text = self.prompts.chat_text(request)
@@ -158,8 +164,8 @@ class OpenAIServing:
         bad_words = extras.bad_words_token_ids(self.tokenizer, request.bad_words)
         prepared = self._prepare("chatcmpl", prompt_ids, request, request.requested_max_tokens, bad_words)
         prepared.echo = extras.echoed_turn(request)  # sent before the answer, never read as part of it
-        if self.tool_parser == "mistral" and request.tool_choice_resolved() == "auto":  # [TOOL_CALLS] is a special token
-            prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)  # kept for the parser, as vLLM
+        if (self.tool_parser == "mistral" or self._call_is_special) and request.tool_choice_resolved() == "auto":
+            prepared.sampling = dataclasses.replace(prepared.sampling, skip_special_tokens=False)  # the marker kept, as vLLM
         if request.tool_choice_resolved() == "auto":
             grammar = self._auto_grammar(request)
             if grammar is not None:

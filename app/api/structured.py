@@ -168,6 +168,13 @@ def token_or_text(tokenizer, text: str) -> str:
     return json.dumps(text)
 
 
+def special_token(tokenizer, text: str) -> bool:
+    """Whether ``text`` is one token the tokenizer leaves out of text under ``skip_special_tokens`` (a marker that
+    requests reading it, a call's or a thinking's, must keep special tokens in their text)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == ""
+
+
 def require_compilable_size(value: Any, param: str) -> None:
     """A 400 naming ``param`` for a schema past what the engine compiles promptly (the limits above)."""
     if why := _too_large(value):

@@ -30,7 +30,7 @@ from typing import Any
 from app.api.errors import NOT_JSON, APIError
 from app.api.call_readers import END, MARKER, PYTHON_TAG, HermesReader, ListReader, call_from
 from app.api.schemas import call_schema, closed, tools_schema
-from app.api.structured import compiled, json_in_lark, require_compilable_size, token_or_text
+from app.api.structured import compiled, json_in_lark, require_compilable_size, special_token, token_or_text
 from app.api.xml_calls import XmlReader
 from app.config.model import TOOL_PARSERS
 _TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
@@ -174,8 +174,8 @@ def strict_calls(tools: list[Tool], parser: str, parallel: bool, tokenizer=None)
         return None
     calls = "call* TEXT" if parallel else "call? TEXT"  # every marker begins a call: one only, if not parallel
     marker = token_or_text(tokenizer, MARKER)
-    if marker.startswith("<["):  # a token of its own, which text never holds
-        text = f"TEXT: /(?s:.*)/\nbefore_call: TEXT {marker}\n"
+    if marker.startswith("<["):  # a token of its own; the text holds no marker spelled in pieces either (no unchecked call)
+        text = f"TEXT: /(?s:.*)/ & ~/(?s:.*){MARKER}(?s:.*)/\nbefore_call: TEXT {marker}\n"
     else:
         text = f"TEXT: /(?s:.*)/ & ~/(?s:.*){MARKER}(?s:.*)/\nbefore_call[lazy]: TEXT {marker}\n"
     call = _hermes_call(tools, strict_only=True, marked=False, tokenizer=tokenizer)
@@ -316,6 +316,12 @@ def tool_parser_for(setting: str, tokenizer) -> str:
     if "<|python_tag|>" in template or ("<|start_header_id|>" in template and '"parameters"' in template):
         return "llama3_json"
     return "hermes"
+
+
+def marker_is_special(tokenizer) -> bool:
+    """Whether Hermes' ``<tool_call>`` is a special token (some checkpoints add it so): such requests keep special
+    tokens in their text, or no call could be read."""
+    return special_token(tokenizer, MARKER)
 
 
 def template_renders_tools(tokenizer, with_tools: bool) -> bool:

@@ -47,6 +47,7 @@ class Grammars:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids) or None
+        self._eos_set = frozenset(eos_token_ids)
         self._tokenizer = None
         self._executor = None
         self._compiled = BoundedCache(entries=_CACHED_GRAMMARS, size=_CACHED_GRAMMAR_CHARS)
@@ -96,6 +97,8 @@ class Grammars:
             matcher = request.matcher
             if matcher is not None:
                 valid = matcher.validate_tokens(list(tokens))
+                # an end token is not consumed: a grammar that stopped keeps no history of it (nothing follows one)
+                valid = next((j for j, token in enumerate(tokens[:valid]) if token in self._eos_set), valid)
                 bits, words = self._bitmasks(count)
                 for j in range(valid + 1):
                     matcher.unsafe_compute_mask_ptr(bits[j].data_ptr(), words * 4)

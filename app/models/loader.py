@@ -170,7 +170,7 @@ def _hide_the_weight_loading_bar() -> None:
     hf_logging.set_tqdm_hook(hook)
 
 
-def _model_class(checkpoint_config):
+def _model_class(checkpoint_config, trust_remote_code: bool = False):
     """transformers' class for the checkpoint: its causal LM, or, for a multimodal model type transformers registers
     as image-text-to-text alone (Mistral Small 3.1's mistral3, Qwen2.5-VL, LLaVA), that model, whose text decoder
     the engine serves (the load-time parity check decides whether it serves it exactly)."""
@@ -179,8 +179,8 @@ def _model_class(checkpoint_config):
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
     model_type = getattr(checkpoint_config, "model_type", None)
-    if model_type is None or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES \
-            or "AutoModelForCausalLM" in (getattr(checkpoint_config, "auto_map", None) or {}):  # remote code's own class
+    remote = trust_remote_code and "AutoModelForCausalLM" in (getattr(checkpoint_config, "auto_map", None) or {})
+    if model_type is None or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or remote:  # remote: its own class
         return AutoModelForCausalLM
     if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         _require_a_text_decoder(checkpoint_config, AutoModelForImageTextToText)
@@ -197,7 +197,11 @@ def _require_a_text_decoder(checkpoint_config, auto_class) -> None:
     model_type = checkpoint_config.model_type
     if getattr(checkpoint_config, "is_encoder_decoder", False):
         raise ModelLoadError(f"model type {model_type!r} is an encoder-decoder model: this server serves decoders")
-    forward = inspect.signature(auto_class._model_mapping[type(checkpoint_config)].forward)
+    try:
+        model_class = auto_class._model_mapping[type(checkpoint_config)]
+    except (KeyError, ImportError):  # a config class of remote code: its model's to say
+        return
+    forward = inspect.signature(model_class.forward)
     needed = [name for name, parameter in forward.parameters.items() if name not in ("self", "input_ids")
               and parameter.default is inspect.Parameter.empty and parameter.kind is not parameter.VAR_KEYWORD
               and parameter.kind is not parameter.VAR_POSITIONAL]
@@ -226,7 +230,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     _hide_the_weight_loading_bar()
     if config.quantization == "gptq":
         quiet_gptqmodel()
-    model_class = _model_class(checkpoint_config)
+    model_class = _model_class(checkpoint_config, config.trust_remote_code)
     try:
         quantization = _quantization_kwargs(config, path, gguf_file, dtype, device, common)
         tokenizer = AutoTokenizer.from_pretrained(path, **common)

@@ -106,3 +106,27 @@ def test_strict_calls_match_the_call_markers_as_the_tokenizer_writes_them(call_t
     assert (tokenizer.convert_tokens_to_ids("<tool_call>") in ids) is (markers == "added" and "<tool_call>" in text)
     consumed = all(matcher.consume_token(t) for t in ids)
     assert (None if not consumed else matcher.is_accepting()) is accepted
+    if markers == "added" and "<tool_call>" in text:  # the marker spelled in pieces opens no call the grammar skips
+        spelled_text = text.replace("<tool_call>", "<\0tool_call>").replace("</tool_call>", "<\0/tool_call>")
+        pieces = [t for piece in spelled_text.split("\0") for t in tokenizer.encode(piece, add_special_tokens=False)]
+        spelled = Grammars(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id})).matcher(grammar)
+        assert not all(spelled.consume_token(t) for t in pieces)
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_a_call_marker_the_tokenizer_calls_special_stays_in_the_text_the_calls_are_read_from(loaded_rounded, special):
+    """Qwen's <tool_call> is an added token, not special; where a checkpoint adds it special, skip_special_tokens would
+    take it out of the text and no call could be read: such a model's tool requests keep special tokens (as vLLM)."""
+    from app.api.protocol import ChatCompletionRequest, parse_body
+    from app.api.serving import OpenAIServing
+
+    tokenizer = loaded_rounded.tokenizer.__class__.from_pretrained(loaded_rounded.tokenizer.name_or_path)
+    tokenizer.add_tokens([AddedToken("<tool_call>", normalized=False, special=special),
+                          AddedToken("</tool_call>", normalized=False, special=special)], special_tokens=special)
+    serving = OpenAIServing(None, tokenizer, "m", 2048, sorted(loaded_rounded.eos_token_ids), len(tokenizer))
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [weather]}
+    [plan] = serving._chat_plans(parse_body(body, ChatCompletionRequest))
+    assert plan.sampling.skip_special_tokens is not special
+    [plain] = serving._chat_plans(parse_body({**body, "tool_choice": "none"}, ChatCompletionRequest))
+    assert plain.sampling.skip_special_tokens  # no call read: as asked

@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from app.api.structured import request_grammar
 from app.config import SpecConfig
@@ -228,3 +229,20 @@ async def test_under_tool_choice_auto_a_strict_tools_call_follows_its_schema(ser
     assert strict_call["function"]["name"] == "get_weather" and strict["choices"][0]["finish_reason"] == "tool_calls"
     arguments = json.loads(strict_call["function"]["arguments"])
     assert list(arguments) == ["city", "unit"] and arguments["city"] == "Oslo" and arguments["unit"] in ("celsius", "fahrenheit")
+
+
+def test_a_draft_that_ends_a_grammar_with_eos_is_masked_without_rolling_back_what_was_never_kept(loaded_rounded):
+    """A choice or regex grammar stops once complete; an n-gram draft completing it, then EOS (chat prompts are full of
+    end tokens), then more: each position is masked as the grammar stands there, and the matcher is left as it was."""
+    from app.engine.grammar import Grammars
+
+    tokenizer, eos = loaded_rounded.tokenizer, sorted(loaded_rounded.eos_token_ids)[0]
+    grammars = Grammars(tokenizer, len(tokenizer), frozenset(loaded_rounded.eos_token_ids))
+    yes = tokenizer.encode("positive", add_special_tokens=False)
+    for drafts in (yes + [eos], yes + [eos, 5], yes):
+        request = Request("r", [1], SamplingParams(grammar=MOOD))
+        request.matcher = grammars.matcher(MOOD)
+        rows = torch.zeros(len(drafts) + 1, len(tokenizer))
+        grammars.mask_drafts(rows, [request], [drafts])
+        assert torch.isfinite(rows[len(yes)]).nonzero().squeeze(1).tolist() == [eos]  # complete: only EOS after it
+        assert request.matcher.validate_tokens(yes) == len(yes)  # rolled back to where it stood

@@ -18,10 +18,16 @@ def test_a_decoder_loads_as_its_causal_lm_or_as_the_multimodal_model_around_it(c
     assert _model_class(config).__name__ == expected
 
 
-def test_remote_code_naming_its_causal_lm_class_keeps_it():
+def test_remote_code_naming_its_causal_lm_class_keeps_it_where_remote_code_is_trusted():
     config = transformers.LlavaConfig()
     config.auto_map = {"AutoConfig": "m.Config", "AutoModelForCausalLM": "m.ForCausalLM"}
-    assert _model_class(config).__name__ == "AutoModelForCausalLM"
+    assert _model_class(config, trust_remote_code=True).__name__ == "AutoModelForCausalLM"
+    assert _model_class(config).__name__ == "AutoModelForImageTextToText"  # untrusted: transformers' own class
+
+    class Custom(transformers.PretrainedConfig):  # remote code's config class under a built-in type: its model decides
+        model_type = "llava"
+
+    assert _model_class(Custom()).__name__ == "AutoModelForImageTextToText"
 
 
 @pytest.mark.parametrize("config, why", [
