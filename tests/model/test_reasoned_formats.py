@@ -21,12 +21,17 @@ DIGITS = request_grammar(None, {"regex": "[0-9]+"})
 JSON = request_grammar({"type": "json_object"}, None)
 
 
+def with_added(tokenizer, *markers: str, special: bool = False):
+    """A copy of ``tokenizer`` with ``markers`` added as tokens of their own (as Qwen's and DeepSeek-R1's have them)."""
+    added = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    added.add_tokens([AddedToken(marker, normalized=False, special=special) for marker in markers], special_tokens=special)
+    return added
+
+
 @pytest.fixture(scope="module")
 def tokenizers(loaded_rounded):
     """The embedded tokenizer as it is (the markers are text), and with the markers as added tokens."""
-    added = loaded_rounded.tokenizer.__class__.from_pretrained(loaded_rounded.tokenizer.name_or_path)
-    added.add_tokens([AddedToken("<think>", normalized=False), AddedToken("</think>", normalized=False)])
-    return {"text": loaded_rounded.tokenizer, "added": added}
+    return {"text": loaded_rounded.tokenizer, "added": with_added(loaded_rounded.tokenizer, "<think>", "</think>")}
 
 
 @pytest.mark.parametrize("markers", ["text", "added"])
@@ -81,9 +86,7 @@ def test_the_answer_after_the_thinking_follows_the_format_and_speculation_change
 @pytest.fixture(scope="module")
 def call_tokenizers(loaded_rounded):
     """The embedded tokenizer as it is (Hermes' call markers are text), and with them as added tokens (Qwen's)."""
-    added = loaded_rounded.tokenizer.__class__.from_pretrained(loaded_rounded.tokenizer.name_or_path)
-    added.add_tokens([AddedToken("<tool_call>", normalized=False), AddedToken("</tool_call>", normalized=False)])
-    return {"text": loaded_rounded.tokenizer, "added": added}
+    return {"text": loaded_rounded.tokenizer, "added": with_added(loaded_rounded.tokenizer, "<tool_call>", "</tool_call>")}
 
 
 @pytest.mark.parametrize("markers", ["text", "added"])
@@ -120,9 +123,7 @@ def test_a_call_marker_the_tokenizer_calls_special_stays_in_the_text_the_calls_a
     from app.api.protocol import ChatCompletionRequest, parse_body
     from app.api.serving import OpenAIServing
 
-    tokenizer = loaded_rounded.tokenizer.__class__.from_pretrained(loaded_rounded.tokenizer.name_or_path)
-    tokenizer.add_tokens([AddedToken("<tool_call>", normalized=False, special=special),
-                          AddedToken("</tool_call>", normalized=False, special=special)], special_tokens=special)
+    tokenizer = with_added(loaded_rounded.tokenizer, "<tool_call>", "</tool_call>", special=special)
     serving = OpenAIServing(None, tokenizer, "m", 2048, sorted(loaded_rounded.eos_token_ids), len(tokenizer))
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [weather]}
