@@ -3,7 +3,7 @@ it: each limit a 400 naming the field a client can change (``context_length_exce
 
 from __future__ import annotations
 
-from app.api.errors import APIError
+from app.api.errors import NO_TOKEN_LEFT, APIError
 from app.engine import SamplingParams
 
 
@@ -48,14 +48,14 @@ def check_token_ids(sampling: SamplingParams, vocab_size: int, eos_token_ids: fr
             raise APIError(400, f"{param} token ids must be in [0, {vocab_size}); got {outside[0]}", param=param)
     if sampling.min_tokens and len(set(sampling.stop_token_ids)) >= vocab_size:
         raise APIError(400, "stop_token_ids holds every token of the vocabulary, so min_tokens leaves none to choose",
-                       param="stop_token_ids")
+                       param="stop_token_ids", code=NO_TOKEN_LEFT)
     if not sampling.allowed_token_ids:
         return
     left = set(sampling.allowed_token_ids) - {word[0] for word in sampling.bad_words_token_ids if len(word) == 1}
     if not left:
         raise APIError(400, "every token of allowed_token_ids is a bad word: no token is left to choose",
-                       param="allowed_token_ids")
+                       param="allowed_token_ids", code=NO_TOKEN_LEFT)
     stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
     if sampling.min_tokens and not left - stops:
         raise APIError(400, "allowed_token_ids hold only EOS and stop tokens, which min_tokens bans: no token is left to "
-                       "choose", param="allowed_token_ids")
+                       "choose", param="allowed_token_ids", code=NO_TOKEN_LEFT)

@@ -20,6 +20,7 @@ _TYPES = {
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
+NO_TOKEN_LEFT = "no_token_left"  # the code of a request whose bans leave no token to choose, found up front or by the engine
 
 
 class APIError(Exception):
@@ -71,7 +72,7 @@ def to_api_error(exc: BaseException, request_id: str | None = None) -> APIError:
         return APIError(400, f"the output cannot follow this request's grammar with this model's vocabulary: "
                              f"{innermost.reason}", code="invalid_grammar")
     if isinstance(innermost, NoTokenLeftFailedError):
-        return APIError(400, f"no token is left to choose: {innermost.reason}; allow more tokens", code="no_token_left")
+        return APIError(400, f"no token is left to choose: {innermost.reason}; allow more tokens", code=NO_TOKEN_LEFT)
     status, message, code = _server_failure(chain)
     return APIError(status, f"{message} (request id {request_id})" if request_id else message, code=code)
 

@@ -99,7 +99,7 @@ def _document_head() -> list[str]:
               "3 rounds of fresh servers, on the embedded model (W1 W2 W5) and the 371M shape (W1 W2) "
               "(benchmarks/alternated.sh; `ALTERNATED_PEERS=naive` where vLLM cannot run; `ALTERNATED_PEERS=ours@REV BENCH_SHAPE=` "
               "against this project at an earlier git revision, served from a worktree of it): the section's medians.",
-              "- `make bench-vllm`: vLLM alone (creates `vllm-venv/` once; `VLLM_DTYPE=float32` where the CPU has no native bf16).",
+              "- `make bench-vllm`: vLLM alone (creates `vllm-venv/` once; bfloat16 where the CPU has avx512_bf16, else float32; `VLLM_DTYPE` overrides).",
               "- `python -m app.bench peer --url http://HOST:PORT --name NAME --model SERVED_NAME [--workloads W1 W2 W3 W4 W5]`: "
               "any OpenAI-compatible server; `--launch ours [--model-source DIR] [--code CHECKOUT]` starts ours for the run (from another checkout: an A/B of two versions).",
               "- `python -m app.bench shape --shape llama-371m`: the larger model (seeded random weights, the embedded tokenizer), "

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from app.metrics import Histogram, RequestMetrics, RequestTiming, STEP_TOKEN_BUCKETS, render
+from app.metrics import ENGINE_COUNTERS, ENGINE_GAUGES, Histogram, RequestMetrics, RequestTiming, STEP_TOKEN_BUCKETS, render
 from app.spec.stats import SpecDecodingStats
 
 DASHBOARD = pathlib.Path(__file__).resolve().parents[2] / "configs" / "grafana-dashboard.json"
@@ -36,10 +36,15 @@ def populated_models() -> dict[str, dict]:
         "num_running": 2, "num_waiting": 1, "kv_blocks_used": 10, "kv_blocks_total": 40, "kv_usage": 0.25,
         "prefix_cache_queried_tokens": 64, "prefix_cache_hit_tokens": 16, "num_preemptions": 1, "num_steps": 4,
         "num_generated_tokens": 8, "last_step_tokens": 300, "last_step_seqs": 2, "mean_tokens_per_step": 87.0,
-        "mean_step_ms": 12.0, "step_tokens": step_tokens.to_dict(),
+        "mean_step_ms": 12.0, "step_tokens": step_tokens.to_dict(), "step_token_cap": 256, "num_steps_run_apart": 1,
         **{f"spec_{key}": value for key, value in speculation.to_dict().items()},  # as LLMEngine.stats() names them
     }
     return {"m": {"requests": requests.to_dict(), "engine": engine}, "m-twin": {"requests": requests.to_dict()}}
+
+
+def test_the_busy_model_has_a_sample_of_every_engine_figure_we_export():
+    engine = populated_models()["m"]["engine"]
+    assert not (ENGINE_GAUGES.keys() | ENGINE_COUNTERS.keys()) - engine.keys()
 
 
 def referenced_names(expression: str, prefix: str = DIRECT) -> set[str]:

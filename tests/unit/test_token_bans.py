@@ -165,14 +165,17 @@ def test_a_batch_that_fails_puts_each_seeded_generator_back_before_its_requests_
     assert results[0] == alone and results[1].startswith("ValueError")
 
 
-@pytest.mark.parametrize("body", [
-    {"allowed_token_ids": [97], "bad_words": ["a"]},  # the fake model: one byte a token
-    {"allowed_token_ids": [97], "stop_token_ids": [97], "min_tokens": 1},
+@pytest.mark.parametrize(("body", "param"), [
+    ({"allowed_token_ids": [97], "bad_words": ["a"]}, "allowed_token_ids"),  # the fake model: one byte a token
+    ({"allowed_token_ids": [97], "stop_token_ids": [97], "min_tokens": 1}, "allowed_token_ids"),
+    ({"stop_token_ids": "every token", "min_tokens": 1}, "stop_token_ids"),
 ])
-async def test_bans_that_leave_no_token_are_a_400_before_any_work(tools_server, body):
+async def test_bans_that_leave_no_token_are_a_400_before_any_work(tools_server, body, param):
+    if body.get("stop_token_ids") == "every token":
+        body = {**body, "stop_token_ids": list(range(tools_server.serving.vocab_size))}
     with pytest.raises(APIError) as caught:
         await tools_server.serving.completion(parse_body({"prompt": "abc", "max_tokens": 2, **body}, CompletionRequest))
-    assert (caught.value.status, caught.value.param) == (400, "allowed_token_ids")
+    assert (caught.value.status, caught.value.param, caught.value.code) == (400, param, "no_token_left")
 
 
 def test_a_request_the_engine_finds_with_no_token_left_is_a_400_naming_why():
