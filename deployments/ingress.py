@@ -325,7 +325,7 @@ class OpenAIIngress:
     async def _respond_responses(self, raw: Request, request_id: str):
         """The Responses API over the chat path (app/api/responses.py)."""
         body, request = await asyncio.to_thread(responses.parse_request, await self._read_body(raw))
-        response_id, created = responses.new_ids()
+        response_id, created = responses.new_ids(body)
         chunks = self._stream(request, "chat")  # streamed either way: the whole response is read from the stream
         if body.get("stream"):
             events = response_stream.response_events(body, chunks, response_id, created, request_id)

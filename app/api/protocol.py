@@ -79,6 +79,8 @@ class _SamplingFields(StrictModel):
     user: str | None = None
     safety_identifier: str | None = None  # OpenAI's successor to `user`
     prompt_cache_key: str | None = None  # a cache-routing hint: the prefix cache needs none
+    prompt_cache_retention: str | None = None  # how long OpenAI keeps a cached prefix: ours stay while memory allows
+    prompt_cache_options: dict[str, Any] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -226,7 +228,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # ignored without tools
-    # OpenAI fields of features this server has not: accepted unset (null; modalities ["text"]), else a 400 naming them
+    # OpenAI fields of features this server has not: accepted unset or at OpenAI's default (_NO_OP_VALUES), else a 400
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
@@ -277,7 +279,7 @@ class ChatCompletionRequest(_SamplingFields):
                            "turn after it: set one of them", param="continue_final_message")
         for name, why in _FEATURES_NOT_SERVED.items():
             value = getattr(self, name)
-            if value is not None and not (name == "modalities" and value == ["text"]):
+            if value is not None and value != _NO_OP_VALUES.get(name):
                 raise APIError(400, f"{name} is not supported: {why}; leave it unset", param=name)
 
     def num_logprobs(self) -> int | None:
@@ -312,6 +314,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.add_generation_prompt and not self.continue_final_message
 
 
+_NO_OP_VALUES = {"modalities": ["text"], "verbosity": "medium"}  # OpenAI's defaults: what this server does anyway
 _FEATURES_NOT_SERVED = {
     "audio": "this server answers in text only", "modalities": "this server answers in text only",
     "prediction": "predicted outputs are not taken (speculative decoding drafts on its own)",

@@ -122,7 +122,7 @@ class _ResponseStream:
         if item is None:
             return []
         index, events = len(self.items) - 1, []
-        item["status"] = status if item["type"] == "message" else "completed"
+        item["status"] = status if item["type"] in ("message", "function_call") else "completed"  # a cut call: incomplete
         if item["type"] == "message":
             part = item["content"][0]
             events += [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
@@ -142,21 +142,21 @@ class _ResponseStream:
 
     def _textless(self, logprobs: list) -> None:
         """Logprobs of tokens with no text of their own: the open message's, else the next message's; none while the
-        thinking is open (its markers' tokens are no output text's)."""
+        thinking or a call is open (their markers' tokens are no output text's)."""
         if self.open is not None and self.open["type"] == "message":
             self.open["content"][0]["logprobs"] += logprobs
-        elif self.open is None or self.open["type"] != "reasoning":
+        elif self.open is None:
             self.held_logprobs += logprobs
 
     def _text(self, text: str, logprobs: list) -> list[dict]:
         events = []
         if self.open is None or self.open["type"] != "message":
             logprobs, self.held_logprobs = self.held_logprobs + logprobs, []
-            if self.items:  # text after a call: the whitespace between them is no message's (its logprobs go with what follows)
+            if self.items:  # text after a call: the whitespace between them is no message's, nor its tokens' logprobs
                 text = text.lstrip()
                 if not text:
-                    self.held_logprobs = logprobs
                     return []
+                logprobs = _tail_writing(logprobs, text)  # the chunk may carry the call's closing markup first
             events += self._open(message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress"))
         part = self.open["content"][0]
         grow_item(part, "text", text)
@@ -178,6 +178,7 @@ class _ResponseStream:
         events, function = [], entry.get("function") or {}
         item = self.calls.get(entry["index"])
         if item is None:
+            self.held_logprobs = []  # of the call's opening markup: no output text's
             item = call_item(f"fc_{uuid.uuid4().hex}", entry.get("id") or f"call_{uuid.uuid4().hex[:24]}",
                               function.get("name") or "", "", status="in_progress")
             self.calls[entry["index"]] = item
@@ -200,3 +201,15 @@ class _ResponseStream:
         told = {"code": error.code or "server_error", "message": error.message}
         return [self._event("error", code=told["code"], message=error.message, param=error.param),
                 self._event("response.failed", response=self._snapshot("failed", told))]
+
+
+def _tail_writing(logprobs: list, text: str) -> list:
+    """The last of ``logprobs`` whose tokens' bytes make up ``text`` (as many as its UTF-8 length needs); all of them
+    where a token's bytes are not known."""
+    if any(entry.get("bytes") is None for entry in logprobs):
+        return logprobs
+    needed, start = len(text.encode()), len(logprobs)
+    while start > 0 and needed > 0:
+        start -= 1
+        needed -= len(logprobs[start]["bytes"])
+    return logprobs[start:]

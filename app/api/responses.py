@@ -18,7 +18,10 @@ from app.api.errors import APIError
 
 # Fields taken as they are or translated below; accepted and left without effect; taken unset (null, empty) only
 _PASSED = ("model", "temperature", "top_p", "user", "parallel_tool_calls", "stream", "top_k", "min_p", "seed", "stop",
-           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos")
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
+           # vLLM's Responses extras, as the chat request takes them (request_id is the response's id too, as vLLM's)
+           "chat_template_kwargs", "include_reasoning", "skip_special_tokens", "include_stop_str_in_output",
+           "stop_token_ids", "cache_salt", "request_id", "priority", "structured_outputs")
 # max_tool_calls bounds calls of built-in tools, which are refused here: without effect on function calls
 _IGNORED = ("metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention",
             "prompt_cache_options", "safety_identifier", "stream_options", "max_tool_calls")
@@ -59,10 +62,12 @@ def chat_body(body: Any) -> dict:
         chat["max_tokens"] = body["max_output_tokens"]
     if body.get("tools"):
         chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(_listed(body["tools"], "tools"))]
-    if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+    if body.get("tool_choice") is not None and (chat.get("tools") or body["tool_choice"] not in ("auto", "none")):
+        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])  # "auto" without tools: the default, as OpenAI's
     response_format = _response_format(body.get("text"))
     if response_format is not None:
+        if body.get("structured_outputs") is not None:
+            raise APIError(400, "give text.format or structured_outputs, not both", param="structured_outputs")
         chat["response_format"] = response_format
     if isinstance(body.get("text"), dict) and body["text"].get("verbosity") is not None:
         chat["verbosity"] = body["text"]["verbosity"]  # refused there, as the chat field is
@@ -75,17 +80,21 @@ def chat_body(body: Any) -> dict:
     return chat
 
 
+_SUMMARIES = (None, "auto", "concise", "detailed")
+
+
 def _reasoning_effort(reasoning: Any) -> Any:
-    """``reasoning.effort``, for the chat template as chat's ``reasoning_effort``; a summary is a 400 (the models here
-    write no reasoning apart from their answer, so there is none to summarize)."""
+    """``reasoning.effort``, for the chat template as chat's ``reasoning_effort``. A summary asked for is taken and
+    none is written, as vLLM does: a reasoning item carries the whole reasoning as its content instead."""
     if reasoning is None:
         return None
     if not isinstance(reasoning, dict):
         raise APIError(400, "reasoning must be an object such as {\"effort\": \"low\"}", param="reasoning")
     for key, value in reasoning.items():
-        if key != "effort" and value is not None:
-            raise APIError(400, f"reasoning.{key} is not supported: no reasoning is written apart from the answer here, "
-                           "so none is summarized (leave it unset)", param=f"reasoning.{key}")
+        if key in ("summary", "generate_summary") and value not in _SUMMARIES:
+            raise APIError(400, f"reasoning.{key} must be one of auto, concise, detailed", param=f"reasoning.{key}")
+        if key not in ("effort", "summary", "generate_summary") and value is not None:
+            raise APIError(400, f"reasoning.{key} is not supported (effort, summary)", param=f"reasoning.{key}")
     return reasoning.get("effort")
 
 
@@ -174,14 +183,17 @@ def _text(content: Any, param: str) -> str:
 
 
 def _chat_tool(tool: Any, index: int) -> dict:
+    from app.api.tools import require_loaded
+
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else None
         raise APIError(400, f"tools[{index}] of type {kind!r} is not supported: function tools only", param=f"tools[{index}]")
     if not isinstance(tool.get("name"), str) or not tool["name"]:
         raise APIError(400, f"tools[{index}].name is required: the function's name", param=f"tools[{index}].name")
-    unknown = sorted(set(tool) - {"type", "name", "description", "parameters", "strict"})
+    unknown = sorted(set(tool) - {"type", "name", "description", "parameters", "strict", "defer_loading"})
     if unknown:  # a misspelt "parameters" would otherwise make a function of no arguments
         raise APIError(400, f"unknown field tools[{index}].{unknown[0]}", param=f"tools[{index}].{unknown[0]}")
+    require_loaded(tool.get("defer_loading"), f"tools[{index}].defer_loading")
     function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if tool.get(key) is not None}
     return {"type": "function", "function": function}
 
@@ -216,8 +228,9 @@ def _response_format(text: Any) -> dict | None:
 
 
 # ---- the answer ---------------------------------------------------------------------------------
-def new_ids() -> tuple[str, int]:
-    return f"resp_{uuid.uuid4().hex}", int(time.time())
+def new_ids(body: dict) -> tuple[str, int]:
+    """The response's id (the client's ``request_id`` where it gave one, as vLLM's) and its creation time."""
+    return body.get("request_id") or f"resp_{uuid.uuid4().hex}", int(time.time())
 
 
 def response_dict(body: dict, response_id: str, created: int, model: str, status: str, output: list, usage: dict | None,

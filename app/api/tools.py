@@ -63,8 +63,14 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-_TOOL_KEYS = {"type", "function"}
-_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+_TOOL_KEYS = {"type", "function", "defer_loading"}
+_FUNCTION_KEYS = {"name", "description", "parameters", "strict", "defer_loading"}
+
+
+def require_loaded(value: Any, param: str) -> None:
+    """OpenAI's ``defer_loading`` (a tool the model finds by searching): taken at its default, every tool shown."""
+    if value not in (None, False):
+        raise APIError(400, f"{param} is not supported: every tool is shown to the model (leave it false)", param=param)
 
 
 def parse_tools(tools: list[Any] | None) -> list[Tool]:
@@ -79,6 +85,8 @@ def parse_tools(tools: list[Any] | None) -> list[Tool]:
                 unknown = sorted(key - known)[0]
                 raise APIError(400, f"Unrecognized request argument supplied: {where}.{unknown} (known: {', '.join(sorted(known))})",
                                param=f"{where}.{unknown}", code="unknown_parameter")
+        require_loaded(tool.get("defer_loading"), f"tools[{i}].defer_loading")
+        require_loaded(function.get("defer_loading"), f"tools[{i}].function.defer_loading")
         parameters = function.get("parameters")
         parameters = {"type": "object", "properties": {}} if parameters is None else parameters
         if not isinstance(parameters, dict):

@@ -168,7 +168,8 @@ def test_values_of_the_right_type_still_parse():
 
 def test_fields_that_change_nothing_in_generation_are_accepted():
     ignored = {"user": "u-1", "store": False, "metadata": {"team": "search"}, "service_tier": "auto",
-               "safety_identifier": "u-1", "prompt_cache_key": "session-7"}
+               "safety_identifier": "u-1", "prompt_cache_key": "session-7", "prompt_cache_retention": "24h",
+               "prompt_cache_options": {}}
     chat = parse_body(json.dumps({**CHAT, **ignored, "parallel_tool_calls": True}), ChatCompletionRequest)
     assert chat.sampling_params(4) == parse_body(json.dumps(CHAT), ChatCompletionRequest).sampling_params(4)
     parse_body(json.dumps({"prompt": "x", **ignored}), CompletionRequest)
@@ -179,6 +180,11 @@ def test_fields_that_change_nothing_in_generation_are_accepted():
     assert chat.include_usage and chat.messages[1].as_template_message() == {"role": "assistant", "content": "Paris."}
     with pytest.raises(APIError, match="each tool must be"):  # a tool without a function is a 400 naming the tool
         parse_body(json.dumps({**CHAT, "tools": [{"type": "function"}], "parallel_tool_calls": True}), ChatCompletionRequest)
+    tool = {"type": "function", "function": {"name": "f", "defer_loading": False}, "defer_loading": False}  # OpenAI's default
+    assert [t.name for t in parse_body({**CHAT, "tools": [tool]}, ChatCompletionRequest).parsed_tools()] == ["f"]
+    for deferred in ({**tool, "defer_loading": True}, {**tool, "function": {"name": "f", "defer_loading": True}}):
+        with pytest.raises(APIError, match="defer_loading is not supported"):  # a tool the model would not be shown
+            parse_body({**CHAT, "tools": [deferred]}, ChatCompletionRequest).parsed_tools()
 
 
 @pytest.mark.parametrize("field, value", [("seed", 2**64 + 5), ("seed", -(2**63) - 1), ("top_k", 2**63),
@@ -264,7 +270,7 @@ def test_an_openai_answer_replayed_as_history_is_accepted_and_names_reach_the_te
 @pytest.mark.parametrize("field, unset, asked", [
     ("audio", None, {"voice": "alloy", "format": "wav"}), ("modalities", ["text"], ["text", "audio"]),
     ("prediction", None, {"type": "content", "content": "x"}),
-    ("verbosity", None, "low"), ("web_search_options", None, {}),
+    ("verbosity", None, "low"), ("verbosity", "medium", "high"), ("web_search_options", None, {}),
 ])
 def test_openai_features_not_served_are_taken_unset_and_refused_when_asked(field, unset, asked):
     parse_body({**CHAT, field: unset}, ChatCompletionRequest)

@@ -42,7 +42,10 @@ def test_input_items_become_the_chat_messages_with_instructions_first():
     ({"previous_response_id": "resp_1"}, "keeps no responses"),
     ({"tools": [{"type": "web_search"}]}, "function tools only"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "text parts only"),
-    ({"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning.summary"),
+    ({"reasoning": {"effort": "high", "summary": "verbose"}}, "reasoning.summary"),
+    ({"reasoning": {"mode": "deep"}}, "reasoning.mode"),
+    ({"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a+"}}, "not both"),
+    ({"tools": [{**WEATHER, "defer_loading": True}]}, "tools[0].defer_loading"),
     ({"background": True}, "background"),
     ({"modalities": ["text"]}, "modalities"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
@@ -214,3 +217,38 @@ def test_max_tool_calls_bounds_built_in_tools_alone_so_it_is_taken_and_echoed():
     chat = responses.chat_body(body)
     assert chat == responses.chat_body({k: v for k, v in body.items() if k != "max_tool_calls"})
     assert responses.response_dict(body, "resp_1", 0, "m", "completed", [], None)["max_tool_calls"] == 1
+
+
+def test_vllms_response_extras_and_openais_defaults_are_taken_as_the_chat_request_takes_them():
+    """vLLM's Responses extras reach the chat request; OpenAI's defaults sent explicitly (tool_choice "auto" without
+    tools, a summary asked for, medium verbosity, tools not deferred) change nothing; request_id is the response's id."""
+    extras = {"chat_template_kwargs": {"enable_thinking": False}, "include_reasoning": False, "skip_special_tokens": False,
+              "include_stop_str_in_output": True, "stop_token_ids": [7], "cache_salt": "tenant-1", "priority": 0,
+              "structured_outputs": {"regex": "[a-z]+"}, "request_id": "job-42"}
+    body = {"model": "m", "input": "Hi", "tool_choice": "auto", "reasoning": {"effort": "low", "summary": "auto"},
+            "text": {"verbosity": "medium"}, **extras}
+    _, chat = responses.parse_request(json.dumps(body).encode())
+    assert {key: getattr(chat, key) for key in extras} == extras and chat.tool_choice is None
+    assert chat.reasoning_effort == "low"
+    assert responses.new_ids(body)[0] == "job-42" and responses.new_ids({})[0].startswith("resp_")
+    _, tooled = responses.parse_request(json.dumps({"model": "m", "input": "Hi", "tools": [{**WEATHER, "defer_loading": False}],
+                                                    "tool_choice": "auto"}).encode())
+    assert tooled.tool_choice == "auto" and [t.name for t in tooled.parsed_tools()] == ["get_weather"]
+
+
+async def test_each_messages_logprobs_are_its_texts_tokens_not_a_calls_markup(tools_server):
+    answer = ANSWER + " I will tell you when it answers."
+    whole, events = await _whole_and_events(tools_server, _replayed(answer, include=["message.output_text.logprobs"]))
+    for response in (whole, events[-1]["response"]):
+        messages = [item["content"][0] for item in response["output"] if item["type"] == "message"]
+        assert [part["text"] for part in messages] == ["Let me check.", "I will tell you when it answers."]
+        for part in messages:  # a byte a token
+            assert "".join(lp["token"] for lp in part["logprobs"]).strip() == part["text"]
+
+
+async def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item_streamed_or_not(tools_server):
+    cut = ANSWER.index("Oslo") + 2
+    whole, events = await _whole_and_events(tools_server, _replayed(ANSWER, max_output_tokens=cut))
+    for response in (whole, events[-1]["response"]):
+        assert response["status"] == "incomplete" and [i["type"] for i in response["output"]] == ["message", "function_call"]
+        assert [i["status"] for i in response["output"]] == ["completed", "incomplete"]
