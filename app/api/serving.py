@@ -253,7 +253,8 @@ class OpenAIServing:
         room = budget.room_left(prompt_ids, self.vocab_size, self.max_model_len, "messages" if prefix == "chatcmpl" else "prompt")
         max_tokens = budget.capped_max_tokens(max_tokens, room, request, self.max_model_len)
         prompt_only = max_tokens == 0
-        sampling = request.sampling_params(1 if prompt_only else max_tokens or room, self.default_sampling, bad_words)
+        default = min(room, self.default_sampling.get("max_tokens") or room)  # the model's default, else the room left
+        sampling = request.sampling_params(1 if prompt_only else max_tokens or default, self.default_sampling, bad_words)
         budget.check_token_ids(sampling, self.vocab_size, self.eos_token_ids)
         request_id = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever id a client sends
         response_id = f"{prefix}-{request.request_id}" if request.request_id else request_id

@@ -78,6 +78,7 @@ SAMPLING_DEFAULT_KEYS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "max_tokens",  # an answer's length where a request leaves it unset (chat; completions' default is OpenAI's 16)
 )
 
 
@@ -139,7 +140,7 @@ def _check_sampling_defaults(defaults: dict[str, Any]) -> None:
     """Each default in the range a request's own value must be in: a bad default would fail every request that
     leaves the field unset, blaming the client for a value it never sent."""
     for key, value in defaults.items():
-        integer = key == "top_k"
+        integer = key in ("top_k", "max_tokens")
         if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
             raise ValueError(f"default_sampling.{key} must be {'an integer' if integer else 'a number'}, got {value!r}")
     try:

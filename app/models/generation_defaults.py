@@ -1,7 +1,8 @@
 """The sampling defaults a checkpoint's ``generation_config.json`` recommends, applied as vLLM applies them (its
-``--generation-config auto``): a request that leaves temperature, top_p, top_k, min_p or repetition_penalty unset
-takes the checkpoint's value (Qwen2.5-Instruct: temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05);
-``default_sampling`` in the config still wins, then OpenAI's defaults. ``model.generation_config: none`` leaves them.
+``--generation-config auto``): a request that leaves temperature, top_p, top_k, min_p, the three penalties or
+max_tokens unset takes the checkpoint's value (Qwen2.5-Instruct: temperature 0.7, top_p 0.8, top_k 20,
+repetition_penalty 1.05; ``max_new_tokens`` is max_tokens); ``default_sampling`` in the config still wins, then OpenAI's
+defaults. ``model.generation_config: none`` leaves them.
 
 What transformers' ``generate`` applies beyond those (suppressed tokens, bad words, n-gram bans, ...) is not applied
 here, as in vLLM; the load warns, naming each one the checkpoint sets."""
@@ -14,7 +15,10 @@ from app.engine.request import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config's names -> the request's (transformers' max_new_tokens is the answer's max_tokens)
+SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 # What transformers' generate applies beyond sampling, each with the value that changes nothing
 NOT_APPLIED = {"suppress_tokens": [], "begin_suppress_tokens": [], "bad_words_ids": [], "sequence_bias": {},
                "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "forced_bos_token_id": None,
@@ -28,17 +32,17 @@ def checkpoint_sampling_defaults(model, source: str) -> dict[str, float]:
     if generation is None:
         return {}
     defaults = {}
-    for key in SAMPLING_KEYS:
+    for key, field in SAMPLING_KEYS.items():
         value = getattr(generation, key, None)
         if value is None:
             continue
         try:
-            SamplingParams(**{key: value})
+            SamplingParams(**{field: value})
         except (SamplingParamsError, TypeError, ValueError) as exc:
             logger.warning("model %s: generation_config's %s=%r is not a value a request may take (%s); not applied",
                            source, key, value, exc)
             continue
-        defaults[key] = value
+        defaults[field] = value
     ignored = [key for key, neutral in NOT_APPLIED.items() if getattr(generation, key, None) not in (None, neutral)]
     if ignored:
         logger.warning("model %s: its generation_config sets %s, which transformers' generate applies and this server "

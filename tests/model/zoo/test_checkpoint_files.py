@@ -29,10 +29,11 @@ def test_the_checkpoints_generation_config_gives_the_sampling_defaults(zoo_dir, 
 
     path = _copy(zoo_dir, tokenizer, tmp_path, "llama-with-defaults")
     GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05, min_p=7.0,
-                     suppress_tokens=[5], no_repeat_ngram_size=3).save_pretrained(path)
+                     max_new_tokens=64, suppress_tokens=[5], no_repeat_ngram_size=3).save_pretrained(path)
     with caplog.at_level(logging.WARNING, logger="app.models"):
         loaded = load_model(ModelConfig(source=str(path), dtype="float32"))
-    assert loaded.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}
+    assert loaded.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05,
+                                        "max_tokens": 64}  # transformers' max_new_tokens, as vLLM reads it
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "min_p=7.0" in warned and "sets suppress_tokens, no_repeat_ngram_size" in warned
     assert load_model(ModelConfig(source=str(path), dtype="float32", generation_config="none")).sampling_defaults == {}
