@@ -85,8 +85,9 @@ class OpenAIServing:
         shown = request.logprobs is not None  # best_of computed them for ranking only
 
         def answer() -> dict:
-            choices = [_completion_choice((p.echo or "") + text, last.finish_reason,
-                                          self._completion_logprobs(lps, p, as_ids=p.logprobs_as_ids) if shown else None, index)
+            choices = [{**_completion_choice((p.echo or "") + text, last.finish_reason,
+                                             self._completion_logprobs(lps, p, as_ids=p.logprobs_as_ids) if shown else None,
+                                             index), "stop_reason": last.stop_reason}
                        for index, (p, (text, last, lps)) in enumerate(kept)]
             extras.add_to_completion_choices(choices, [p for p, _ in kept], request, self.logprob_format)
             return self._response(plans, "text_completion", choices)
@@ -133,7 +134,8 @@ class OpenAIServing:
         def answer() -> dict:
             choices = [{"index": p.index,
                         "message": assistant_message(p, text, choice, self.tool_parser, one_call, shown, last.finish_reason),
-                        "logprobs": self.logprob_format.chat(lps, p.logprobs_as_ids), "finish_reason": last.finish_reason}
+                        "logprobs": self.logprob_format.chat(lps, p.logprobs_as_ids), "finish_reason": last.finish_reason,
+                        "stop_reason": last.stop_reason}
                        for p, (text, last, lps) in zip(plans, results)]
             for entry, p in zip(choices, plans):
                 if p.echo:  # vLLM's echo: the assistant message continued
@@ -344,6 +346,8 @@ class OpenAIServing:
                                                          prepared.logprobs_as_ids)
                     text_offset = next_text_offset(logprobs, text_offset)
                 choice = make_choice((echo or "") + output.new_text, output.finish_reason, logprobs, index=prepared.index)
+                if output.finished:  # vLLM's: the stop token id or string that ended the answer (else null)
+                    choice["stop_reason"] = output.stop_reason
                 echo = None
                 if token_ids:
                     choice["token_ids"] = list(output.new_token_ids)

@@ -38,6 +38,7 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
         self.text = ""  # all output text so far, cut at a stop string if one was hit
         self._emitted = 0  # characters of self.text already handed out
+        self.stopped_by: str | None = None
 
     def add_token(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
         """Add one token; return (text now safe to emit, whether a stop string was hit)."""
@@ -78,6 +79,7 @@ class IncrementalDetokenizer:
         if not hits:
             return None
         end, begin = min(hits)
+        self.stopped_by = self.text[begin:end]  # the stop string that ended it (vLLM's stop_reason)
         return end if self._include_stop else begin
 
     def _decode_new(self) -> str:

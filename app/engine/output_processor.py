@@ -27,6 +27,7 @@ class OutputProcessor:
         text = ""
         if token_id in params.stop_token_ids or (token_id in request.eos_token_ids and not params.ignore_eos):
             request.status = RequestStatus.FINISHED_STOPPED  # the stop token's own text is output only if asked
+            request.stop_reason = token_id if token_id in params.stop_token_ids else None  # EOS: None, as vLLM
             if request.detokenize and params.include_stop_str_in_output:
                 text, _ = detokenizer.add_token(token_id, check_stop=False)
         elif request.detokenize:
@@ -34,6 +35,7 @@ class OutputProcessor:
             text, hit_stop = detokenizer.add_token(token_id, check_stop=past_min)
             if hit_stop:
                 request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = detokenizer.stopped_by
         if not request.status.finished and (
             request.num_output_tokens >= params.max_tokens
             or request.num_prompt_tokens + request.num_output_tokens >= self._max_model_len
@@ -80,5 +82,6 @@ def _output(request: Request, new_token_ids: list[int], text: str) -> RequestOut
         finished=finished,
         finish_reason=request.status.finish_reason,
         error=request.error,
+        stop_reason=request.stop_reason if finished else None,
         phase_times=request.phase_times(time.monotonic()) if finished else None,
     )

@@ -178,6 +178,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     arrival_time: float = field(default_factory=time.monotonic)
     error: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it (EOS: None)
     group: int = 0  # admission group (one @serve.batch window); dynamic batching runs a group to completion
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
@@ -248,6 +249,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: str | None = None
+    stop_reason: int | str | None = None  # on the finishing output: Request.stop_reason
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when the request asked for them
     phase_times: dict[str, float] | None = None  # on the finishing output: Request.phase_times

@@ -124,7 +124,8 @@ class EchoCore(CountingCore):
         source = recorded or prompt
         token = source[request.num_output_tokens % len(source)]
         request.output_token_ids.append(token)
-        ended = recorded is not None and request.num_output_tokens >= len(recorded)
+        stopped = token in request.sampling.stop_token_ids  # as the real engine's stop tokens (stop strings: its alone)
+        ended = stopped or recorded is not None and request.num_output_tokens >= len(recorded)
         done = ended or request.num_output_tokens >= request.sampling.max_tokens
         if done:
             del self.requests[request.request_id]
@@ -135,6 +136,7 @@ class EchoCore(CountingCore):
         return RequestOutput(
             request.request_id, [token], text, request.num_prompt_tokens, request.num_output_tokens,
             finished=done, finish_reason=("stop" if ended else "length") if done else None, logprobs=logprobs,
+            stop_reason=token if stopped else None,
         )
 
     def _trouble(self, request) -> RequestOutput | None:

@@ -104,3 +104,24 @@ def test_in_one_token_the_stop_string_completed_first_ends_the_text():
     for ch in "abc":
         detok._ids.append(ord(ch))
     assert detok.add_token(ord("d")) == ("a", True) and detok.text == "a"
+
+
+def test_the_finishing_output_names_what_stopped_it_as_vllms_stop_reason():
+    from app.engine.output_processor import OutputProcessor
+    from app.engine.request import Request, SamplingParams
+
+    def last_output(text: str, **params):
+        request = Request("r", [ord("p")], SamplingParams(max_tokens=6, **params), frozenset({0}))
+        processor = OutputProcessor(CharTokenizer(), max_model_len=64)
+        outputs = []
+        for ch in text:
+            outputs.append(processor.append_token(request, ord(ch)))
+            if outputs[-1].finished:
+                break
+        assert all(o.stop_reason is None for o in outputs[:-1]) and len(outputs) == len(text)
+        return outputs[-1].finish_reason, outputs[-1].stop_reason
+
+    assert last_output("ab E", stop=("END", "b E")) == ("stop", "b E")  # the string completed first
+    assert last_output("abc", stop_token_ids=(ord("c"),)) == ("stop", ord("c"))
+    assert last_output("ab\0") == ("stop", None)  # EOS
+    assert last_output("abcdef", stop=("x",)) == ("length", None)
