@@ -20,6 +20,10 @@ from app.engine.deep_stack import on_a_deep_stack
 # What the JSON grammar allows between tokens (a schema's own "x-guidance" options override these).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's options beside the kind: what the grammar here does either way (no free whitespace; listed properties only)
+STRUCTURED_FLAGS = ("disable_any_whitespace", "disable_additional_properties")
+STRUCTURED_UNSET_ONLY = {"whitespace_pattern": "JSON is written with compact separators",
+                         "structural_tag": "give the format as json, regex, choice or grammar"}
 # A grammar is compiled for the model's vocabulary in the engine, between its steps: what a schema may hold keeps that
 # within a fraction of a second (2-core AVX2 EPYC, SmolLM2's vocabulary: an object of 1,000 optional properties
 # 0.14 s, of 4,000 2.0 s, of 10,000 25 s, while every request of the batch waited; llguidance cannot give more than
@@ -98,6 +102,14 @@ def _only(given: dict, known: set[str], param: str, where: str = "") -> None:
 def _from_structured_outputs(structured: dict[str, Any] | None):
     if structured is None:
         return None
+    for key in STRUCTURED_FLAGS:
+        if not isinstance(structured.get(key, False), bool):
+            raise APIError(400, f"structured_outputs.{key} must be true or false", param=f"structured_outputs.{key}")
+    for key, why in STRUCTURED_UNSET_ONLY.items():
+        if structured.get(key) is not None:
+            raise APIError(400, f"structured_outputs.{key} is not supported: {why} (leave it unset)",
+                           param=f"structured_outputs.{key}")
+    structured = {key: value for key, value in structured.items() if key not in (*STRUCTURED_FLAGS, *STRUCTURED_UNSET_ONLY)}
     given = [key for key, value in structured.items() if value is not None and value is not False]
     if not isinstance(structured.get("json_object", False), bool) and structured["json_object"] is not None:
         raise APIError(400, "structured_outputs.json_object must be true", param="structured_outputs.json_object")

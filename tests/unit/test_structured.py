@@ -33,6 +33,8 @@ def test_each_form_becomes_a_grammar_and_text_stays_free():
     assert len(set(grammars)) == len(grammars) - 1
     completion = {"model": "m", "prompt": "hi", "structured_outputs": {"regex": "[a-z]+"}}
     assert _grammar(completion, CompletionRequest) == grammars[3]
+    flags = {"disable_any_whitespace": True, "disable_additional_properties": False, "whitespace_pattern": None}
+    assert _grammar({**CHAT, "structured_outputs": {"json": SCHEMA, **flags}}) == grammars[2]  # vLLM's options: as here
 
 
 @pytest.mark.parametrize("form, param, says", [
@@ -52,6 +54,9 @@ def test_each_form_becomes_a_grammar_and_text_stays_free():
      "response_format.json_schema.strict", "must be a bool"),
     ({"response_format": {"type": "text", "json_schema": {"schema": SCHEMA}}}, "response_format.json_schema", "does not take"),
     ({"structured_outputs": {"json_object": 0}}, "structured_outputs.json_object", "must be true"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " *"}}, "structured_outputs.whitespace_pattern", "compact"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}}, "structured_outputs.disable_any_whitespace",
+     "true or false"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(form, param, says):
     with pytest.raises(APIError) as caught:
