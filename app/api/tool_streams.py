@@ -32,10 +32,10 @@ async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, 
             entries = call_entries(calls[:1] if one_call else calls, sent)
             if text:
                 logprobs, held_logprobs = ({"content": held_logprobs} if held_logprobs else None), []
-                yield {**chunk, "choices": [{**choice, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}]}
+                yield {**chunk, "choices": [{**pending(choice), "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}]}
             if entries:  # the calls' tokens' logprobs go with them: the stream's add up to the whole answer's
                 logprobs, held_logprobs = ({"content": held_logprobs} if held_logprobs else None), []
-                yield {**chunk, "choices": [{**choice, "delta": {"tool_calls": entries}, "logprobs": logprobs, "finish_reason": None}]}
+                yield {**chunk, "choices": [{**pending(choice), "delta": {"tool_calls": entries}, "logprobs": logprobs, "finish_reason": None}]}
             if choice["finish_reason"] is not None:  # "tool_calls" unless a stop string ended it inside a call
                 whole_calls = sent and whole_arguments([ToolCall(name, arguments) for name, arguments in calls])
                 finish = "tool_calls" if whole_calls and choice["finish_reason"] == "stop" else choice["finish_reason"]
@@ -43,11 +43,16 @@ async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, 
                 yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": logprobs, "finish_reason": finish}]}
 
 
+def pending(choice: dict) -> dict:
+    """``choice`` for a chunk that does not finish it: without the finishing output's ``stop_reason``."""
+    return {key: value for key, value in choice.items() if key != "stop_reason"}
+
+
 def thinking_chunk(chunk: dict, choice: dict, logprobs: dict | None) -> dict:
     """A reasoning model's thinking in ``choice``'s delta (app/api/reasoning.py), as a chunk of its own: it goes out as
     it comes, before any call."""
     thought = {key: choice["delta"][key] for key in ("reasoning", "reasoning_content")}
-    return {**chunk, "choices": [{**choice, "delta": thought, "logprobs": logprobs, "finish_reason": None}]}
+    return {**chunk, "choices": [{**pending(choice), "delta": thought, "logprobs": logprobs, "finish_reason": None}]}
 
 
 def call_entries(calls: list[tuple[str, str]], sent: list[int]) -> list[dict]:
@@ -86,7 +91,7 @@ async def named_call_chunks(chunks: AsyncIterator[dict], name: str) -> AsyncIter
                 if not opened:  # the first fragment carries the call's id and name
                     entry = {"index": 0, **call.as_openai(), "function": {"name": name, "arguments": fragment}}
                 opened = True
-                yield {**chunk, "choices": [{**choice, "delta": {"tool_calls": [entry]}, "finish_reason": None}]}
+                yield {**chunk, "choices": [{**pending(choice), "delta": {"tool_calls": [entry]}, "finish_reason": None}]}
             if choice["finish_reason"] is not None:
                 yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}]}
 
@@ -108,7 +113,7 @@ async def required_call_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dic
             entries = call_entries([(name, arguments) for name, arguments in reader.calls], sent)
             if entries or choice["logprobs"]:
                 delta = {"tool_calls": entries} if entries else {}
-                yield {**chunk, "choices": [{**choice, "delta": delta, "finish_reason": None}]}
+                yield {**chunk, "choices": [{**pending(choice), "delta": delta, "finish_reason": None}]}
             if choice["finish_reason"] is not None:  # "tool_calls" unless a stop string ended it inside a call
                 whole_calls = sent and whole_arguments([ToolCall(name, arguments) for name, arguments in reader.calls])
                 finish = "tool_calls" if whole_calls and choice["finish_reason"] == "stop" else choice["finish_reason"]

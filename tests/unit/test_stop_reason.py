@@ -34,3 +34,14 @@ async def test_a_finished_choice_names_what_stopped_it_streamed_or_not(tools_ser
         choices = [choice for chunk in chunks for choice in chunk["choices"]]
         assert (choices[-1]["finish_reason"], choices[-1]["stop_reason"]) == (finish, reason)
         assert not any("stop_reason" in choice for choice in choices[:-1])
+
+
+async def test_a_tool_call_stream_names_it_on_its_last_chunk_alone(tools_server):
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    answer = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {}}</tool_call>!'
+    body = {"messages": [{"role": "user", "content": _prompt(answer)}], "tools": [weather], "stream": True,
+            "stop_token_ids": [ord("!")]}
+    chunks = [c async for c in tools_server.serving.chat_stream(parse_body(body, ChatCompletionRequest))]
+    choices = [choice for chunk in chunks for choice in chunk["choices"]]
+    assert (choices[-1]["finish_reason"], choices[-1]["stop_reason"]) == ("tool_calls", ord("!"))
+    assert not any("stop_reason" in choice for choice in choices[:-1])
