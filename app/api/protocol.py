@@ -54,7 +54,8 @@ class _SamplingFields(StrictModel):
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    # at most 100, and at least its inverse: a logit divided by less overflows float32 (and temperature divides again)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # int64, as OpenAI and vLLM take it
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # checked against the vocabulary by the serving layer
@@ -157,6 +158,9 @@ class _SamplingFields(StrictModel):
         if self.priority != 0:  # as vLLM without --scheduling-policy priority
             raise APIError(400, "priority is not supported: requests are served first come, first served (leave it 0)",
                            param="priority")
+        if self.truncate_prompt_tokens == 0:
+            raise APIError(400, "truncate_prompt_tokens 0 would leave no prompt: give at least 1, or -1 for the context "
+                           "less one", param="truncate_prompt_tokens")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM: they are the whole answer's
             raise APIError(400, "prompt_logprobs are not streamed; send stream: false for them", param="prompt_logprobs")
         if self.ignore_eos and self.grammar() is not None:
@@ -165,10 +169,14 @@ class _SamplingFields(StrictModel):
 
 
 def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
-    try:
-        return {int(token): value for token, value in (logit_bias or {}).items()}
-    except ValueError:
-        raise APIError(400, "logit_bias keys must be token ids (integers, as strings)", param="logit_bias") from None
+    for token in logit_bias or {}:  # int() would take other digits too (an Arabic-Indic five), underscores and spaces
+        if not _TOKEN_ID.fullmatch(token):
+            raise APIError(400, f"logit_bias keys must be token ids (integers, as strings); got {token[:20]!r}",
+                           param="logit_bias")
+    return {int(token): value for token, value in (logit_bias or {}).items()}
+
+
+_TOKEN_ID = re.compile(r"-?[0-9]+")
 
 
 class CompletionRequest(_SamplingFields):

@@ -49,6 +49,7 @@ MAX_STOP_CHARS = 1024  # characters of one stop string: the text is searched for
 MAX_BAD_WORDS, MAX_BAD_WORDS_TOKENS = 128, 1024
 # Integers a request may carry (seeds, counts): what torch and the wire formats hold, as OpenAI and vLLM bound them.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it decodes greedily
 # A distribution over a few token ids: (ids, probabilities), the probabilities summing to 1.
 SparseProbs = tuple[list[int], list[float]]
 
@@ -123,7 +124,7 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty", "repetition_penalty must be > 0"),
+            (0.01 <= self.repetition_penalty <= 100, "repetition_penalty", "repetition_penalty must be in [0.01, 100]"),
             (self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed", f"seed must be in [{INT64_MIN}, {INT64_MAX}]"),
             (all(INT64_MIN <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be 64-bit integers"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", "min_tokens must be in [0, max_tokens]"),
@@ -153,7 +154,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW  # as vLLM: a temperature below its epsilon is greedy decoding
 
     def allowed_index(self, device: Any) -> Any:
         """allowed_token_ids as a sorted index tensor on ``device``, made once: every step of the request applies it."""

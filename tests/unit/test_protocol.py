@@ -188,7 +188,8 @@ def test_fields_that_change_nothing_in_generation_are_accepted():
 
 
 @pytest.mark.parametrize("field, value", [("seed", 2**64 + 5), ("seed", -(2**63) - 1), ("top_k", 2**63),
-                                          ("min_tokens", 2**63), ("max_tokens", 2**63), ("repetition_penalty", 101)])
+                                          ("min_tokens", 2**63), ("max_tokens", 2**63), ("repetition_penalty", 101),
+                                          ("repetition_penalty", 1e-38), ("truncate_prompt_tokens", 0)])
 def test_numbers_past_what_openai_and_vllm_take_are_a_400_naming_the_field(field, value):
     with pytest.raises(APIError) as info:
         parse_body(json.dumps({"prompt": "x", field: value}), CompletionRequest)
@@ -198,9 +199,10 @@ def test_numbers_past_what_openai_and_vllm_take_are_a_400_naming_the_field(field
 def test_logit_bias_keys_must_be_token_ids():
     request = parse_body(json.dumps({"prompt": "x", "logit_bias": {"42": -100, "7": 5.5}}), CompletionRequest)
     assert request.sampling_params(4).logit_bias == ((7, 5.5), (42, -100.0))
-    with pytest.raises(APIError) as info:
-        parse_body(json.dumps({"prompt": "x", "logit_bias": {"hello": 1}}), CompletionRequest).sampling_params(4)
-    assert (info.value.status, info.value.param) == (400, "logit_bias")
+    for key in ("hello", "٥", "1_0", " 5 "):  # int() would read an Arabic-Indic five, "1_0" and " 5 " as numbers
+        with pytest.raises(APIError) as info:
+            parse_body(json.dumps({"prompt": "x", "logit_bias": {key: 1}}), CompletionRequest).sampling_params(4)
+        assert (info.value.status, info.value.param) == (400, "logit_bias")
     with pytest.raises(APIError) as info:
         parse_body(json.dumps({"prompt": "x", "logit_bias": {"3": 200}}), CompletionRequest).sampling_params(4)
     assert (info.value.status, info.value.param) == (400, "logit_bias")

@@ -14,6 +14,12 @@ def test_greedy_picks_argmax_per_row():
     assert Sampler().sample(logits, [_req("a", temperature=0), _req("b", temperature=0)]) == [1, 0]
 
 
+def test_a_temperature_below_vllms_epsilon_is_greedy_as_there():
+    logits = torch.tensor([[1.0, 1.0 + 1e-7, 0.0]] * 64)  # a near-tie: at 1e-5 a draw could take either
+    reqs = [_req(str(i), temperature=1e-6, seed=i) for i in range(64)]
+    assert all(r.sampling.greedy for r in reqs) and Sampler().sample(logits, reqs) == [1] * 64
+
+
 def test_top_k_one_equals_greedy_even_when_sampling():
     logits = torch.randn(4, 50)
     reqs = [_req(str(i), temperature=1.0, top_k=1) for i in range(4)]
@@ -59,34 +65,44 @@ def test_logprobs_are_the_raw_distribution_with_sorted_alternatives():
 
 
 def _reference_truncation(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Top-k, top-p and min-p by sorting each whole row: the definition the sampler's partial sort must match."""
+    """vLLM's sampler, row by row over whole sorted rows: temperature; min-p against the top probability; then its
+    ``apply_top_k_top_p_pytorch``: top-k, and top-p on the probabilities of what top-k left, renormalized (as HF's
+    warpers chain them). The definition the sampler's partial sort must match."""
     out = []
     for row, p in zip(logits, params):
         scaled = row / max(p.temperature, 1e-5)
-        probs, order = scaled.softmax(-1).sort(descending=True)
-        ranks = torch.arange(len(row))
-        keep = (ranks < (p.top_k or len(row))) & (probs >= p.min_p * probs[0])
+        probs = scaled.softmax(-1)
+        scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        ascending, order = scaled.sort()
+        if p.top_k:
+            ascending = ascending.masked_fill(ascending < ascending[-p.top_k], float("-inf"))
         if p.top_p < 1:  # (at 1, a cumulative sum passing 1.0 by rounding must not drop the tail)
-            keep &= probs.cumsum(-1) - probs <= p.top_p
-        keep[0] = True
-        kept = torch.zeros(len(row), dtype=torch.bool).scatter_(0, order, keep)
-        out.append(scaled.masked_fill(~kept, float("-inf")).softmax(-1))
+            dropped = ascending.softmax(-1).cumsum(-1) <= 1 - p.top_p
+            dropped[-1] = False  # at least one
+            ascending = ascending.masked_fill(dropped, float("-inf"))
+        out.append(torch.empty_like(ascending).scatter_(0, order, ascending).softmax(-1))
     return torch.stack(out)
 
 
 def test_truncation_keeps_what_a_full_sort_keeps_without_sorting_whole_rows():
     torch.manual_seed(3)
     V = 2000  # past the 256 candidates the sampler ranks first
-    logits = torch.cat([torch.randn(6, V) * 4, torch.randn(2, V) * 0.05])  # peaked rows, and nearly flat ones
+    logits = torch.cat([torch.randn(6, V) * 4, torch.randn(2, V) * 0.05, torch.randn(3, V)])  # peaked, nearly flat, between
     params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(top_k=40),
               SamplingParams(temperature=1.3, top_p=0.5, top_k=100, min_p=0.05), SamplingParams(min_p=0.1),
               SamplingParams(top_k=1000), SamplingParams(top_p=0.95),  # flat: the nucleus runs past the candidates
-              SamplingParams(top_p=0.3, top_k=1500)]
+              SamplingParams(top_p=0.3, top_k=1500),
+              # top-p over what min-p or top-k left (Qwen2.5's defaults: 0.7 / 0.8 / 20): less than over the whole row
+              SamplingParams(temperature=0.7, top_p=0.8, top_k=20), SamplingParams(top_p=0.6, min_p=0.3),
+              SamplingParams(top_p=0.9, top_k=600)]
     got = truncated_probs(logits.clone(), [Request(str(i), [1], p) for i, p in enumerate(params)])
     want = _reference_truncation(logits, params)
     assert torch.equal(got > 0, want > 0)  # the same tokens kept
     assert torch.allclose(got, want, atol=1e-6)
     assert (want > 0).sum(-1).tolist()[5:7] == [1000, int((want[6] > 0).sum())] and int((want[6] > 0).sum()) > 256
+    whole_row = truncated_probs(logits[8:10].clone(), [Request("w", [1], SamplingParams(temperature=0.7, top_p=0.8)),
+                                                        Request("x", [1], SamplingParams(top_p=0.6))])
+    assert ((got[8:10] > 0).sum(-1) < (whole_row > 0).sum(-1)).all()  # the renormalized share keeps fewer
     # a vocabulary past the second window too: nuclei inside it (3k tokens) and past it (5k: the whole row sorted)
     flat = torch.randn(2, 6000) * 0.05
     params = [SamplingParams(top_p=0.5), SamplingParams(top_p=0.9)]
