@@ -55,6 +55,9 @@ def test_each_form_becomes_a_grammar_and_text_stays_free():
     ({"response_format": {"type": "text", "json_schema": {"schema": SCHEMA}}}, "response_format.json_schema", "does not take"),
     ({"structured_outputs": {"json_object": 0}}, "structured_outputs.json_object", "must be true"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " *"}}, "structured_outputs.whitespace_pattern", "compact"),
+    ({"structured_outputs": {"grammar": "start: " + " | ".join(f'"k{i}"' for i in range(20_000))}},
+     "structured_outputs.grammar", "at most 131,072"),
+    ({"structured_outputs": {"regex": "|".join(f"k{i}" for i in range(30_000))}}, "structured_outputs.regex", "at most"),
     ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}}, "structured_outputs.disable_any_whitespace",
      "true or false"),
 ])
