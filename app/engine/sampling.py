@@ -231,10 +231,18 @@ def require_a_token(chosen: torch.Tensor, requests: Sequence[Request]) -> None:
     """chosen: [B, 1], each row's largest logit after the masks. -inf: every token was banned (NoTokenLeftError); NaN
     or +inf: the model's logits were not finite (ValueError). Either fails that request alone (the runner samples its
     batch-mates again without it)."""
-    for request, value in zip(requests, chosen.squeeze(1).tolist()):
+    values = chosen.squeeze(1).tolist()
+    require_finite(values, requests)
+    for request, value in zip(requests, values):
         if value == _NEG_INF:
             raise no_token_left(request)
-        if not math.isfinite(value):
+
+
+def require_finite(values: Sequence[float], requests: Sequence[Request]) -> None:
+    """Each row's largest logit after the masks (-inf: every token banned, the caller's to judge); NaN or +inf: the
+    model's logits were not finite (ValueError)."""
+    for request, value in zip(requests, values):
+        if value != _NEG_INF and not math.isfinite(value):
             raise ValueError(f"no token can be chosen for request {request.request_id}: its logits are not finite (NaN or inf)")
 
 

@@ -11,6 +11,11 @@ it would stand after the drafts before it (penalties and min_tokens count them, 
   engine's sampler would draw from (``probs.processed_probs``), with its own generator when seeded. Its q is
   the distribution each draft was sampled from where the drafter sent one (a draft model's few most likely
   tokens), else one-hot at the draft (n-gram drafts, chosen rather than sampled).
+
+A position where every token is banned (NoTokenLeftError: the request's bans) fails the request where it is reached.
+Past an accepted draft it may not be: a draft before it can finish the request (a stop token, a stop string, its
+length), which only the engine's stop checks see. There the drafts before it are emitted, the last as the step's own
+token: the engine stops the request on them, or its next step samples that position and fails it there.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 
 from app.cpu.argmax import argmax_rows
 from app.engine.request import Request, SparseProbs
-from app.engine.sampling import apply_penalties, mask_stop_tokens_before_min, no_token_left, require_a_token
+from app.engine.sampling import apply_penalties, mask_stop_tokens_before_min, no_token_left, require_finite
 from app.spec.probs import position_request, processed_probs
 from app.spec.rejection import padded_from_packed, rejection_sample
 
@@ -48,6 +53,14 @@ def verify_drafts(
     return emitted, accepted
 
 
+def _stop_short(b: int, reached: int, requests, drafts, emitted, accepted) -> None:
+    """Sequence b's position ``reached`` (at most its drafts kept) has every token banned: the drafts before it go out,
+    the last as the step's own token; with none before it the request fails now."""
+    if reached == 0:
+        raise no_token_left(requests[b])
+    emitted[b], accepted[b] = list(drafts[b][:reached]), reached - 1
+
+
 def _verify_greedy(rows, requests, drafts, starts, chosen, emitted, accepted) -> None:
     index = [row for b in chosen for row in range(starts[b], starts[b + 1])]
     logits = rows if len(index) == rows.shape[0] else rows[index]  # [G, V]
@@ -65,8 +78,11 @@ def _verify_greedy(rows, requests, drafts, starts, chosen, emitted, accepted) ->
         while kept < n and drafts[b][kept] == choice[kept]:
             kept += 1
         # the positions emitted (past a rejected draft none is): one with every token banned fails the request alone
-        require_a_token(tops[at : at + kept + 1], position_requests[at : at + kept + 1])
+        values = tops[at : at + kept + 1].squeeze(1).tolist()
+        require_finite(values, position_requests[at : at + kept + 1])
         emitted[b], accepted[b] = choice[: kept + 1], kept
+        if float("-inf") in values:
+            _stop_short(b, values.index(float("-inf")), requests, drafts, emitted, accepted)
         at += n + 1
 
 
@@ -85,9 +101,9 @@ def _verify_sampled(rows, requests, drafts, starts, chosen, generators, draft_pr
                            generators=[generators[b] for b in chosen])
     for k, (b, tokens, kept) in enumerate(zip(chosen, out.tolist(), out.num_accepted.tolist())):
         reached = next((j for j in range(kept + 1) if k * width + j in dead), None)
-        if reached is not None:
-            raise no_token_left(position_request(requests[b], list(drafts[b][:reached])))
         emitted[b], accepted[b] = tokens, kept
+        if reached is not None:
+            _stop_short(b, reached, requests, drafts, emitted, accepted)
 
 
 def dense_draft_probs(draft_ids: torch.Tensor, counts: Sequence[int], sent: Sequence[Sequence[SparseProbs] | None],

@@ -106,6 +106,27 @@ def test_preemption_and_stop_conditions_with_speculation(loaded_rounded):
     assert stats["kv_blocks_used"] == 0
 
 
+def test_a_stop_an_accepted_draft_reaches_ends_the_request_where_nothing_could_follow_it(loaded_rounded):
+    """Number words only, and nothing may follow " nine" (each " nine <word>" a bad word): " nine" must end the answer,
+    and a stop (string or token) there does. The prompt's repetition drafts " nine" and beyond; the position after
+    it, with every token banned, is never reached: the request stops as it does without speculation. Without a stop
+    it is reached, and the request fails there as it does without speculation."""
+    words = "one two three four five six seven eight nine".split()
+    ids = [loaded_rounded.tokenizer.encode(" " + w, add_special_tokens=False) for w in words]
+    assert all(len(i) == 1 for i in ids)
+    ids = [i[0] for i in ids]
+    prompt = loaded_rounded.tokenizer.encode(" ".join(words * 3 + words[:4]))
+    bans = dict(allowed_token_ids=tuple(ids), bad_words_token_ids=tuple((ids[-1], i) for i in ids))
+    for stop, finish in ((dict(stop=(" nine",)), "stop"), (dict(stop_token_ids=(ids[-1],)), "stop"), ({}, "error")):
+        requests = [Request("n", list(prompt), SamplingParams(max_tokens=12, temperature=0, **bans, **stop),
+                            loaded_rounded.eos_token_ids) for _ in range(2)]
+        expected = run_engine(make_engine(loaded_rounded, max_model_len=128), requests[:1])
+        engine = make_engine(loaded_rounded, max_model_len=128, speculative=NGRAM)
+        assert run_engine(engine, requests[1:]) == expected and engine.stats()["spec_num_drafts"] > 0
+        assert [r.status.finish_reason for r in requests] == [finish, finish]
+        assert all(r.error is None if finish == "stop" else "NoTokenLeftError" in r.error for r in requests)
+
+
 # ---- a draft model on other replicas (drafter: model), its calls answered here by a draft engine ----------------
 DRAFT_MODEL = SpecConfig(drafter="model", draft="draft", num_speculative_tokens=4)
 

@@ -130,18 +130,20 @@ def test_a_completions_text_prompt_leaves_out_the_tokenizers_bos_when_asked():
 
 
 def test_where_every_token_is_banned_the_request_fails_alone_with_or_without_drafts():
-    """allowed 3 and 4; after a 3, both are bad words: no token is left. The sampler and greedy verification both raise
-    the request's own error (the runner then fails it alone); its batch-mate is unaffected."""
+    """allowed 3 and 4; after a 3, both are bad words: no token is left. The sampler raises the request's own error (the
+    runner then fails it alone); its batch-mate is unaffected. Verification past an accepted draft 3 emits the 3 as
+    the step's own token (a stop there ends the request; else its next step samples that position and fails it); at
+    the first position it raises."""
     stuck = dict(temperature=0, allowed_token_ids=[3, 4], bad_words_token_ids=[(3, 3), (3, 4)])
     logits = torch.zeros(2, V)
     with pytest.raises(NoTokenLeftError, match="request stuck.*output token 2"):
         Sampler().sample(logits.clone(), [_req("stuck", output=[3], **stuck), _req("fine", temperature=0)])
     rows = torch.zeros(2, V)
     rows[:, 3] = 30.0  # the target takes the drafted 3 (greedy: its choice; sampled: all but certainly)
-    with pytest.raises(NoTokenLeftError):
-        verify_drafts(rows.clone(), [_req("stuck", **stuck)], [[3]], [None])  # the position after the draft 3
-    with pytest.raises(NoTokenLeftError):
-        verify_drafts(rows.clone(), [_req("stuck", **{**stuck, "temperature": 1.0, "seed": 1})], [[3]], [None])
+    for sampling in ({}, {"temperature": 1.0, "seed": 1}):  # greedy, sampled
+        assert verify_drafts(rows.clone(), [_req("stuck", **{**stuck, **sampling})], [[3]], [None]) == ([[3]], [0])
+    with pytest.raises(NoTokenLeftError, match="output token 2"):  # no draft before the position: nothing can finish it
+        verify_drafts(rows.clone(), [_req("stuck", output=[3], **stuck)], [[]], [None])
     assert verify_drafts(torch.zeros(2, V), [_req("fine", temperature=0)], [[0]], [None]) == ([[0, 0]], [1])
 
 
@@ -189,13 +191,12 @@ def test_a_request_the_engine_finds_with_no_token_left_is_a_400_naming_why():
 def test_a_position_past_a_rejected_draft_may_have_no_token_left_without_failing_the_request():
     """Allowed 0-3; after a 2 every allowed token is a bad word. The target prefers 1, so a drafted 2 is rejected at the
     first position and the next one, where nothing is left, is never reached: greedy or sampled, the request goes on
-    (without drafts it would never have chosen 2). A 2 the target does choose leaves nothing next: that fails it."""
+    (without drafts it would never have chosen 2). A 2 the target does choose is emitted as the step's own token: a stop
+    may end the request there, else its next step finds nothing left and fails it."""
     bans = dict(allowed_token_ids=[0, 1, 2, 3], bad_words_token_ids=[(2, 0), (2, 1), (2, 2), (2, 3)])
     rows = torch.tensor([[0.0, 30.0, -30.0, 0.0, 0, 0, 0, 0]] * 2)
     for sampling in (dict(temperature=0), dict(temperature=1.0, seed=5)):
-        emitted, accepted = verify_drafts(rows.clone(), [_req("r", **bans, **sampling)], [[2]], [None])
-        assert (emitted, accepted) == ([[1]], [0])
+        assert verify_drafts(rows.clone(), [_req("r", **bans, **sampling)], [[2]], [None]) == ([[1]], [0])
     rows[0] = torch.tensor([0.0, -30.0, 30.0, 0.0, 0, 0, 0, 0])  # now the target prefers 2 too
-    for sampling in (dict(temperature=0), dict(temperature=1.0, seed=5)):
-        with pytest.raises(NoTokenLeftError, match="output token 2"):
-            verify_drafts(rows.clone(), [_req("r", **bans, **sampling)], [[2]], [None])
+    for sampling in (dict(temperature=0), dict(temperature=1.0, seed=5)):  # the 2 alone: a stop may end it there
+        assert verify_drafts(rows.clone(), [_req("r", **bans, **sampling)], [[2]], [None]) == ([[2]], [0])
