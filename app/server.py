@@ -19,6 +19,7 @@ from app.config.engine import listed_cpus
 from app.engine import AsyncEngine, Request, SamplingParams, build_engine_core
 from app.engine.async_engine import Admit
 from app.engine.draft_calls import DraftClient
+from app.engine.errors import RequestFailedError
 from app.engine.host_memory import back_with_huge_pages, keep_freed_memory, tensor_spans
 from app.engine.core_process import CoreInfo, ProcessCore, ThreadCore
 from app.spec.remote import DraftCall, DraftResult, draft_sampling
@@ -111,11 +112,15 @@ class ModelServer:
         tokens: list[int] = []
         probs: list = []
         first_s = last_s = 0.0
-        async for output in self.engine.generate(request, self.serving.admit):
-            last_s = time.monotonic()
-            first_s = first_s or last_s
-            tokens.extend(output.new_token_ids)
-            probs.extend(lp.sampled_from if lp is not None else None for lp in output.logprobs or [])
+        try:
+            async for output in self.engine.generate(request, self.serving.admit):
+                last_s = time.monotonic()
+                first_s = first_s or last_s
+                tokens.extend(output.new_token_ids)
+                probs.extend(lp.sampled_from if lp is not None else None for lp in output.logprobs or [])
+        except RequestFailedError as exc:  # this draft's own (its bans, its format past a stop it does not see): not
+            # the replica's, whose failures pause drafting for every sequence; what it drafted still helps
+            logger.info("draft request %s ended after %d token(s): %s", request.request_id, len(tokens), exc)
         # the drafting cost per token, past the first (which also paid the context's prefill and any queue)
         s_per_token = (last_s - first_s) / (len(tokens) - 1) if len(tokens) > 1 else None
         sampled = len(probs) == len(tokens) and all(p is not None for p in probs)
