@@ -36,7 +36,7 @@ async def test_a_chat_prompt_keeps_its_last_tokens(serving):
     assert cut["prompt_token_ids"] == whole["prompt_token_ids"][-5:] and cut["usage"]["prompt_tokens"] == 5
 
 
-@pytest.mark.parametrize("keep, match", [(0, "at least one token"), (10**7, "past the model's context")])
+@pytest.mark.parametrize("keep, match", [(0, "would leave no prompt"), (10**7, "past the model's context")])
 async def test_nothing_left_or_a_size_past_the_context_is_a_400(serving, keep, match):
     with pytest.raises(APIError, match=match) as caught:
         await _complete(serving, truncate_prompt_tokens=keep)
