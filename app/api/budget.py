@@ -22,9 +22,10 @@ def room_left(prompt_ids: list[int], vocab_size: int, max_model_len: int, prompt
     return room
 
 
-def capped_max_tokens(max_tokens: int | None, room: int, request, max_model_len: int) -> int | None:
-    """``max_tokens`` capped by the room the prompt leaves, as vLLM caps it (the answer then ends as "length"); more
-    than the whole context, or a ``min_tokens`` the room cannot hold, is a 400."""
+def capped_max_tokens(max_tokens: int | None, room: int, request, max_model_len: int, default: int | None = None) -> int:
+    """``max_tokens`` (unset: the model's ``default``, else the room left) capped by the room the prompt leaves, as vLLM
+    caps it (the answer then ends as "length"); more than the whole context, or a ``min_tokens`` the room cannot hold,
+    is a 400."""
     if max_tokens is not None and max_tokens > max_model_len:
         field = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; {field} asks for "
@@ -34,7 +35,7 @@ def capped_max_tokens(max_tokens: int | None, room: int, request, max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
                        f"{max_model_len - room}, which leaves room for {room}, fewer than min_tokens "
                        f"({request.min_tokens}).", param="min_tokens", code="context_length_exceeded")
-    return None if max_tokens is None else min(max_tokens, room)
+    return min(room, max_tokens if max_tokens is not None else default or room)
 
 
 def check_token_ids(sampling: SamplingParams, vocab_size: int, eos_token_ids: frozenset[int] = frozenset()) -> None:

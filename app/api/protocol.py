@@ -54,7 +54,7 @@ class _SamplingFields(StrictModel):
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    # at most 100, and at least its inverse: a logit divided by less overflows float32 (and temperature divides again)
+    # at most 100, and at least its inverse (vLLM takes any positive one; one near 1e-32 overflows a logit in float32)
     repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # int64, as OpenAI and vLLM take it
     stop: str | list[str] | None = None

@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 from app.api.errors import APIError
+from app.api.tools import require_loaded
 
 # Fields taken as they are or translated below; accepted and left without effect; taken unset (null, empty) only
 _PASSED = ("model", "temperature", "top_p", "user", "parallel_tool_calls", "stream", "top_k", "min_p", "seed", "stop",
@@ -183,8 +184,6 @@ def _text(content: Any, param: str) -> str:
 
 
 def _chat_tool(tool: Any, index: int) -> dict:
-    from app.api.tools import require_loaded
-
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else None
         raise APIError(400, f"tools[{index}] of type {kind!r} is not supported: function tools only", param=f"tools[{index}]")

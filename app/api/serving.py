@@ -253,10 +253,9 @@ class OpenAIServing:
     def _prepare(self, prefix: str, prompt_ids: list[int], request: _SamplingFields, max_tokens: int | None,
                  bad_words: tuple[tuple[int, ...], ...] = ()) -> Prepared:
         room = budget.room_left(prompt_ids, self.vocab_size, self.max_model_len, "messages" if prefix == "chatcmpl" else "prompt")
-        max_tokens = budget.capped_max_tokens(max_tokens, room, request, self.max_model_len)
+        max_tokens = budget.capped_max_tokens(max_tokens, room, request, self.max_model_len, self.default_sampling.get("max_tokens"))
         prompt_only = max_tokens == 0
-        default = min(room, self.default_sampling.get("max_tokens") or room)  # the model's default, else the room left
-        sampling = request.sampling_params(1 if prompt_only else max_tokens or default, self.default_sampling, bad_words)
+        sampling = request.sampling_params(1 if prompt_only else max_tokens, self.default_sampling, bad_words)
         budget.check_token_ids(sampling, self.vocab_size, self.eos_token_ids)
         request_id = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever id a client sends
         response_id = f"{prefix}-{request.request_id}" if request.request_id else request_id
@@ -288,7 +287,7 @@ class OpenAIServing:
         try:
             async for output in self.engine.generate(request, self.admit):
                 if prepared.prompt_only:
-                    output = dataclasses.replace(output, new_token_ids=[], new_text="", num_output_tokens=0,
+                    output = dataclasses.replace(output, new_token_ids=[], new_text="", num_output_tokens=0, stop_reason=None,
                                                  logprobs=None if output.logprobs is None else [],
                                                  finish_reason="length" if output.finish_reason == "stop" else output.finish_reason)
                 prepared.last = output

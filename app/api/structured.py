@@ -203,18 +203,29 @@ def _too_large(value: Any) -> str | None:
     """Why a schema (or choice list) is past what the engine compiles promptly, or None."""
     nodes, pending = 0, [value]
     over = isinstance(value, list) and len(value) > MAX_LISTED
+    written = _chars(value) if isinstance(value, list) else 0  # what the grammar spells out: choices, enums, patterns
     while pending and not over:
         node = pending.pop()
         if isinstance(node, dict):
             nodes += 1
             properties, enum = node.get("properties"), node.get("enum")
+            written += _chars(enum) + _chars(node.get("const")) + _chars(node.get("pattern"))
             over = (isinstance(properties, dict) and len(properties) > MAX_PROPERTIES) or nodes > MAX_SCHEMA_NODES or \
-                (isinstance(enum, list) and len(enum) > MAX_LISTED)
+                (isinstance(enum, list) and len(enum) > MAX_LISTED) or written > MAX_GRAMMAR_CHARS
             pending.extend(node.values())
         elif isinstance(node, list):
             pending.extend(node)
+    over = over or written > MAX_GRAMMAR_CHARS
     return (f"too large to compile without holding up the engine: at most {MAX_PROPERTIES} properties in an object, "
-            f"{MAX_LISTED} enum values or choices, {MAX_SCHEMA_NODES} schema objects in all") if over else None
+            f"{MAX_LISTED} enum values or choices, {MAX_SCHEMA_NODES} schema objects, {MAX_GRAMMAR_CHARS:,} characters "
+            "of choices, enum values and patterns in all") if over else None
+
+
+def _chars(value: Any) -> int:
+    """The characters of a string, or of the strings of a list."""
+    if isinstance(value, str):
+        return len(value)
+    return sum(len(item) for item in value if isinstance(item, str)) if isinstance(value, list) else 0
 
 
 def compiled(kind: str, text: str, param: str) -> str:

@@ -76,7 +76,7 @@ class SamplingParamsError(ValueError):
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling; ``temperature == 0`` means greedy. Validated at construction."""
+    """Per-request sampling; a temperature of 0 (or below ``GREEDY_BELOW``) means greedy. Validated at construction."""
 
     max_tokens: int = 16
     temperature: float = 1.0

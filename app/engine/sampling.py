@@ -261,11 +261,12 @@ def truncated_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
     """Temperature, then min-p, top-k and top-p truncation, as vLLM's sampler; returns probabilities [B, V].
 
     A row keeps its most likely token and each next most likely one while its probability is at least min-p
-    times the top one's, it is within top-k, and the mass before it is less than top-p of the mass min-p and top-k
-    keep (top-p over their renormalized probabilities, as vLLM and HF chain them). Rows with neither top-k nor
-    top-p are never sorted; the others rank their 256 most likely tokens only, unless their kept prefix reaches
-    past them (then 4096, then all). (A full sort of a 49k vocabulary costs ~3 ms a row on a CPU: as much as a
-    step; its top 256 ~0.1 ms, its top 4096 ~0.6 ms.)
+    times the top one's, it is at least the k-th largest (ties with it kept, as vLLM and HF keep them), and the mass
+    before it is less than top-p of the mass min-p and top-k keep (top-p over their renormalized probabilities, as
+    vLLM and HF chain them). Rows with neither top-k nor top-p are never sorted; the others rank their 256 most likely
+    tokens only, unless their kept prefix reaches past them, or their top-k does beside a top-p (then 4096, then all).
+    (A full sort of a 49k vocabulary costs ~3 ms a row on a CPU: as much as a step; its top 256 ~0.1 ms, its top
+    4096 ~0.6 ms.)
     """
     device = logits.device
     V = logits.shape[-1]
@@ -275,35 +276,44 @@ def truncated_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
     ranked = [i for i, r in enumerate(requests) if 0 < r.sampling.top_k < V or r.sampling.top_p < 1]
     if not ranked and all(r.sampling.min_p == 0 for r in requests):
         return probs  # nothing to truncate
-    min_p = torch.tensor([r.sampling.min_p for r in requests], device=device)
-    floor = (min_p * probs.max(dim=-1).values).unsqueeze(1)  # [B, 1]: min-p's least probability kept (0: none)
-    keep = probs >= floor  # [B, V] (each rule keeps the most likely token: rank 0, no mass before it, the top one)
+    # (each rule keeps the most likely token: the top probability, the largest, no mass before it)
+    floor, keep = None, torch.ones_like(probs, dtype=torch.bool)  # [B, V]
+    if any(r.sampling.min_p > 0 for r in requests):
+        min_p = torch.tensor([r.sampling.min_p for r in requests], device=device)
+        floor = (min_p * probs.max(dim=-1).values).unsqueeze(1)  # [B, 1]: min-p's least probability kept (0: none)
+        keep = probs >= floor
     if ranked:
-        keep[ranked] &= _prefix_kept(probs[ranked], floor[ranked], [requests[i] for i in ranked])
+        keep[ranked] &= _prefix_kept(probs[ranked], None if floor is None else floor[ranked], [requests[i] for i in ranked])
     return logits.masked_fill(~keep, _NEG_INF).softmax(dim=-1)
 
 
-def _prefix_kept(probs: torch.Tensor, floor: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """[R, V] bool: the tokens top-k and top-p keep (a prefix of each row by probability); ``floor`` [R, 1]: min-p's
-    least probability kept, whose survivors (and top-k's) top-p's mass is a share of."""
+def _prefix_kept(probs: torch.Tensor, floor: torch.Tensor | None, requests: Sequence[Request]) -> torch.Tensor:
+    """[R, V] bool: the tokens top-k and top-p keep (a prefix of each row by probability); ``floor`` [R, 1] (None: no
+    min-p): min-p's least probability kept, whose survivors (and top-k's) top-p's mass is a share of."""
     R, V = probs.shape
     device = probs.device
     top_k = torch.tensor([r.sampling.top_k if 0 < r.sampling.top_k < V else V for r in requests], device=device)
     # top_p = 1 keeps everything (a cumulative sum can pass 1.0 by rounding and would drop the tail)
     top_p = torch.tensor([r.sampling.top_p if r.sampling.top_p < 1 else math.inf for r in requests], device=device)
     # Without top-k, the mass top-p shares out is min-p's survivors' (1 without min-p): no sort needed for it
-    survivors = (probs * (probs >= floor)).sum(dim=-1)  # [R]
+    survivors = torch.ones(R, device=device)  # [R]
+    if floor is not None:
+        needed = [i for i, r in enumerate(requests) if r.sampling.min_p > 0 and top_k[i] == V and r.sampling.top_p < 1]
+        survivors[needed] = probs[needed].masked_fill(probs[needed] < floor[needed], 0.0).sum(dim=-1)
     out = torch.zeros_like(probs, dtype=torch.bool)  # [R, V]
     rows = torch.arange(R, device=device)  # the rows whose prefix is not found yet
     for width in (*(w for w in _CANDIDATES if w < V), V):
         values, ids = probs[rows].topk(width, dim=-1)  # [r, W], most likely first
-        ranks = torch.arange(width, device=device).unsqueeze(0)  # [1, W]
-        limited = (ranks < top_k[rows].unsqueeze(1)) & (values >= floor[rows])  # [r, W]: what min-p and top-k keep
+        k = top_k[rows]
+        kth = values.gather(1, (k - 1).clamp(max=width - 1).unsqueeze(1))  # [r, 1]: the k-th largest, where in the window
+        limited = values >= torch.where(k.unsqueeze(1) <= width, kth, _NEG_INF)  # [r, W]: what top-k keeps (its ties too)
+        if floor is not None:
+            limited &= values >= floor[rows]  # and min-p
         unbounded = limited[:, -1] & (width < V)  # min-p's and top-k's prefix runs past the window: its mass is not known
-        mass = torch.where(top_k[rows] < V, (values * limited).sum(dim=-1), survivors[rows])  # [r]
+        mass = torch.where(k < V, values.masked_fill(~limited, 0.0).sum(dim=-1), survivors[rows])  # [r]
         kept = limited & (values.cumsum(dim=-1) - values < top_p[rows].unsqueeze(1) * mass.unsqueeze(1))  # [r, W]
         out[rows] = torch.zeros(len(rows), V, dtype=torch.bool, device=device).scatter_(1, ids, kept)
-        rows = rows[kept[:, -1] | (unbounded & (top_k[rows] < V))]  # a prefix that fills the window may go on past it
+        rows = rows[kept[:, -1] | (unbounded & (k < V))]  # a prefix that fills the window may go on past it
         if width == V or len(rows) == 0:
             break
     return out

@@ -2,7 +2,7 @@
 
 Rejection sampling is lossless only if the target probabilities p and the draft probabilities q are the
 distributions the engine would sample from: penalties on the raw logits, min_tokens masking,
-temperature, then top-k / top-p / min-p (``app/engine/sampling.py``). This module does not reimplement
+temperature, then min-p, top-k and top-p (``app/engine/sampling.py``). This module does not reimplement
 any of that: it calls the sampler's own steps (``apply_penalties``, ``mask_stop_tokens_before_min``,
 ``truncated_probs``; ``has_penalty``), which take a batch of ``Request`` rows.
 
@@ -44,7 +44,7 @@ def processed_probs(
                       stand-in one-hot at token 0: verification reaches such a position only past drafts it kept, and
                       fails the request there (verify.py); if not given, any such row raises NoTokenLeftError.
 
-    Returns float32 [B, S, V] (or [B, V] for 2-D input). Sampled rows (temperature > 0) are the sampler's
+    Returns float32 [B, S, V] (or [B, V] for 2-D input). Sampled rows (not ``greedy``) are the sampler's
     truncated softmax. Greedy rows are a one-hot at the token the engine's greedy sampler would pick
     (argmax after penalties and min_tokens masking), so argmax of the result is that token exactly.
     """

@@ -124,7 +124,8 @@ class EchoCore(CountingCore):
         source = recorded or prompt
         token = source[request.num_output_tokens % len(source)]
         request.output_token_ids.append(token)
-        stopped = token in request.sampling.stop_token_ids  # as the real engine's stop tokens (stop strings: its alone)
+        # as the real engine's stop tokens, from the first token after min_tokens (stop strings: the real engine's alone)
+        stopped = token in request.sampling.stop_token_ids and request.num_output_tokens > request.sampling.min_tokens
         ended = stopped or recorded is not None and request.num_output_tokens >= len(recorded)
         done = ended or request.num_output_tokens >= request.sampling.max_tokens
         if done:

@@ -45,3 +45,11 @@ async def test_a_tool_call_stream_names_it_on_its_last_chunk_alone(tools_server)
     choices = [choice for chunk in chunks for choice in chunk["choices"]]
     assert (choices[-1]["finish_reason"], choices[-1]["stop_reason"]) == ("tool_calls", ord("!"))
     assert not any("stop_reason" in choice for choice in choices[:-1])
+
+
+async def test_an_echo_of_the_prompt_alone_names_no_stop(tools_server):
+    """max_tokens 0 with echo: the one token computed is not the answer's, nor what stopped it."""
+    prompt = _prompt()
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "stop_token_ids": [ord(ANSWER[0])]}  # its one token
+    [choice] = (await tools_server.serving.completion(parse_body(body, CompletionRequest)))["choices"]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (prompt, "length", None)

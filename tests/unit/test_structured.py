@@ -58,6 +58,8 @@ def test_each_form_becomes_a_grammar_and_text_stays_free():
     ({"structured_outputs": {"grammar": "start: " + " | ".join(f'"k{i}"' for i in range(20_000))}},
      "structured_outputs.grammar", "at most 131,072"),
     ({"structured_outputs": {"regex": "|".join(f"k{i}" for i in range(30_000))}}, "structured_outputs.regex", "at most"),
+    ({"structured_outputs": {"choice": ["k" * 1000] * 200}}, "structured_outputs.choice", "131,072 characters"),
+    ({"structured_outputs": {"json": {"type": "string", "pattern": "a" * 140_000}}}, "structured_outputs.json", "characters"),
     ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}}, "structured_outputs.disable_any_whitespace",
      "true or false"),
 ])
