@@ -42,7 +42,7 @@ def processed_probs(
     vocab_size:       if given, logits at ids ``>= vocab_size`` (a padded output head) get probability 0.
     dead:             if given, filled with the flat rows (b * S + j) where the bans leave no token, which get a
                       stand-in one-hot at token 0: verification reaches such a position only past drafts it kept, and
-                      fails the request there (verify.py); if not given, any such row raises NoTokenLeftError.
+                      stops the sequence short there (verify.py); if not given, any such row raises NoTokenLeftError.
 
     Returns float32 [B, S, V] (or [B, V] for 2-D input). Sampled rows (not ``greedy``) are the sampler's
     truncated softmax. Greedy rows are a one-hot at the token the engine's greedy sampler would pick
