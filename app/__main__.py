@@ -41,7 +41,8 @@ def _prepare_kernels() -> None:
 
 
 def _quantize(args: argparse.Namespace) -> None:
-    settings = GPTQSettings(bits=args.bits, group_size=args.group_size, desc_act=args.desc_act, sym=not args.asym)
+    settings = GPTQSettings(bits=args.bits, group_size=args.group_size, desc_act=args.desc_act, sym=not args.asym,
+                            offload_to_disk=not args.no_offload)
     source = str(prepare_builtin(args.source)) if args.source in BUILTIN_MODELS else args.source
     check_group_size(source, settings.group_size, trust_remote_code=args.trust_remote_code)  # before anything slow
     calibration = load_calibration(args.calibration, limit=args.num_texts)
@@ -63,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     quantize.add_argument("--calibration", help="a .jsonl of {\"text\": ...} lines or a text file of blank-line-separated passages "
                           "(default: the project's 48 calibration texts)")
     quantize.add_argument("--num-texts", type=int, default=None, help="use only the first N calibration texts")
+    quantize.add_argument("--no-offload", action="store_true", help="keep finished layers in memory, not on disk "
+                          "(GPTQModel's offload loses an output layer not named lm_head: GPT-NeoX, Pythia)")
     quantize.add_argument("--trust-remote-code", action="store_true")
     return parser
 

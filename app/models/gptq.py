@@ -33,6 +33,7 @@ class GPTQSettings:
     desc_act: bool = False  # act-order: slightly better accuracy, slower kernels
     sym: bool = True
     damp_percent: float = 0.05
+    offload_to_disk: bool = True  # GPTQModel's: finished layers wait on disk (less memory; loses an output layer not named lm_head)
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
@@ -61,7 +62,7 @@ def check_group_size(source: str, group_size: int, **hub_kwargs) -> None:
     }
     bad = sorted(size for size in sizes if size % group_size)
     if bad:
-        good = [g for g in (128, 64, 32, 16) if all(size % g == 0 for size in sizes)]
+        good = [g for g in (128, 64, 32) if all(size % g == 0 for size in sizes)]  # what torch's int4 matmul takes
         hint = f"use group_size {good[0]}" if good else "use group_size -1 (one group per column)"
         raise GPTQSettingsError(
             f"group_size {group_size} does not divide the input size of this model's layers "
@@ -104,13 +105,20 @@ def quantize_gptq(
     grouped = {} if settings.group_size > 0 else {"act_group_aware": False}
     config = QuantizeConfig(
         bits=settings.bits, group_size=settings.group_size, desc_act=settings.desc_act,
-        sym=settings.sym, damp_percent=settings.damp_percent, **grouped,
+        sym=settings.sym, damp_percent=settings.damp_percent, offload_to_disk=settings.offload_to_disk, **grouped,
     )
     model = GPTQModel.load(source, config, **hub_kwargs)
     logger.info("GPTQ %s: calibrating on %d texts, layer by layer", source, len(calibration))
     model.quantize(calibration, batch_size=1)
     logger.info("GPTQ %s: quantized in %.0fs; writing %s", source, time.monotonic() - started, output)
-    model.save(str(partial))
+    try:
+        model.save(str(partial))
+    except BaseException as exc:
+        shutil.rmtree(partial, ignore_errors=True)  # never a half-written checkpoint left behind
+        if isinstance(exc, FileNotFoundError) and settings.offload_to_disk:  # its offload keeps lm_head alone (NeoX: embed_out)
+            raise GPTQSettingsError(f"GPTQModel lost a layer it had offloaded to disk ({exc}); quantize again with "
+                                    "--no-offload (the layers then stay in memory)") from exc
+        raise
     (partial / "quant_log.csv").unlink(missing_ok=True)  # per-layer losses: a log, not part of the checkpoint
     _replace(partial, output)
     logger.info("GPTQ %s: done in %.0fs", source, time.monotonic() - started)

@@ -38,3 +38,35 @@ def test_remote_code_naming_its_causal_lm_class_keeps_it_where_remote_code_is_tr
 def test_what_has_no_text_decoder_of_its_own_is_refused_naming_why(config, why):
     with pytest.raises(ModelLoadError, match=why):
         _model_class(config)
+
+
+def test_a_gptq_checkpoint_whose_layer_names_transformers_does_not_have_is_refused_naming_both():
+    """GPTQModel writes some architectures' layers under names transformers 5 has not (MoE experts one by one where
+    transformers fuses them; Phi-3's split gate_up_proj): the refusal says so, not that the config is wrong."""
+    from app.models.loader import _require_every_weight
+
+    loading = {"missing_keys": ["model.layers.0.mlp.experts.down_proj"],
+               "unexpected_keys": ["model.layers.0.mlp.experts.0.down_proj.qweight", "model.layers.0.mlp.experts.0.down_proj.scales"]}
+    with pytest.raises(ModelLoadError) as refused:
+        _require_every_weight("tiny-moe", loading, "gptq")
+    message = str(refused.value)
+    assert "experts.0.down_proj.qweight" in message and "experts.down_proj" in message and "quantization_config" not in message
+    with pytest.raises(ModelLoadError, match="needs model.quantization: gptq"):  # read as a plain checkpoint: the config
+        _require_every_weight("tiny-moe", loading, "none")
+
+
+def test_an_error_transformers_raises_loading_a_checkpoint_is_refused_naming_the_model(monkeypatch, tmp_path):
+    """GPT-2's GPTQ checkpoints: transformers' own init reads a weight its GPTQ layer has not (an AttributeError)."""
+    from app.config import ModelConfig
+    from app.models import loader
+
+    transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                             vocab_size=64).save_pretrained(tmp_path)
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'TorchAtenLinear' object has no attribute 'weight'")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", broken)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    with pytest.raises(ModelLoadError, match="could not be loaded.*AttributeError.*has no attribute 'weight'"):
+        loader.load_model(ModelConfig(source=str(tmp_path), dtype="float32"))

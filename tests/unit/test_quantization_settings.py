@@ -3,6 +3,7 @@
 import builtins
 from importlib import resources
 import json
+import os
 
 import pytest
 import torch
@@ -104,3 +105,49 @@ def test_calibration_files(tmp_path):
     (tmp_path / "empty.txt").write_text("\n\n")
     with pytest.raises(GPTQSettingsError, match="holds no texts"):
         load_calibration(tmp_path / "empty.txt")
+
+
+def test_group_sizes_torch_cannot_run_are_never_advised(tmp_path):
+    """torch's int4 matmul takes groups of 32, 64, 128 or 256: a model whose layers only 16 divides gets -1."""
+    config = {"model_type": "llama", "hidden_size": 80, "intermediate_size": 160, "num_attention_heads": 5,
+              "num_key_value_heads": 5, "num_hidden_layers": 1, "vocab_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(GPTQSettingsError, match=r"use group_size -1"):
+        check_group_size(str(tmp_path), 64)
+
+
+def test_a_quantization_that_fails_leaves_no_partial_checkpoint_and_a_lost_offload_says_what_to_do(tmp_path, monkeypatch):
+    """GPTQModel's disk offload loses GPT-NeoX's output layer (embed_out, not lm_head) at save."""
+    import sys
+    import types
+
+    from app.models.gptq import quantize_gptq
+
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "num_hidden_layers": 1, "vocab_size": 128}
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps(config))
+    seen = {}
+
+    class Model:
+        def quantize(self, texts, batch_size):
+            pass
+
+        def save(self, path):
+            os.makedirs(path)
+            raise FileNotFoundError("Offloaded tensor 'lm_head.weight' not found in offload directory '/tmp/gptqmodel_x'")
+
+    def load(source, config, **kwargs):
+        seen["offload"] = config.offload_to_disk
+        return Model()
+
+    fake = types.SimpleNamespace(GPTQModel=types.SimpleNamespace(load=load),
+                                 QuantizeConfig=lambda **fields: types.SimpleNamespace(**fields))
+    monkeypatch.setitem(sys.modules, "gptqmodel", fake)
+    with pytest.raises(GPTQSettingsError, match="--no-offload"):
+        quantize_gptq(str(source), tmp_path / "out", GPTQSettings(group_size=32), ["text"])
+    assert seen["offload"] is True and sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+    with pytest.raises(FileNotFoundError):  # without the offload, GPTQModel's own error
+        quantize_gptq(str(source), tmp_path / "out", GPTQSettings(group_size=32, offload_to_disk=False), ["text"])
+    assert seen["offload"] is False and sorted(p.name for p in tmp_path.iterdir()) == ["source"]
