@@ -15,7 +15,7 @@ from app.engine import host_cpus
 from app.engine.text_config import text_config
 from app.models.exact_context import asked_past_stated_context, exact_context_limit, rope_scaled_context
 from app.models.generation_defaults import checkpoint_sampling_defaults
-from app.models.quantization import QuantizationError, from_pretrained_kwargs
+from app.models.quantization import QuantizationError, from_pretrained_kwargs, warn_about_unquantized
 from app.quiet import quiet_gptqmodel
 from app.models.registry import BUILTIN_MODELS, prepare_builtin
 
@@ -279,6 +279,8 @@ def _warn_about(config: ModelConfig, model, tokenizer, device: torch.device, dty
     if device.type == "cpu" and dtype == torch.float16:
         logger.warning("model %s: float16 on a CPU runs emulated, several times slower than float32 "
                        "(dtype: auto or float32 there)", config.source)
+    if config.quantization.startswith("bnb"):
+        warn_about_unquantized(config.source, config.quantization, model)
 
 
 def auto_takes_bf16_products(device: torch.device) -> bool:

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("none", "bnb-int8", "bnb-nf4", "gptq")
 
@@ -127,3 +130,31 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every parameter and buffer (quantized weights, scales and zero points included)."""
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # tied weights once
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def left_in_full_precision(model: torch.nn.Module) -> dict[str, int]:
+    """Parameters of weight matrices a quantized load left at full precision, by the class of the module holding them:
+    transformers quantizes ``nn.Linear`` (and Conv1D) layers alone, so fused MoE experts (transformers 5's
+    ``MixtralExperts``) or a Linear subclass (``FalconLinear``) stay as they were. Embeddings and the output head
+    are left out (quantized by neither method here)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    left: dict[str, int] = {}
+    for module in model.modules():
+        if module is head or isinstance(module, torch.nn.Embedding) or _quantized_shape(module) is not None:
+            continue
+        matrices = [p for p in module.parameters(recurse=False) if p.dim() >= 2 and p.is_floating_point()]
+        if matrices:
+            left[type(module).__name__] = left.get(type(module).__name__, 0) + sum(p.numel() for p in matrices)
+    return left
+
+
+def warn_about_unquantized(source: str, method: str, model: torch.nn.Module) -> None:
+    """bitsandbytes quantizes nn.Linear layers alone: a model whose weights are mostly elsewhere (fused MoE experts)
+    loads mostly at full precision, which the memory a user planned for does not expect."""
+    left = left_in_full_precision(model)
+    quantized = quantized_linear_bytes(model)[1] // 2  # their parameters (the bytes they take in bf16, halved)
+    total = quantized + sum(left.values())
+    if sum(left.values()) > 0.1 * total:
+        shown = ", ".join(f"{name} ({count / 1e6:.1f}M)" for name, count in sorted(left.items(), key=lambda kv: -kv[1])[:3])
+        logger.warning("model %s: %s quantized %.0f%% of its weight matrices; %s stay at full precision (transformers "
+                       "quantizes nn.Linear layers alone)", source, method, 100 * quantized / total, shown)

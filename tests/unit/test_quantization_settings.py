@@ -151,3 +151,28 @@ def test_a_quantization_that_fails_leaves_no_partial_checkpoint_and_a_lost_offlo
     with pytest.raises(FileNotFoundError):  # without the offload, GPTQModel's own error
         quantize_gptq(str(source), tmp_path / "out", GPTQSettings(group_size=32, offload_to_disk=False), ["text"])
     assert seen["offload"] is False and sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+def test_a_bnb_load_that_leaves_most_weights_at_full_precision_says_so(caplog):
+    """transformers quantizes nn.Linear layers alone: a MoE's fused experts stay as they are, and the load says so."""
+    import logging
+
+    import bitsandbytes as bnb
+    import transformers
+
+    from app.models.quantization import left_in_full_precision, warn_about_unquantized
+
+    small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
+                 vocab_size=64)
+    moe = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=8, **small))
+    dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
+    for model in (moe, dense):  # as transformers' bitsandbytes integration replaces them: nn.Linear layers alone
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear and child is not model.get_output_embeddings():
+                    setattr(parent, name, bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=False))
+    assert "MixtralExperts" in left_in_full_precision(moe) and left_in_full_precision(dense) == {}
+    with caplog.at_level(logging.WARNING, logger="app.models.quantization"):
+        warn_about_unquantized("tiny-moe", "bnb-int8", moe)
+        warn_about_unquantized("tiny-dense", "bnb-int8", dense)
+    assert "tiny-moe" in caplog.text and "MixtralExperts" in caplog.text and "tiny-dense" not in caplog.text
