@@ -119,12 +119,42 @@ def pack_gptq_linears(model: nn.Module, choice: str = "auto", batch_invariant: b
     kernels = choose_int4_kernels(choice, batch_invariant, sorted(shapes))
     if kernels is None:
         return None
-    replaced = []
+    replaced, computing = [], {}  # shape -> whether its kernel computes its first layer's product
     for parent, name, child, weights in found:
-        layer = Int4Linear(weights, getattr(child, "bias", None), kernels[_shape_of(weights)])
-        setattr(parent, name, layer)
-        replaced.append(layer)
-    return describe(replaced)
+        shape = _shape_of(weights)
+        layer = Int4Linear(weights, getattr(child, "bias", None), kernels[shape])
+        if shape not in computing:  # (every layer: ~1 CPU-s per 200 of them at a start; a kernel's bug shows on any)
+            computing[shape] = _computes(layer, weights, CHECK_ROWS)
+        if computing[shape]:
+            setattr(parent, name, layer)
+            replaced.append(layer)
+    return describe(replaced) if replaced else None
+
+
+# A kernel's answer on seeded rows against the layer's dequantized weight (GPTQModel's own reading of it, which
+# gptq_weights checked): the bf16 kernels round activations (~0.4% a product, less summed); a wrong kernel is far off.
+# The row counts reach each bucket of kernel_choice.BUCKETS (1, 2-8, 9-64, 65+).
+CHECK_ROWS, CHECK_TOLERANCE = (1, 2, 9, 65), 0.02
+
+
+def _computes(layer: Int4Linear, weights: Int4Weights, row_counts: tuple[int, ...]) -> bool:
+    """Whether ``layer``'s kernel computes its weight's product at each of ``row_counts`` (relative L2 error within the
+    tolerance); where it does not, GPTQModel's layer stays, said in the log: the load-time parity check compares the
+    model with itself, so only this sees a kernel that multiplies wrongly."""
+    generator = torch.Generator().manual_seed(0)
+    dense = weights.dequantized().float().t()
+    error = 0.0
+    with torch.inference_mode():
+        for rows in row_counts:
+            x = torch.randn(rows, layer.in_features, generator=generator)
+            exact = x @ dense + (0 if layer.bias is None else layer.bias)
+            error = max(error, float((layer(x).float() - exact).norm() / exact.norm().clamp_min(1e-12)))
+    if error <= CHECK_TOLERANCE:
+        return True
+    logger.error("int4 kernel %s computes a %d x %d GPTQ layer %.1f%% off its weight's product: GPTQModel's layer kept "
+                 "(a kernel bug on this CPU; engine.cpu_gptq_kernel: torch avoids it)", layer.kernel.name,
+                 layer.out_features, layer.in_features, 100 * error)
+    return False
 
 
 def choose_int4_kernels(choice: str, batch_invariant: bool, shapes: list[tuple[int, int, int]]) -> dict | None:

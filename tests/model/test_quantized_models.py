@@ -152,6 +152,21 @@ def test_torch_int4_is_gptqmodels_layer_bit_for_bit_and_the_rebuilt_weight_passe
     assert report.max_gap < report.tolerance, report
 
 
+def test_an_int4_kernel_that_computes_wrongly_is_not_installed(monkeypatch, caplog):
+    """The load-time parity check compares the model with itself, so the kernels are checked as they are installed:
+    one that multiplies wrongly (a bug on some CPU class) leaves GPTQModel's layers in place, and says so."""
+    import logging
+
+    loaded = _load("gptq")
+    right = TorchInt4Kernel.apply
+    monkeypatch.setattr(TorchInt4Kernel, "apply", lambda self, x, packed, bias, n: right(self, x, packed, bias, n) * 3.0)
+    with caplog.at_level(logging.ERROR, logger="app.cpu.gptq"):
+        make_engine(loaded, batch_invariant=False, cpu_gptq_kernel="torch-int4")
+    assert not any(isinstance(m, Int4Linear) for m in loaded.model.modules())
+    assert sum(type(m).__name__ == LAYER_CLASSES["gptq"] for m in loaded.model.modules()) == 210
+    assert "int4 kernel torch-int4" in caplog.text and "GPTQModel's layer kept" in caplog.text
+
+
 @pytest.mark.skipif(not bf16_products_available(), reason="our int4 kernel needs the CPU kernels and avx512_bf16")
 def test_the_engine_runs_every_gptq_layer_on_our_int4_kernel_closer_to_the_checkpoint_than_gptqmodels():
     """Where the CPU has avx512_bf16 the batch-invariant engine swaps each GPTQ layer for ours: same codes, zeros and
