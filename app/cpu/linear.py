@@ -227,18 +227,50 @@ def pack_cpu_linears(model: nn.Module, kernel: str = "auto", weight_dtype: torch
     kernels = choose_kernels(kernel, weight_dtype, bf16_products, batch_invariant, list(shapes.values()))
     if all(chosen is None for chosen in kernels.values()):
         return 0
-    replaced = 0
+    replaced, computing = 0, {}  # shape -> whether its kernel computes its first weight's product
     for parent, names, linears in groups:
         shared = _SharedProjection(linears, kernels[_shape_of(linears)])
+        if not _checked(computing, _shape_of(linears), shared.kernel, shared.packed_weight, shared.bias, linears):
+            continue
         for member, (name, linear) in enumerate(zip(names, linears)):
             setattr(parent, name, PackedSiblingLinear(shared, member, linear))
         replaced += len(names)
     for parent, name, child in singles:
-        setattr(parent, name, PackedLinear(child, kernels[_shape_of([child])]))
-        replaced += 1
+        layer = PackedLinear(child, kernels[_shape_of([child])])
+        if _checked(computing, _shape_of([child]), layer.kernel, layer.packed_weight, layer.bias, [child]):
+            setattr(parent, name, layer)
+            replaced += 1
     fuse_gated_mlps(model)
     _release_checkpoint_mapping(model)
     return replaced
+
+
+# A kernel's answer on seeded rows, at a row count of each bucket of kernel_choice.BUCKETS (1, 2-8, 9-64, 65+; the
+# last left out where its product would cost more than a few tens of ms), against the weight it packed: bf16 weights
+# or products are ~0.4% off a product (less summed); a wrong kernel far more.
+CHECK_ROWS, CHECK_TOLERANCE, CHECK_BUDGET_MACS = (1, 2, 9, 65), 0.02, 1 << 28
+
+
+def _checked(computing: dict, shape: tuple[int, int], kernel, packed, bias, linears: list[nn.Linear]) -> bool:
+    """Whether ``kernel`` computes the product of the first weight of ``shape`` it packed (the answer kept for the
+    shape's others); where not, they stay torch's, said in the log: the load-time parity check compares the model,
+    kernels installed, with itself, so only this sees a kernel that multiplies wrongly on this CPU."""
+    if shape not in computing:
+        weight = torch.cat([linear.weight.detach().float() for linear in linears])  # [out, in]
+        rows = [r for r in CHECK_ROWS if r * weight.numel() <= CHECK_BUDGET_MACS] or [1]
+        generator, error = torch.Generator().manual_seed(0), 0.0
+        with torch.inference_mode():
+            for count in rows:
+                x = torch.randn(count, weight.shape[1], generator=generator)
+                exact = torch.nn.functional.linear(x, weight, bias)
+                got = kernel.apply(x, packed, bias, weight.shape[0]).float()
+                error = max(error, float((got - exact).norm() / exact.norm().clamp_min(1e-12)))
+        computing[shape] = error <= CHECK_TOLERANCE
+        if not computing[shape]:
+            logger.error("Linear kernel %s computes a %d x %d layer %.1f%% off its weight's product: torch's kept for "
+                         "that shape (a kernel bug on this CPU; engine.cpu_linear_kernel: torch avoids it)",
+                         kernel.name, shape[0], shape[1], 100 * error)
+    return computing[shape]
 
 
 def choose_kernels(choice: str, weight_dtype: torch.dtype, bf16_products: bool, batch_invariant: bool,

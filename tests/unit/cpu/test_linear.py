@@ -149,3 +149,24 @@ def test_a_gated_mlp_adds_its_residual_with_the_bits_of_adding_it_after(rows):
     x, residual = torch.randn(1, rows, 64), torch.randn(1, rows, 64)
     with torch.inference_mode():
         assert torch.equal(model.__dict__["forward"].add(x, residual), residual + model(x))
+
+
+def test_a_kernel_that_computes_wrongly_is_not_installed_and_the_log_says_so(monkeypatch, caplog):
+    """The load-time parity check compares the model, kernels installed, with itself: each kernel is checked against
+    the weight it packed as it is installed, and a wrong one leaves torch's layers of that shape."""
+    import logging
+
+    from app.cpu.linear_kernels import select_kernel
+
+    kernel = select_kernel("auto")  # what this CPU runs by name: ours, else oneDNN's
+    if kernel is None:
+        pytest.skip("no Linear kernel runs on this CPU and torch build: nothing is packed")
+    right = type(kernel).apply
+    monkeypatch.setattr(type(kernel), "apply", lambda self, x, packed, bias, n: right(self, x, packed, bias, n) * 3.0)
+    model = _model()
+    with caplog.at_level(logging.ERROR, logger="app.cpu.linear"):
+        assert pack_cpu_linears(model, kernel.name) == 0
+    assert [type(m) for m in model][:3] == [nn.Linear, nn.SiLU, nn.Linear]
+    assert f"Linear kernel {kernel.name} computes a 96 x 64 layer" in caplog.text and "torch's kept" in caplog.text
+    monkeypatch.setattr(type(kernel), "apply", right)
+    assert pack_cpu_linears(_model(), kernel.name) == 2  # as it is, it computes them
