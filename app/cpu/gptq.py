@@ -34,7 +34,7 @@ from app.cpu.int4_kernels import (
     Int4Weights,
     available_int4_kernels,
 )
-from app.cpu.kernel_choice import LinearShape
+from app.cpu.kernel_choice import LinearShape, computes_its_product
 from app.cpu.linear import bucketed
 from app.cpu.linear_kernels import RowBucketKernel
 from app.cpu.ops import available
@@ -124,32 +124,18 @@ def pack_gptq_linears(model: nn.Module, choice: str = "auto", batch_invariant: b
         shape = _shape_of(weights)
         layer = Int4Linear(weights, getattr(child, "bias", None), kernels[shape])
         if shape not in computing:  # (every layer: ~1 CPU-s per 200 of them at a start; a kernel's bug shows on any)
-            computing[shape] = _computes(layer, weights, CHECK_ROWS)
+            computing[shape] = _computes(layer, weights)
         if computing[shape]:
             setattr(parent, name, layer)
             replaced.append(layer)
     return describe(replaced) if replaced else None
 
 
-# A kernel's answer on seeded rows against the layer's dequantized weight (GPTQModel's own reading of it, which
-# gptq_weights checked): the bf16 kernels round activations (~0.4% a product, less summed); a wrong kernel is far off.
-# The row counts reach each bucket of kernel_choice.BUCKETS (1, 2-8, 9-64, 65+).
-CHECK_ROWS, CHECK_TOLERANCE = (1, 2, 9, 65), 0.02
-
-
-def _computes(layer: Int4Linear, weights: Int4Weights, row_counts: tuple[int, ...]) -> bool:
-    """Whether ``layer``'s kernel computes its weight's product at each of ``row_counts`` (relative L2 error within the
-    tolerance); where it does not, GPTQModel's layer stays, said in the log: the load-time parity check compares the
-    model with itself, so only this sees a kernel that multiplies wrongly."""
-    generator = torch.Generator().manual_seed(0)
-    dense = weights.dequantized().float().t()
-    error = 0.0
-    with torch.inference_mode():
-        for rows in row_counts:
-            x = torch.randn(rows, layer.in_features, generator=generator)
-            exact = x @ dense + (0 if layer.bias is None else layer.bias)
-            error = max(error, float((layer(x).float() - exact).norm() / exact.norm().clamp_min(1e-12)))
-    if error <= CHECK_TOLERANCE:
+def _computes(layer: Int4Linear, weights: Int4Weights) -> bool:
+    """Whether ``layer``'s kernel computes the product of its dequantized weight (GPTQModel's own reading of it, which
+    gptq_weights checked; kernel_choice.computes_its_product); where not, GPTQModel's layer stays, said in the log."""
+    computes, error = computes_its_product(layer, weights.dequantized().float(), layer.bias)
+    if computes:
         return True
     logger.error("int4 kernel %s computes a %d x %d GPTQ layer %.1f%% off its weight's product: GPTQModel's layer kept "
                  "(a kernel bug on this CPU; engine.cpu_gptq_kernel: torch avoids it)", layer.kernel.name,

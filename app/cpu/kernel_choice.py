@@ -71,6 +71,26 @@ class Bucket:
 # one sequence decoding; a few; a busy decode batch (or a short prompt); prefill chunks and verification steps
 BUCKETS = (Bucket(1, 1, 1), Bucket(2, 8, 4), Bucket(9, 64, 32), Bucket(65, None, 256))
 
+# A kernel checked as it is installed (the load-time parity check compares the model, kernels installed, with
+# itself): its answer on seeded rows, a row count of each bucket (the last left out where its product would pass
+# CHECK_BUDGET_MACS, a few tens of ms), against the product of the weight it packed. bf16 weights or products are ~0.4%
+# off a product (less summed); a wrong kernel far more.
+CHECK_ROWS, CHECK_TOLERANCE, CHECK_BUDGET_MACS = tuple(b.low for b in BUCKETS), 0.02, 1 << 28
+
+
+def computes_its_product(run: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor,
+                         bias: torch.Tensor | None) -> tuple[bool, float]:
+    """Whether ``run`` (a kernel on its packed ``weight`` [out, in], fp32) computes ``x W^T + b`` within
+    CHECK_TOLERANCE (relative L2) at CHECK_ROWS; and the largest error seen."""
+    rows = [r for r in CHECK_ROWS if r * weight.numel() <= CHECK_BUDGET_MACS] or [1]
+    generator, error = torch.Generator().manual_seed(0), 0.0
+    with torch.inference_mode():
+        for count in rows:
+            x = torch.randn(count, weight.shape[1], generator=generator)
+            exact = torch.nn.functional.linear(x, weight, bias)
+            error = max(error, float((run(x).float() - exact).norm() / exact.norm().clamp_min(1e-12)))
+    return error <= CHECK_TOLERANCE, error
+
 
 @dataclass(frozen=True)
 class LinearShape:

@@ -52,7 +52,7 @@ from torch import nn
 from app.cpu import kernel_choice
 from app.cpu.activation import silu_mul, silu_mul_lanes
 from app.cpu.build import build_id
-from app.cpu.kernel_choice import BUCKETS, LinearShape
+from app.cpu.kernel_choice import BUCKETS, LinearShape, computes_its_product
 from app.cpu.linear_kernels import (
     FIXED_ORDER,
     LinearKernel,
@@ -245,27 +245,13 @@ def pack_cpu_linears(model: nn.Module, kernel: str = "auto", weight_dtype: torch
     return replaced
 
 
-# A kernel's answer on seeded rows, at a row count of each bucket of kernel_choice.BUCKETS (1, 2-8, 9-64, 65+; the
-# last left out where its product would cost more than a few tens of ms), against the weight it packed: bf16 weights
-# or products are ~0.4% off a product (less summed); a wrong kernel far more.
-CHECK_ROWS, CHECK_TOLERANCE, CHECK_BUDGET_MACS = (1, 2, 9, 65), 0.02, 1 << 28
-
-
 def _checked(computing: dict, shape: tuple[int, int], kernel, packed, bias, linears: list[nn.Linear]) -> bool:
     """Whether ``kernel`` computes the product of the first weight of ``shape`` it packed (the answer kept for the
     shape's others); where not, they stay torch's, said in the log: the load-time parity check compares the model,
     kernels installed, with itself, so only this sees a kernel that multiplies wrongly on this CPU."""
     if shape not in computing:
         weight = torch.cat([linear.weight.detach().float() for linear in linears])  # [out, in]
-        rows = [r for r in CHECK_ROWS if r * weight.numel() <= CHECK_BUDGET_MACS] or [1]
-        generator, error = torch.Generator().manual_seed(0), 0.0
-        with torch.inference_mode():
-            for count in rows:
-                x = torch.randn(count, weight.shape[1], generator=generator)
-                exact = torch.nn.functional.linear(x, weight, bias)
-                got = kernel.apply(x, packed, bias, weight.shape[0]).float()
-                error = max(error, float((got - exact).norm() / exact.norm().clamp_min(1e-12)))
-        computing[shape] = error <= CHECK_TOLERANCE
+        computing[shape], error = computes_its_product(lambda x: kernel.apply(x, packed, bias, shape[0]), weight, bias)
         if not computing[shape]:
             logger.error("Linear kernel %s computes a %d x %d layer %.1f%% off its weight's product: torch's kept for "
                          "that shape (a kernel bug on this CPU; engine.cpu_linear_kernel: torch avoids it)",
