@@ -19,6 +19,7 @@ runs it, to the order of a sum).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -27,10 +28,10 @@ from torch import nn
 
 from app.config import EngineConfig
 from app.cpu.attention import PagedAttentionKernel
-from app.cpu.decoder import fuse_decoder_layers, unfuse_decoder_layers
+from app.cpu.decoder import DecoderLayerForward, fuse_decoder_layers, unfuse_decoder_layers
 from app.cpu.gptq import pack_gptq_linears
-from app.cpu.linear import describe_packed, pack_cpu_linears
-from app.cpu.norm import fuse_rms_norms, unfuse_rms_norms
+from app.cpu.linear import GatedMLPForward, describe_packed, pack_cpu_linears
+from app.cpu.norm import FusedRMSNormForward, fuse_rms_norms, unfuse_rms_norms
 from app.cpu.ops import unavailable_reason
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,28 @@ def install_fast_path(model: nn.Module, config: EngineConfig, dtype: torch.dtype
     path.parts["argmax"] = "kernel" if reason is None else "torch"
     path.parts["bf16 native"] = "yes" if _native_bf16() else "no"
     return _logged(path)
+
+
+# The forwards installed in place of a module's own: their kernels (norms, RoPE, SiLU, a product's residual add)
+# are checked on a test input as they are installed, not on the model's activations.
+_FUSED_FORWARDS = (FusedRMSNormForward, GatedMLPForward, DecoderLayerForward)
+
+
+@contextlib.contextmanager
+def modules_own_forwards(model: nn.Module):
+    """``model`` with every fused forward set aside (each module runs its class's own ``forward``), then put back.
+
+    What stays of the fast path inside is the packed Linear and 4-bit layers, each checked against its weight's
+    product as it is installed: a reference taken in here (the load-time parity check's) does not share the
+    fused kernels it is meant to judge."""
+    fused = {m: m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), _FUSED_FORWARDS)}
+    for module in fused:
+        del module.forward
+    try:
+        yield
+    finally:
+        for module, forward in fused.items():
+            module.forward = forward
 
 
 def _logged(path: FastPath) -> FastPath:

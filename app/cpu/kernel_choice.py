@@ -71,8 +71,8 @@ class Bucket:
 # one sequence decoding; a few; a busy decode batch (or a short prompt); prefill chunks and verification steps
 BUCKETS = (Bucket(1, 1, 1), Bucket(2, 8, 4), Bucket(9, 64, 32), Bucket(65, None, 256))
 
-# A kernel checked as it is installed (the load-time parity check compares the model, kernels installed, with
-# itself): its answer on seeded rows, a row count of each bucket (the last left out where its product would pass
+# A kernel checked as it is installed (the load-time parity check's reference runs the packed layers too, as
+# transformers' modules call them): its answer on seeded rows, a row count of each bucket (the last left out where its product would pass
 # CHECK_BUDGET_MACS, a few tens of ms), against the product of the weight it packed. bf16 weights or products are ~0.4%
 # off a product (less summed); a wrong kernel far more.
 CHECK_ROWS, CHECK_TOLERANCE, CHECK_BUDGET_MACS = tuple(b.low for b in BUCKETS), 0.02, 1 << 28

@@ -247,8 +247,8 @@ def pack_cpu_linears(model: nn.Module, kernel: str = "auto", weight_dtype: torch
 
 def _checked(computing: dict, shape: tuple[int, int], kernel, packed, bias, linears: list[nn.Linear]) -> bool:
     """Whether ``kernel`` computes the product of the first weight of ``shape`` it packed (the answer kept for the
-    shape's others); where not, they stay torch's, said in the log: the load-time parity check compares the model,
-    kernels installed, with itself, so only this sees a kernel that multiplies wrongly on this CPU."""
+    shape's others); where not, they stay torch's, said in the log: the load-time parity check's reference runs the
+    packed layers too, so only this sees a kernel that multiplies wrongly on this CPU."""
     if shape not in computing:
         weight = torch.cat([linear.weight.detach().float() for linear in linears])  # [out, in]
         computing[shape], error = computes_its_product(lambda x: kernel.apply(x, packed, bias, shape[0]), weight, bias)

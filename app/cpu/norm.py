@@ -30,7 +30,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return OPS.rms_norm(x, weight, eps)
 
 
-class _FusedForward:
+class FusedRMSNormForward:
     """A norm module's new ``forward``: our kernel for fp32 CPU inputs, the module's own otherwise."""
 
     def __init__(self, module: nn.Module, eps: float) -> None:
@@ -54,7 +54,7 @@ def fuse_rms_norms(model: nn.Module) -> int:
         if not _reproduces(module, eps):
             mismatched.add(type(module).__name__)
             continue
-        module.forward = _FusedForward(module, eps)
+        module.forward = FusedRMSNormForward(module, eps)
         fused += 1
     if mismatched:
         logger.debug("RMSNorm kernel skipped for %s: its formula differs from Llama's; torch runs them", ", ".join(sorted(mismatched)))
@@ -92,6 +92,6 @@ def _reproduces(module: nn.Module, eps: float) -> bool:
     return expected.shape == x.shape and torch.allclose(rms_norm(x, module.weight, eps), expected, rtol=1e-5, atol=1e-6)
 
 
-def fused_norm_forwards(model: nn.Module) -> dict[nn.Module, _FusedForward]:
+def fused_norm_forwards(model: nn.Module) -> dict[nn.Module, FusedRMSNormForward]:
     """The modules of ``model`` running on the kernel, with their fused forwards (for benchmarks)."""
-    return {m: m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), _FusedForward)}
+    return {m: m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), FusedRMSNormForward)}

@@ -5,7 +5,8 @@ its kernels; an architecture whose layers do something the engine does not repro
 the step's metadata from its attention, an attention argument it drops) would otherwise be served wrong
 without a sign. So before a replica is ready, :func:`check_parity` runs two fixed prompts through the engine's
 real path (the first prefilled in two chunks, the second's prefill beside it, then decode steps of both,
-batched) and the same tokens through transformers' own forward (eager attention, its own cache), and compares
+batched) and the same tokens through transformers' own forward (eager attention, its own cache, every module's
+own forward: the fused norms, RoPE and MLP kernels set aside, the packed products checked as installed), and compares
 the log-probabilities of every token the engine chose and of its 20 most likely alternatives. It also checks
 that every attention layer attended through the paged path in every step, with the window the engine assumes.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.cpu import modules_own_forwards
 from app.engine.paged_attention import ATTENTION_NAME
 from app.engine.request import MAX_LOGPROBS, Request, SamplingParams, TokenLogprob
 from app.engine.runner import configured_windows, no_longer_than
@@ -137,17 +139,20 @@ def _step_budget(scheduler, tokens: int):
 
 @torch.inference_mode()
 def _reference_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """transformers' own forward with its own cache and eager attention: log-probabilities [len(output), V] of
-    the token after the prompt and after each output token but the last."""
+    """transformers' own forward with its own cache, eager attention and every module's own forward (the fused ones
+    set aside): log-probabilities [len(output), V] of the token after the prompt and after each output token but
+    the last."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
     model.set_attn_implementation("eager")
     try:
-        cache = DynamicCache(config=model.config)
-        rows = [model(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True).logits[0, -1]]
-        for token in output[:-1]:
-            rows.append(model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True).logits[0, -1])
+        with modules_own_forwards(model):
+            cache = DynamicCache(config=model.config)
+            rows = [model(input_ids=torch.tensor([prompt], device=device), past_key_values=cache, use_cache=True).logits[0, -1]]
+            for token in output[:-1]:
+                rows.append(model(input_ids=torch.tensor([[token]], device=device), past_key_values=cache,
+                                  use_cache=True).logits[0, -1])
     finally:
         model.set_attn_implementation(ATTENTION_NAME)
     return torch.stack(rows).float().log_softmax(dim=-1)

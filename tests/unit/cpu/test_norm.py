@@ -4,7 +4,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from app.cpu.norm import _FusedForward, fuse_rms_norms, rms_norm as KERNEL
+from app.cpu.norm import FusedRMSNormForward, fuse_rms_norms, rms_norm as KERNEL
 from tests.unit.cpu.conftest import loaded_ops, needs_kernels
 
 pytestmark = needs_kernels
@@ -80,7 +80,7 @@ def test_fuses_every_llama_norm_and_the_model_output_stays():
         expected = model(ids).logits
         assert fuse_rms_norms(model) == 5  # 2 per layer + the final norm
         got = model(ids).logits
-    assert all(isinstance(m.forward, _FusedForward) for m in model.modules() if isinstance(m, LlamaRMSNorm))
+    assert all(isinstance(m.forward, FusedRMSNormForward) for m in model.modules() if isinstance(m, LlamaRMSNorm))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert fuse_rms_norms(model) == 0  # a second runner over the same model replaces nothing again
     assert "model.norm.weight" in dict(model.named_parameters())  # names and weights stay as loaded
