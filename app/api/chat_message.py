@@ -3,6 +3,7 @@ template sees it."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from app.api.errors import APIError
@@ -28,12 +29,7 @@ class ChatMessage(StrictModel):
     def as_template_message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
-            for i, call in enumerate(self.tool_calls):
-                function = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(function, dict) or not all(isinstance(function.get(key), str) for key in ("name", "arguments")):
-                    raise APIError(400, "a tool call needs function.name and function.arguments (a JSON string)",
-                                   param=f"messages.tool_calls[{i}]")
-            message["tool_calls"] = self.tool_calls
+            message["tool_calls"] = [_replayed_call(call, i) for i, call in enumerate(self.tool_calls)]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.name is not None:  # the participant's name, for templates that render it
@@ -48,7 +44,29 @@ class ChatMessage(StrictModel):
             return self.content or ""
         parts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, "only text content parts are supported", param="messages", code="unsupported_content")
-            parts.append(part["text"])
+            key = _TEXT_PARTS.get(part.get("type"))
+            if key is None or not isinstance(part.get(key), str):
+                raise APIError(400, f"only text content parts are supported ({', '.join(_TEXT_PARTS)})", param="messages",
+                               code="unsupported_content")
+            parts.append(part[key])
         return "\n".join(parts)  # as vLLM joins them: parts are separate pieces of text
+
+
+# Content parts that are text, and the key holding it: chat's, the Responses API's, and an assistant's refusal replayed
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def _replayed_call(call: Any, i: int) -> dict[str, Any]:
+    """An earlier tool call as the template sees it: its arguments as JSON text, as OpenAI sends them; an object (as
+    some clients send them) as its JSON, none as ``{}``."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(400, "a tool call needs function.name and function.arguments (a JSON string)",
+                       param=f"messages.tool_calls[{i}]")
+    arguments = function.get("arguments")
+    if not isinstance(arguments, (str, dict, type(None))):
+        raise APIError(400, "a tool call's function.arguments must be a JSON string (or an object)",
+                       param=f"messages.tool_calls[{i}].function.arguments")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments if arguments is not None else {})
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -10,6 +10,7 @@ import inspect
 from app.api import tools
 from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest
+from app.api.template_traits import shaped, traits_of
 from app.api.token_requests import DetokenizeRequest, TokenizeRequest
 
 
@@ -67,11 +68,13 @@ class Prompts:
         listed = request.parsed_tools()
         shown = listed if request.tool_choice_resolved() is not None else []  # tool_choice none: no call is invited
         extra = {}
-        if tools.template_renders_tools(self.tokenizer, bool(listed)):  # as vLLM: under none too, in the model's format
+        tools_as_text = not tools.template_renders_tools(self.tokenizer, bool(listed))
+        if not tools_as_text:  # as vLLM: under none too, in the model's format
             extra = {"tools": [t.as_openai() for t in listed]} if listed else {}
             messages = [tools.with_loaded_arguments(m) for m in messages]
         else:  # a template without tools: tools, calls and results as Hermes-style text
             messages = tools.render_for_template(messages, shown)
+        messages = shaped(messages, traits_of(self.tokenizer), tools_as_text)  # as this template takes them
         variables = self._template_variables(request.chat_template_kwargs)
         if request.documents is not None:
             variables["documents"] = request.documents

@@ -368,11 +368,15 @@ def render_for_template(messages: list[dict], tools: list[Tool]) -> list[dict]:
     return rendered
 
 
-def loaded_arguments(arguments: str) -> Any:
+def loaded_arguments(arguments: str) -> dict:
+    """An earlier call's arguments as the object they are; ``{}`` for text that is none (empty, or an answer cut short
+    inside its call, which this server answers as a call): a template iterating them would fail on text, and the
+    conversation goes on, as vLLM renders them."""
     try:
-        return json.loads(arguments)
+        loaded = json.loads(arguments)
     except (*NOT_JSON, TypeError):
-        return arguments
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
 
 
 def with_loaded_arguments(message: dict) -> dict:

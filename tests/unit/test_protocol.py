@@ -52,13 +52,15 @@ def test_null_is_unset_as_openai_s_nullable_fields_are():
     assert (info.value.status, info.value.param) == (400, "prompt")
 
 
-def test_an_earlier_tool_call_without_its_arguments_is_a_400():
+def test_an_earlier_tool_call_without_its_arguments_has_none_and_one_without_its_name_is_a_400():
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather"}}
     chat = parse_body(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                                {"role": "assistant", "content": None, "tool_calls": [call]}]}), ChatCompletionRequest)
+    assert chat.messages[1].as_template_message()["tool_calls"][0]["function"]["arguments"] == "{}"  # as vLLM: the chat goes on
+    chat.messages[1].tool_calls[0]["function"] = {"arguments": "{}"}
     with pytest.raises(APIError) as info:
         chat.messages[1].as_template_message()
-    assert (info.value.status, info.value.param) == (400, "messages.tool_calls[0]") and "function.arguments" in info.value.message
+    assert (info.value.status, info.value.param) == (400, "messages.tool_calls[0]") and "function.name" in info.value.message
 
 
 def test_chat_needs_messages():

@@ -1,0 +1,121 @@
+"""What a model's chat template takes, found by rendering small conversations through it once, and messages shaped to it.
+
+Chat templates differ in what they accept beyond ``role`` and ``content`` text, and fail or go silent otherwise:
+
+- llava-hf's (and other multimodal checkpoints') loop over ``content`` as a list of parts: given a string, they
+  render nothing of it (the model sees the role labels alone). Such a template gets every message's text as one
+  ``{"type": "text"}`` part, as vLLM detects and passes them.
+- Gemma's raise on a ``system`` message, and on anything but user and assistant turns in turn. There a system
+  message (the client's, or the tools this server shows to a template that renders none) opens the first user
+  turn, as Gemma's model card advises, and tool results are user turns, consecutive ones joined.
+- Mistral's take tool call ids of 9 letters and digits only (and raise otherwise): ids of another shape (this
+  server's ``call_...``, another provider's) are given as 9 characters derived from each, the same for a call and the
+  tool message answering it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import string
+from dataclasses import dataclass
+
+_MARK = "q7Zx3-probe"  # text no template writes by itself
+
+
+@dataclass(frozen=True)
+class TemplateTraits:
+    content_as_parts: bool = False  # the template reads content as a list of parts
+    system_role: bool = True  # it shows a system message
+    tool_role: bool = True  # it shows a tool message after an assistant's turn
+    short_call_ids: bool = False  # Mistral's: call ids of 9 letters and digits
+
+
+def traits_of(tokenizer) -> TemplateTraits:
+    """``tokenizer``'s default chat template's traits, probed once per template (cached on the tokenizer)."""
+    source = _source(tokenizer.chat_template)
+    cache = tokenizer.__dict__.setdefault("_template_traits", {})
+    if source not in cache:
+        cache[source] = _probed(tokenizer, source)
+    return cache[source]
+
+
+def shaped(messages: list[dict], traits: TemplateTraits, tools_as_text: bool) -> list[dict]:
+    """``messages`` as the template takes them. ``tools_as_text``: tool results are this server's text (Hermes
+    blocks for a template that renders no tools), which may become user turns."""
+    if traits.short_call_ids:
+        messages = [_with_short_ids(m) for m in messages]
+    if not traits.system_role and messages and messages[0]["role"] == "system":
+        messages = _system_in_first_user_turn(messages)
+    if not traits.tool_role and tools_as_text:
+        messages = _joined_turns([{**m, "role": "user"} if m["role"] == "tool" else m for m in messages])
+    if traits.content_as_parts:
+        messages = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m
+                    for m in messages]
+    return messages
+
+
+def short_call_id(call_id: str) -> str:
+    """A call id as Mistral's templates take it: itself if 9 letters and digits, else 9 derived from it."""
+    if re.fullmatch(r"[A-Za-z0-9]{9}", call_id):
+        return call_id
+    number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    digits = string.ascii_letters + string.digits
+    return "".join(digits[(number // len(digits) ** i) % len(digits)] for i in range(9))
+
+
+def _probed(tokenizer, source: str) -> TemplateTraits:
+    if not source:
+        return TemplateTraits()
+    user = {"role": "user", "content": _MARK}
+    as_string = _shows(tokenizer, [user])
+    as_parts = not as_string and _shows(tokenizer, [{"role": "user", "content": [{"type": "text", "text": _MARK}]}])
+    wrap = (lambda text: [{"type": "text", "text": text}]) if as_parts else (lambda text: text)
+    system = _shows(tokenizer, [{"role": "system", "content": wrap(_MARK)}, {"role": "user", "content": wrap("u")}])
+    tool = _shows(tokenizer, [{"role": "user", "content": wrap("u")}, {"role": "assistant", "content": wrap("a")},
+                              {"role": "tool", "content": wrap(_MARK)}])
+    return TemplateTraits(as_parts, system, tool, "[TOOL_CALLS]" in source)
+
+
+def _shows(tokenizer, messages: list[dict]) -> bool:
+    """Whether the template renders ``messages`` with the probe's text in it (no error, nothing dropped)."""
+    try:
+        return _MARK in tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template's raise_exception, or its own error on a shape it does not take
+        return False
+
+
+def _with_short_ids(message: dict) -> dict:
+    if message.get("tool_calls"):
+        message = {**message, "tool_calls": [{**c, "id": short_call_id(c["id"])} if isinstance(c.get("id"), str) else c
+                                             for c in message["tool_calls"]]}
+    if isinstance(message.get("tool_call_id"), str):
+        message = {**message, "tool_call_id": short_call_id(message["tool_call_id"])}
+    return message
+
+
+def _system_in_first_user_turn(messages: list[dict]) -> list[dict]:
+    system, rest = messages[0], messages[1:]
+    first_user = next((i for i, m in enumerate(rest) if m["role"] == "user"), None)
+    if first_user is None:
+        return [{**system, "role": "user"}, *rest]
+    rest = list(rest)
+    rest[first_user] = {**rest[first_user], "content": f"{system['content']}\n\n{rest[first_user]['content']}"}
+    return rest
+
+
+def _joined_turns(messages: list[dict]) -> list[dict]:
+    """Consecutive user turns as one (their texts a blank line apart)."""
+    joined: list[dict] = []
+    for message in messages:
+        if joined and message["role"] == "user" and joined[-1]["role"] == "user":
+            joined[-1] = {**joined[-1], "content": f"{joined[-1]['content']}\n\n{message['content']}"}
+        else:
+            joined.append(message)
+    return joined
+
+
+def _source(template) -> str:
+    if isinstance(template, dict):
+        return template.get("default") or ""
+    return template or ""
