@@ -9,6 +9,7 @@ from typing import AsyncIterator
 
 from app.api.call_readers import PYTHON_TAG, HermesReader, ListReader, marker_start_held
 from app.api.growing import grow_attribute
+from app.api.mistral_calls import MistralReader
 from app.api.tools import MISTRAL_MARKER, TOOL_PARSERS, Tool, ToolCall, parse_calls, schemas_of, whole_arguments
 from app.api.xml_calls import XmlReader
 
@@ -180,7 +181,7 @@ class StreamedCalls:
         if self._list is not None:
             self._list.feed(delta)
         elif self.parser == "mistral" and MISTRAL_MARKER in self.text:
-            self._list = ListReader()
+            self._list = MistralReader()
             self._list.feed(self.text.partition(MISTRAL_MARKER)[2])
 
     def _releasable(self) -> int:

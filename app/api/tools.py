@@ -7,7 +7,7 @@
 - ``"auto"``: the model writes calls in its own format, read back by the model's parser (``model.tool_parser``):
   ``hermes`` (``<tool_call>{"name", "arguments"}</tool_call>``, Qwen, Hermes, and the default), ``llama3_json``
   (a bare ``{"name", "parameters"}`` object, optionally after ``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS]``
-  then a JSON list), ``qwen3_coder`` (XML-like blocks: app/api/xml_calls.py). Text the parser cannot read as a
+  then a JSON list, or ``name[ARGS]{...}`` per call from tokenizer v11 on: app/api/mistral_calls.py), ``qwen3_coder`` (XML-like blocks: app/api/xml_calls.py). Text the parser cannot read as a
   call stays the answer's content: nothing is dropped. For Hermes, a tool's ``strict: true`` holds the calls to the
   tools' schemas by a grammar while the text stays free (``strict_calls``); beside a JSON response format the
   grammar is the format's answer or calls (``answer_or_calls``).
@@ -31,12 +31,12 @@ from app.api.errors import NOT_JSON, APIError
 from app.api.call_readers import END, MARKER, PYTHON_TAG, HermesReader, ListReader, call_from
 from app.api.schemas import call_schema, closed, tools_schema
 from app.api.structured import compiled, json_in_lark, require_compilable_size, special_token, token_or_text
+from app.api.mistral_calls import MISTRAL_MARKER, MistralReader
 from app.api.xml_calls import XmlReader
 from app.config.model import TOOL_PARSERS
 _TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
                    "To call one, answer with <tool_call>{{\"name\": <function name>, \"arguments\": <arguments object>}}"
                    "</tool_call>, one block per call.")
-MISTRAL_MARKER = "[TOOL_CALLS]"
 
 
 @dataclass(frozen=True)
@@ -260,14 +260,17 @@ def parse_calls(text: str, parser: str, tools: list[Tool] | None = None) -> tupl
 
 
 def mistral_calls(body: str) -> tuple[list[tuple[str, str]], str]:
-    """A whole answer's calls in the JSON list after ``[TOOL_CALLS]``, read as a stream reads them (``ListReader``:
-    each one's arguments the model's text; cut short, as far as they came), then any in another shape (keys in
-    another order, arguments as a string) from the whole list; and the text after them, which is content."""
-    reader = ListReader()
+    """A whole answer's calls after ``[TOOL_CALLS]`` (a JSON list, or v11's ``name[ARGS]{...}`` calls:
+    app/api/mistral_calls.py), read as a stream reads them (each one's arguments the model's text; cut short, as far
+    as they came), then any in another shape (keys in another order, arguments as a string) from a whole list; and
+    the text after them, which is content."""
+    reader = MistralReader()
     reader.feed(body)
     found = [(name, arguments) for name, arguments in reader.calls]
     if reader.stopped is None:
         return found, body[reader.end:] if reader.end is not None else ""
+    if reader.compact:
+        return found, body[reader.stopped:]
     try:
         listed, end = json.JSONDecoder().raw_decode(body.lstrip())
     except NOT_JSON:

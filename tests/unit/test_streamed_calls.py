@@ -40,6 +40,14 @@ MISTRAL = [
     ('[TOOL_CALLS] [{"name": "f", "arguments": {}}]\n\nI called f.', "I called f.", [("f", "{}")]),  # text after: content
     ('[TOOL_CALLS] [{"name": "f\n", "arguments": {}}]', '[TOOL_CALLS] [{"name": "f\n", "arguments": {}}]', []),  # no name
     ("No calls [TOOL", "No calls [TOOL", []),
+    # v11 on: name[ARGS]{...} after a marker each, an id or not, [ARGS] left out or not
+    ('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "note": "a} [TOOL_CALLS]"}[TOOL_CALLS]t[ARGS]{}', "Checking.",
+     [("get_weather", '{"city": "Oslo", "note": "a} [TOOL_CALLS]"}'), ("t", "{}")]),
+    ('[TOOL_CALLS]f[CALL_ID]a1B2c3D4e[ARGS]{"a": [1, {"b": 2}]}\n[TOOL_CALLS]g{"c": 3}', None,
+     [("f", '{"a": [1, {"b": 2}]}'), ("g", '{"c": 3}')]),
+    ('[TOOL_CALLS]f[ARGS]{"a": "Os', None, [("f", '{"a": "Os')]),  # cut short: a call
+    ('[TOOL_CALLS]f[ARGS]{}\n\nI called f.', "I called f.", [("f", "{}")]),  # text after: content
+    ("[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
 ]
 QWEN3_CODER = [  # no tools given: every value stays text
     ("On it.\n<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\ntwo\n</parameter>\n</function>\n"

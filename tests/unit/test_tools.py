@@ -23,12 +23,14 @@ HERMES = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
          '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 LLAMA3 = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}'
 MISTRAL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]'
+MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}'  # tokenizers v11 on
 
 
 @pytest.mark.parametrize("parser, text, content, calls", [
     ("hermes", HERMES, "Let me check.", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
     ("llama3_json", LLAMA3, None, [("get_weather", {"city": "Oslo"})]),
     ("mistral", MISTRAL, None, [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    ("mistral", MISTRAL_V11, None, [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
     ("hermes", "It is sunny in Oslo.", "It is sunny in Oslo.", []),
     ("hermes", "<tool_call>{not json</tool_call>", "<tool_call>{not json</tool_call>", []),  # unreadable: stays content
     ("llama3_json", "{no", "{no", []),
