@@ -47,6 +47,14 @@ def admission_wait_s(config: ServedModelConfig) -> float:
     return config.engine.batch_wait_timeout_s if config.engine.batching == "dynamic" else 0.0
 
 
+def admitted_alone(config: ServedModelConfig, num_unfinished: int) -> bool:
+    """Whether a request goes to the engine at once, without the window: where it is the only one on the replica
+    (``num_unfinished`` counts it) in continuous mode. In dynamic mode every request takes the window: the first of a
+    burst (the others still being tokenized, not yet in the engine) would otherwise run alone, and the whole burst
+    wait for its generation."""
+    return admission_wait_s(config) == 0 and num_unfinished <= 1
+
+
 class HostedModel:
     """One model served in this process: loads it (returns after a real warm-up generation) and admits requests.
 
@@ -64,13 +72,14 @@ class HostedModel:
         batching = config.engine.batching != "none"
         extra = {"draft_client": HandleDraftClient(draft_deployments)} if draft_deployments else {}
         self.server = resolve_factory(server_factory)(config, admit=self._admit if batching else None, **extra)
+        self.config = config
         self._admit_window.set_max_batch_size(config.engine.max_batch_size)
         self._admit_window.set_batch_wait_timeout_s(admission_wait_s(config))
 
     async def _admit(self, request: Request) -> None:
-        """Hand one request to the engine, through the batch window unless it is alone."""
+        """Hand one request to the engine, through the batch window unless it goes alone."""
         engine = self.server.engine
-        if engine.num_unfinished <= 1:  # only this request: nobody to wait for, so no window
+        if admitted_alone(self.config, engine.num_unfinished):
             engine.add_group([request])
         else:
             await self._admit_window(request)

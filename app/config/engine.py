@@ -102,7 +102,7 @@ class EngineConfig:
 
     batching: str = "continuous"
     max_batch_size: int = 32  # @serve.batch window: requests admitted together
-    batch_wait_timeout_s: float = 0.01  # dynamic: how long the window waits for batch-mates (a lone request never)
+    batch_wait_timeout_s: float = 0.01  # dynamic: how long the window waits for batch-mates
     max_num_seqs: int = 64  # sequences in one step's batch
     max_num_batched_tokens: int = 2048  # tokens in one step (decodes first, then chunks of prefills; vLLM CPU's default)
     # A step that carries decodes stays within this many ms: prefill chunks beside them are sized from the measured
