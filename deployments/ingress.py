@@ -38,7 +38,7 @@ from deployments.admission import HostedModel, ServerFactory
 from deployments.autoscaling import engine_queue_depth
 from deployments.http_answers import (RETRY_AFTER_S, as_generate_chunks, guarded, parsed, raises_api_errors,
                                       request_id_of, sse_response, streams_api_errors, too_large)
-from deployments.lifecycle import GracefulShutdown
+from deployments.lifecycle import GracefulShutdown, ingress_admission_after_stop_s
 from deployments.ray_metrics import RAY_METRICS_INTERVAL_S, RayMetricsExporter
 from deployments.replica import MODEL_REPLICA_OPTIONS
 from deployments.routes import LocalModel, Relayed, RemoteModel
@@ -107,7 +107,8 @@ class OpenAIIngress:
         self._draining = False
         # Serve's stop of this replica, seen as it begins (deployments/lifecycle.py): drain before the kill.
         self._shutdown = GracefulShutdown(
-            self._drain, MODEL_REPLICA_OPTIONS["graceful_shutdown_timeout_s"], MODEL_REPLICA_OPTIONS["graceful_shutdown_wait_loop_s"])
+            self._drain, MODEL_REPLICA_OPTIONS["graceful_shutdown_timeout_s"], MODEL_REPLICA_OPTIONS["graceful_shutdown_wait_loop_s"],
+            admit_after_stop_s=ingress_admission_after_stop_s())
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's hook (autoscaled deployments): the hosted model's queue depth, for deployments/autoscaling.py

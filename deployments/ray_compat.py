@@ -23,6 +23,8 @@ DEGRADES = {
     "replica deployment config": "the drain budget uses the deployment's declared grace period, not the live one",
     "request context": "request ids come from the x-request-id header (or are made up): log lines and error "
                        "messages no longer carry Serve's own id",
+    "direct ingress draining period": "a stopping ingress replica behind a load balancer refuses new requests (503) "
+                                      "after a second rather than over the window Serve keeps it reachable",
     "power-of-two router": "draft calls are routed to any replica of the draft model, without sequence affinity "
                            "(each call recomputes its context instead of resuming its KV)",
 }
@@ -58,6 +60,20 @@ def serve_request_id(headers: Mapping[str, str] | None = None) -> str:
     return request_id or (headers or {}).get("x-request-id") or uuid.uuid4().hex
 
 
+def direct_ingress_draining_period_s() -> float | None:
+    """How long Serve keeps a stopping ingress replica reachable on its own port so that load balancers deregister
+    it (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S``, 30 s by default), 0.0 without direct ingress; None where
+    the setting moved."""
+    try:
+        from ray.serve._private import constants
+
+        if not constants.RAY_SERVE_ENABLE_DIRECT_INGRESS:
+            return 0.0
+        return float(constants.RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S)
+    except Exception:  # noqa: BLE001 - another Ray
+        return None
+
+
 def power_of_two_router_class() -> type | None:
     """Serve's default request router (power of two choices on queue length), to extend; None where it moved."""
     try:
@@ -70,7 +86,8 @@ def power_of_two_router_class() -> type | None:
 def check_ray_internals() -> dict[str, bool]:
     """Which internals this Ray has (inside a replica also those only a replica can see); one warning per missing
     one, naming what degrades. Returns name -> available."""
-    found = {"request context": _has_request_context(), "power-of-two router": power_of_two_router_class() is not None}
+    found = {"request context": _has_request_context(), "power-of-two router": power_of_two_router_class() is not None,
+             "direct ingress draining period": direct_ingress_draining_period_s() is not None}
     if _in_replica():
         found["replica stop flag"] = hasattr(_replica_impl(), "_shutting_down")
         found["replica deployment config"] = replica_drain_settings() is not None

@@ -221,6 +221,34 @@ async def test_graceful_shutdown_drains_once_when_serve_begins_stopping_the_repl
     shutdown.cancel()
 
 
+@pytest.mark.parametrize("period_s, admitted_s", [(30.0, 30.0), (0.0, 1.0), (None, 1.0)])
+def test_an_ingress_under_direct_ingress_admits_through_serves_draining_period(monkeypatch, period_s, admitted_s):
+    """Serve keeps a stopping direct-ingress replica reachable for its draining period while load balancers deregister
+    it: refusing after a second would answer their requests with 503s. Without direct ingress (0), or where this Ray
+    has no such setting (None), the stale routes' second."""
+    from deployments import lifecycle
+
+    monkeypatch.setattr(lifecycle, "direct_ingress_draining_period_s", lambda: period_s)
+    assert lifecycle.ingress_admission_after_stop_s() == admitted_s
+
+
+async def test_admission_after_the_stop_takes_at_most_half_the_drain_window(monkeypatch):
+    from deployments import lifecycle
+
+    monkeypatch.setattr(lifecycle, "stop_requested", lambda: True)
+    monkeypatch.setattr(lifecycle, "POLL_S", 0.01)
+    budgets = []
+
+    async def drain(budget_s):
+        budgets.append((budget_s, time.monotonic()))
+
+    shutdown = lifecycle.GracefulShutdown(drain, timeout_s=4.1, wait_loop_s=2, admit_after_stop_s=30)  # a 0.6 s window
+    await until(lambda: budgets)
+    (budget_s, drained_at), = budgets
+    assert budget_s == pytest.approx(0.3) and 0.3 <= drained_at - shutdown.started_at < 1.0
+    shutdown.cancel()
+
+
 async def test_a_replica_stopped_from_del_drains_at_once(monkeypatch):
     from deployments import lifecycle
 

@@ -62,6 +62,18 @@ def test_the_replica_context_carries_its_deployment_config():
     assert ray_compat.replica_drain_settings() is None  # outside a replica: the declared values apply
 
 
+def test_the_direct_ingress_draining_period_is_serves_own_and_none_without_direct_ingress(monkeypatch):
+    from ray.serve._private import constants
+
+    monkeypatch.setattr(constants, "RAY_SERVE_ENABLE_DIRECT_INGRESS", False)
+    assert ray_compat.direct_ingress_draining_period_s() == 0.0
+    monkeypatch.setattr(constants, "RAY_SERVE_ENABLE_DIRECT_INGRESS", True)
+    monkeypatch.setattr(constants, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", 30.0)
+    assert ray_compat.direct_ingress_draining_period_s() == 30.0
+    monkeypatch.delattr(constants, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")
+    assert ray_compat.direct_ingress_draining_period_s() is None  # moved: the ingress keeps the stale routes' second
+
+
 def test_the_drain_budget_falls_back_to_the_declared_grace_period():
     from deployments.lifecycle import _MARGIN_S, drain_budget_s
 
