@@ -256,9 +256,14 @@ class OpenAIIngress:
             raise LookupError("this ingress hosts no model to draft with")
         return await self._hosted.server.propose(call)
 
+    @raises_api_errors
     async def model_stats(self, model: str | None = None) -> dict:
         """The engine counters of ``model`` (default: the first), wherever it runs: requests, KV blocks, steps."""
-        return await self._route_for(model).stats()
+        try:
+            return await asyncio.wait_for(self._route_for(model).stats(), timeout=_PROBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise EngineOverloadedError(f"the model {model or self._default_model!r} has no replica answering within "
+                                        f"{_PROBE_TIMEOUT_S} s (starting, or being replaced); retry") from None
 
     # ---- internals (the HTTP routes' work too) ------------------------------------------
     async def _generate(self, request: GenerateRequest) -> dict:

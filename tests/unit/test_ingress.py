@@ -100,3 +100,27 @@ async def test_a_handle_call_with_a_body_that_is_no_json_object_is_a_400(body):
     with pytest.raises(APIError) as refused:
         await parsed(body, CompletionRequest, stream=False)
     assert refused.value.status == 400 and "JSON object" in refused.value.message
+
+
+class _Stats:
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+
+    async def stats(self):
+        if self.behaviour == "fails":
+            raise RuntimeError("ActorDiedError at /secret/path/replica.py")
+        await asyncio.sleep(60)  # no replica answering
+
+
+@pytest.mark.parametrize("behaviour, status", [("fails", 500), ("hangs", 503)])
+async def test_model_stats_answers_a_handle_caller_as_the_other_methods_do(monkeypatch, behaviour, status):
+    """A failing model is the plain APIError an HTTP client would read (no internals), and one with no replica
+    answering a 503 within the probe's bound, not a call that never returns."""
+    from app.api.errors import APIError
+    from deployments import ingress as ingress_module
+
+    monkeypatch.setattr(ingress_module, "_PROBE_TIMEOUT_S", 0.05)
+    ingress = types.SimpleNamespace(_route_for=lambda model: _Stats(behaviour), _default_model="m")
+    with pytest.raises(APIError) as raised:
+        await OpenAIIngress.func_or_class.model_stats(ingress, "m")
+    assert raised.value.status == status and "/secret" not in raised.value.message
