@@ -301,9 +301,12 @@ class OpenAIIngress:
                                         f"replaced); retry") from None
 
     def _route_for(self, model: str | None):
+        route = self._served(model or self._default_model)
         if self._draining:  # Serve is stopping this replica: the client retries and reaches another one
+            if isinstance(route, LocalModel):  # the hosted model's refusal, counted as its own would be
+                self._hosted.server.serving.metrics_for(model or self._default_model).record_rejection("draining")
             raise EngineOverloadedError("this server is shutting down; retry")
-        return self._served(model or self._default_model)
+        return route
 
     def _served(self, name: str):
         route = self._routes.get(name)

@@ -274,7 +274,7 @@ class OpenAIServing:
     async def _generate(self, prepared: Prepared) -> AsyncIterator[RequestOutput]:
         request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling, self.eos_token_ids,
                           drafter=prepared.drafter, cache_salt=prepared.cache_salt)
-        metrics = self.metrics.setdefault(self._metrics_name(prepared.model), RequestMetrics())
+        metrics = self.metrics_for(prepared.model)
         try:
             self.engine.check_accepting()
         except Exception as exc:  # turned away before the engine took it: counted apart, in no latency figure
@@ -312,10 +312,10 @@ class OpenAIServing:
             else:
                 metrics.record(timing)
 
-    def _metrics_name(self, model: str) -> str:
-        """The served name a request's figures go under: the name it was sent to where this model serves it, else
-        the model's own (a handle call naming something else is answered; its name must not grow the metrics)."""
-        return model if model in self.speculative_names else self.model_name
+    def metrics_for(self, model: str) -> RequestMetrics:
+        """The figures of requests sent to ``model``: under that name where this model serves it, else the model's
+        own (a handle call naming something else is answered; its name must not grow the metrics)."""
+        return self.metrics.setdefault(model if model in self.speculative_names else self.model_name, RequestMetrics())
 
     async def _collect(self, prepared: Prepared) -> tuple[str, RequestOutput, list[TokenLogprob] | None]:
         parts, last, logprobs = [], None, None

@@ -124,3 +124,21 @@ async def test_model_stats_answers_a_handle_caller_as_the_other_methods_do(monke
     with pytest.raises(APIError) as raised:
         await OpenAIIngress.func_or_class.model_stats(ingress, "m")
     assert raised.value.status == status and "/secret" not in raised.value.message
+
+
+def test_a_draining_ingress_counts_its_refusal_of_the_hosted_model_as_that_models_rejection():
+    """The hosted model's requests refused at the ingress while it drains are 503s its clients read: they appear in
+    its request_rejected_total{reason="draining"}, as a model replica's own refusals do."""
+    from app.api.serving import OpenAIServing
+    from deployments.routes import LocalModel
+
+    serving = types.SimpleNamespace(metrics={}, speculative_names=[], model_name="m")
+    serving.metrics_for = types.MethodType(OpenAIServing.metrics_for, serving)
+    hosted = types.SimpleNamespace(server=types.SimpleNamespace(serving=serving))
+    ingress = types.SimpleNamespace(_draining=True, _hosted=hosted, _default_model="m",
+                                    _routes={"m": LocalModel(hosted), "other": object()})
+    ingress._served = types.MethodType(OpenAIIngress.func_or_class._served, ingress)
+    for model in ("m", None, "other"):
+        with pytest.raises(EngineOverloadedError):
+            OpenAIIngress.func_or_class._route_for(ingress, model)
+    assert {name: m.rejected for name, m in serving.metrics.items()} == {"m": {"draining": 2}}  # the other's: its own
