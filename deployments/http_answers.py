@@ -61,10 +61,10 @@ def raises_api_errors(method):
     """A handle method's failure reaches the calling Ray job as the APIError an HTTP client would read."""
 
     @functools.wraps(method)
-    async def wrapper(self, *args):
+    async def wrapper(self, *args, **kwargs):
         request_id = request_id_of()
         try:
-            return await method(self, *args)
+            return await method(self, *args, **kwargs)
         except Exception as exc:
             raise reported(exc, request_id) from None  # the cause would carry the internals along
 

@@ -260,7 +260,7 @@ class OpenAIIngress:
     async def model_stats(self, model: str | None = None) -> dict:
         """The engine counters of ``model`` (default: the first), wherever it runs: requests, KV blocks, steps."""
         try:
-            return await asyncio.wait_for(self._route_for(model).stats(), timeout=_PROBE_TIMEOUT_S)
+            return await asyncio.wait_for(self._route_for(model, a_request=False).stats(), timeout=_PROBE_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise EngineOverloadedError(f"the model {model or self._default_model!r} has no replica answering within "
                                         f"{_PROBE_TIMEOUT_S} s (starting, or being replaced); retry") from None
@@ -300,11 +300,14 @@ class OpenAIIngress:
             raise EngineOverloadedError(f"the model {name!r} has no replica answering yet (starting, or being "
                                         f"replaced); retry") from None
 
-    def _route_for(self, model: str | None):
+    def _route_for(self, model: str | None, a_request: bool = True):
+        """Where ``model`` is served; while this replica drains, a 503 (a request's: counted as the hosted model's
+        refusal, as its own would be)."""
         route = self._served(model or self._default_model)
         if self._draining:  # Serve is stopping this replica: the client retries and reaches another one
-            if isinstance(route, LocalModel):  # the hosted model's refusal, counted as its own would be
-                self._hosted.server.serving.metrics_for(model or self._default_model).record_rejection("draining")
+            serving = getattr(self._hosted.server, "serving", None) if isinstance(route, LocalModel) else None
+            if a_request and serving is not None:  # (an injected server may keep no figures)
+                serving.metrics_for(model or self._default_model).record_rejection("draining")
             raise EngineOverloadedError("this server is shutting down; retry")
         return route
 

@@ -61,7 +61,7 @@ def _replayed_call(call: Any, i: int) -> dict[str, Any]:
     some clients send them) as its JSON, none as ``{}``."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise APIError(400, "a tool call needs function.name and function.arguments (a JSON string)",
+        raise APIError(400, "a tool call needs function.name (and function.arguments, a JSON string)",
                        param=f"messages.tool_calls[{i}]")
     arguments = function.get("arguments")
     if not isinstance(arguments, (str, dict, type(None))):

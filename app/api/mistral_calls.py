@@ -28,6 +28,7 @@ class CompactReader(_CallsReading):
         super().__init__("head")  # head | arguments | tail | done
         self.end: int | None = None
         self.stopped: int | None = None
+        self._marker_at: int | None = None  # where the marker before the head being read began (the first: not here)
 
     def feed(self, delta: str) -> None:
         grow_attribute(self, "text", delta)
@@ -39,8 +40,8 @@ class CompactReader(_CallsReading):
         head = _HEAD.match(self.text, self._at, partial=True)
         if head is not None and (head.partial or head.end() == len(self.text)):
             return False  # may still become a head, or the arguments' brace is still to come
-        if head is None:
-            self._state, self.stopped = "done", self._at  # no call in the format: the text stays content
+        if head is None:  # no call in the format: the text from its marker on stays content
+            self._state, self.stopped = "done", self._at if self._marker_at is None else self._marker_at
             return True
         self._begin_call(head.group(1), head.end())
         return True
@@ -48,7 +49,8 @@ class CompactReader(_CallsReading):
     def _read_tail(self) -> bool:
         rest = self.text[self._at:].lstrip()
         if rest.startswith(MISTRAL_MARKER):  # the next call
-            self._at, self._state = len(self.text) - len(rest) + len(MISTRAL_MARKER), "head"
+            self._marker_at = len(self.text) - len(rest)
+            self._at, self._state = self._marker_at + len(MISTRAL_MARKER), "head"
             return True
         if not rest or marker_start_held(rest, MISTRAL_MARKER) == len(rest):
             return False  # whitespace, or what may begin the next marker

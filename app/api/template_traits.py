@@ -5,9 +5,10 @@ Chat templates differ in what they accept beyond ``role`` and ``content`` text, 
 - llava-hf's (and other multimodal checkpoints') loop over ``content`` as a list of parts: given a string, they
   render nothing of it (the model sees the role labels alone). Such a template gets every message's text as one
   ``{"type": "text"}`` part, as vLLM detects and passes them.
-- Gemma's raise on a ``system`` message, and on anything but user and assistant turns in turn. There a system
-  message (the client's, or the tools this server shows to a template that renders none) opens the first user
-  turn, as Gemma's model card advises, and tool results are user turns, consecutive ones joined.
+- Gemma 1's and 2's raise on a ``system`` message (older Phi-3 and Mistral templates drop it), and Gemma's on anything
+  but user and model turns in turn. There the system messages (the client's, or the tools this server shows to a
+  template that renders none) open the first user turn, as Gemma's model card advises, and, where the template
+  refuses a tool message, tool results are user turns, consecutive ones joined.
 - Mistral's take tool call ids of 9 letters and digits only (and raise otherwise): ids of another shape (this
   server's ``call_...``, another provider's) are given as 9 characters derived from each, the same for a call and the
   tool message answering it.
@@ -67,13 +68,14 @@ def short_call_id(call_id: str) -> str:
 def _probed(tokenizer, source: str) -> TemplateTraits:
     if not source:
         return TemplateTraits()
-    user = {"role": "user", "content": _MARK}
-    as_string = _shows(tokenizer, [user])
+    as_string = _shows(tokenizer, [{"role": "user", "content": _MARK}])
     as_parts = not as_string and _shows(tokenizer, [{"role": "user", "content": [{"type": "text", "text": _MARK}]}])
+    if not as_string and not as_parts:  # a template the probes cannot render (it needs more): taken as it is
+        return TemplateTraits(short_call_ids="[TOOL_CALLS]" in source)
     wrap = (lambda text: [{"type": "text", "text": text}]) if as_parts else (lambda text: text)
     system = _shows(tokenizer, [{"role": "system", "content": wrap(_MARK)}, {"role": "user", "content": wrap("u")}])
     tool = _shows(tokenizer, [{"role": "user", "content": wrap("u")}, {"role": "assistant", "content": wrap("a")},
-                              {"role": "tool", "content": wrap(_MARK)}])
+                              {"role": "tool", "tool_call_id": "a1B2c3D4e", "content": wrap(_MARK)}])
     return TemplateTraits(as_parts, system, tool, "[TOOL_CALLS]" in source)
 
 
@@ -95,12 +97,14 @@ def _with_short_ids(message: dict) -> dict:
 
 
 def _system_in_first_user_turn(messages: list[dict]) -> list[dict]:
-    system, rest = messages[0], messages[1:]
+    """The leading system messages (a client's ``developer`` one is a system one by now) as the first user turn's
+    start, a blank line apart."""
+    count = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    system, rest = "\n\n".join(m["content"] for m in messages[:count]), list(messages[count:])
     first_user = next((i for i, m in enumerate(rest) if m["role"] == "user"), None)
     if first_user is None:
-        return [{**system, "role": "user"}, *rest]
-    rest = list(rest)
-    rest[first_user] = {**rest[first_user], "content": f"{system['content']}\n\n{rest[first_user]['content']}"}
+        return [{"role": "user", "content": system}, *rest]
+    rest[first_user] = {**rest[first_user], "content": f"{system}\n\n{rest[first_user]['content']}"}
     return rest
 
 

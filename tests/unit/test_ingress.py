@@ -120,15 +120,16 @@ async def test_model_stats_answers_a_handle_caller_as_the_other_methods_do(monke
     from deployments import ingress as ingress_module
 
     monkeypatch.setattr(ingress_module, "_PROBE_TIMEOUT_S", 0.05)
-    ingress = types.SimpleNamespace(_route_for=lambda model: _Stats(behaviour), _default_model="m")
+    ingress = types.SimpleNamespace(_route_for=lambda model, a_request: _Stats(behaviour), _default_model="m")
     with pytest.raises(APIError) as raised:
-        await OpenAIIngress.func_or_class.model_stats(ingress, "m")
+        await OpenAIIngress.func_or_class.model_stats(ingress, model="m")  # as a keyword too
     assert raised.value.status == status and "/secret" not in raised.value.message
 
 
 def test_a_draining_ingress_counts_its_refusal_of_the_hosted_model_as_that_models_rejection():
     """The hosted model's requests refused at the ingress while it drains are 503s its clients read: they appear in
     its request_rejected_total{reason="draining"}, as a model replica's own refusals do."""
+    from app.api.errors import APIError
     from app.api.serving import OpenAIServing
     from deployments.routes import LocalModel
 
@@ -141,4 +142,8 @@ def test_a_draining_ingress_counts_its_refusal_of_the_hosted_model_as_that_model
     for model in ("m", None, "other"):
         with pytest.raises(EngineOverloadedError):
             OpenAIIngress.func_or_class._route_for(ingress, model)
+    ingress._route_for = types.MethodType(OpenAIIngress.func_or_class._route_for, ingress)
+    with pytest.raises(APIError) as raised:  # a stats probe while draining: a 503, and no request refused
+        asyncio.run(OpenAIIngress.func_or_class.model_stats(ingress, "m"))
+    assert raised.value.status == 503
     assert {name: m.rejected for name, m in serving.metrics.items()} == {"m": {"draining": 2}}  # the other's: its own

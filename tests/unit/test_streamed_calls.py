@@ -48,6 +48,7 @@ MISTRAL = [
     ('[TOOL_CALLS]f[ARGS]{"a": "Os', None, [("f", '{"a": "Os')]),  # cut short: a call
     ('[TOOL_CALLS]f[ARGS]{}\n\nI called f.', "I called f.", [("f", "{}")]),  # text after: content
     ("[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
+    ("[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]oops text", "[TOOL_CALLS]oops text", [("f", "{}")]),  # the marker stays with it
 ]
 QWEN3_CODER = [  # no tools given: every value stays text
     ("On it.\n<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\ntwo\n</parameter>\n</function>\n"

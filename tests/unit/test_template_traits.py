@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 from app.api.errors import APIError
 from app.api.prompts import Prompts
 from app.api.protocol import ChatCompletionRequest, parse_body
-from app.api.template_traits import short_call_id, traits_of
+from app.api.template_traits import TemplateTraits, short_call_id, traits_of
 from tests.unit.chat_templates import GEMMA2, LLAVA, MISTRAL
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -72,8 +72,17 @@ def test_the_traits_are_probed_once_per_template():
     traits = traits_of(prompts.tokenizer)
     assert (traits.system_role, traits.tool_role, traits.content_as_parts, traits.short_call_ids) == (False, False, False, False)
     assert traits_of(prompts.tokenizer) is traits
-    prompts.tokenizer.chat_template = MISTRAL
-    assert traits_of(prompts.tokenizer).short_call_ids
+    prompts.tokenizer.chat_template = MISTRAL  # its tool messages need a call id of its shape: the probe's has one
+    assert traits_of(prompts.tokenizer) == TemplateTraits(system_role=True, tool_role=True, short_call_ids=True)
+    prompts.tokenizer.chat_template = "{{ raise_exception('needs a variable the probes do not pass') }}"
+    assert traits_of(prompts.tokenizer) == TemplateTraits()  # nothing learnt: the messages go as they are
+
+
+def test_several_leading_system_messages_open_the_first_user_turn_together():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Use metric units."},
+                {"role": "user", "content": "Weather?"}]
+    text = _render(GEMMA2, messages=messages)
+    assert text == "<s><start_of_turn>user\nBe brief.\n\nUse metric units.\n\nWeather?<end_of_turn>\n<start_of_turn>model\n"
 
 
 ITEMS = ("{% for m in messages %}{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %} {{ c.function.name }}("
