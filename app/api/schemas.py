@@ -6,13 +6,15 @@
   other schemas stays open (an object beside ``allOf``/``anyOf``/``oneOf``/``$ref``/``if``, their members, the
   definitions they reference), as does an object whose ``required`` names a key it does not list and one without
   ``properties`` (free-form).
-- OpenAPI's ``"nullable": true`` (pydantic v1, FastAPI) becomes a type list with ``"null"``.
+- OpenAPI's ``"nullable": true`` (pydantic v1, FastAPI) becomes a type list with ``"null"`` (a schema without a type:
+  ``anyOf`` it or null).
 - ``tool_choice: required`` nests each tool's parameters inside one schema: their ``$defs``/``definitions`` move to
   its root and their references to their own root (``"$ref": "#"``) follow them (``tools_schema``).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from app.api.errors import APIError
@@ -22,18 +24,31 @@ _COMBINING = ("allOf", "anyOf", "oneOf", "if", "then", "else", "not", "$ref")  #
 _COMBINED_WITH = {"properties", "patternProperties", "additionalProperties", "required", "allOf", "anyOf", "oneOf", "type"}
 
 
-def closed(schema: Any) -> Any:
-    """``schema`` with the rules above applied throughout (a new object; ``schema`` is left as it is)."""
-    return _closed(schema, _combined_definitions(schema), open_here=False)
+class _NotASchema(ValueError):
+    """A part of a schema that no JSON schema has (the message says which)."""
+
+
+def closed(schema: Any, param: str = "tools") -> Any:
+    """``schema`` with the rules above applied throughout (a new object; ``schema`` is left as it is); a 400 naming
+    ``param`` where a keyword has a value no schema gives it."""
+    try:
+        return _closed(schema, _combined_definitions(schema), open_here=False)
+    except _NotASchema as exc:
+        raise APIError(400, f"{param}: {exc}", param=param, code="invalid_grammar") from None
 
 
 def _closed(schema: Any, combined: set[str], open_here: bool) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    if out.get("nullable") is True and isinstance(out.get("type"), str):
-        out["type"] = [out.pop("type"), "null"]
-        out.pop("nullable")
+    required = out.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(name, str) for name in required)):
+        raise _NotASchema(f"a JSON schema's \"required\" must be a list of property names, not {json.dumps(required)[:80]}")
+    if out.pop("nullable", None) is True:  # OpenAPI's: null too
+        kind = out.get("type")
+        if not isinstance(kind, (str, list)):  # no type (an enum, a reference, a combination): null beside it
+            return {"anyOf": [_closed(out, combined, open_here), {"type": "null"}]}
+        out["type"] = [kind, "null"] if isinstance(kind, str) else [*kind, *(["null"] if "null" not in kind else [])]
     properties = out.get("properties")
     if (isinstance(properties, dict) and "additionalProperties" not in out and not open_here
             and not any(key in out for key in _COMBINING) and set(out.get("required") or []) <= set(properties)):
@@ -44,10 +59,10 @@ def _closed(schema: Any, combined: set[str], open_here: bool) -> Any:
     for key in ("properties", "patternProperties", "dependentSchemas"):
         if isinstance(out.get(key), dict):
             out[key] = {name: _closed(value, combined, False) for name, value in out[key].items()}
-    for key in ("allOf", "anyOf", "oneOf", "prefixItems"):
+    for key in ("allOf", "anyOf", "oneOf", "prefixItems", "items"):  # (a list of items: draft 4's tuple)
         if isinstance(out.get(key), list):  # a member of a combination combines with its siblings: left open
-            out[key] = [_closed(value, combined, key != "prefixItems") for value in out[key]]
-    for key in ("items", "additionalProperties", "contains", "propertyNames", "if", "then", "else", "not"):
+            out[key] = [_closed(value, combined, key not in ("prefixItems", "items")) for value in out[key]]
+    for key in ("items", "additionalItems", "additionalProperties", "contains", "propertyNames", "if", "then", "else", "not"):
         if isinstance(out.get(key), dict):
             out[key] = _closed(out[key], combined, key in ("if", "then", "else", "not"))
     return out
@@ -84,7 +99,10 @@ def call_schema(parameters: list[tuple[str, dict]]) -> dict:
         own = f"tool-{i}-parameters"
         body = _rerooted(dict(schema), own)
         for key in ("$defs", "definitions"):
-            for defined, value in (body.pop(key, None) or {}).items():
+            given = body.pop(key, None) or {}
+            if not isinstance(given, dict):
+                raise APIError(400, f"a tool's parameters' {key} must be an object of named schemas", param=f"tools[{i}]")
+            for defined, value in given.items():
                 if defs[key].setdefault(defined, value) != value:
                     raise APIError(400, f"tools define {key}/{defined} differently; give it one meaning or rename it",
                                    param="tools")

@@ -10,6 +10,7 @@ says (an object listing its properties takes no others, as vLLM's default backen
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from app.api.errors import NOT_JSON, APIError
@@ -26,13 +27,15 @@ STRUCTURED_UNSET_ONLY = {"whitespace_pattern": "JSON is written with compact sep
                          "structural_tag": "give the format as json, regex, choice or grammar"}
 # A grammar is compiled for the model's vocabulary in the engine, between its steps: what a schema may hold keeps that
 # within a fraction of a second (2-core AVX2 EPYC, SmolLM2's vocabulary: an object of 1,000 optional properties
-# 0.14 s, of 4,000 2.0 s, of 10,000 25 s, while every request of the batch waited; llguidance cannot give more than
-# 2,000 alternatives at a position anyway)
-MAX_PROPERTIES = 1000  # of one object
+# 0.14 s, of 4,000 2.0 s, of 10,000 25 s; 16 objects of 500 0.87 s, 20 of 1,000 2.5 s and then a crash inside
+# llguidance; every request of the batch waited). And llguidance holds 2,000 parser items at a position: an object's
+# optional properties take 4 each there (499 failed at its "{"), a choice one more than its count.
+MAX_PROPERTIES = 480  # of one object
+MAX_ALL_PROPERTIES = 4000  # of all a schema's objects
 # A grammar's or regex's text: 12,000 alternatives (121k characters) 0.3 s, 50,000 (640k) 4.4 s, 80,000 past what
 # llguidance holds (same machine)
 MAX_GRAMMAR_CHARS = 131_072
-MAX_LISTED = 2000  # enum values, or choices
+MAX_LISTED = 1999  # enum values, or choices
 MAX_SCHEMA_NODES = 4096  # objects in a whole schema
 _ANY_OBJECT = json.dumps({"type": "object"})  # json_object: any JSON object
 
@@ -59,7 +62,10 @@ def json_in_lark(schema_text: str) -> str:
     """A JSON schema as a Lark grammar's ``%json`` value, held to the separators JSON_OPTIONS gives (its own
     "x-guidance" options still override them)."""
     schema = json.loads(schema_text)
-    return "%json " + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}})
+    options = schema.get("x-guidance") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "a schema's x-guidance must be an object of llguidance's JSON options", code="invalid_grammar")
+    return "%json " + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, **options}})
 
 
 # The keys each response_format type takes (json_object's "schema": llama.cpp's and Together's form, honoured)
@@ -82,7 +88,7 @@ def _from_response_format(response_format: dict[str, Any] | None):
         schema = response_format.get("schema")
         if schema is not None and not isinstance(schema, dict):
             raise APIError(400, "response_format.schema must be a JSON schema object", param="response_format.schema")
-        return ("json", json.dumps(closed(schema)) if schema else _ANY_OBJECT), param
+        return ("json", json.dumps(closed(schema, "response_format.schema")) if schema else _ANY_OBJECT), param
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise APIError(400, "response_format json_schema needs json_schema.schema (a JSON schema object)",
@@ -92,7 +98,7 @@ def _from_response_format(response_format: dict[str, Any] | None):
         if key in spec and spec[key] is not None and not isinstance(spec[key], kind_of):
             raise APIError(400, f"response_format.json_schema.{key} must be a {kind_of.__name__}",
                            param=f"response_format.json_schema.{key}")
-    return ("json", json.dumps(closed(spec["schema"]))), param
+    return ("json", json.dumps(closed(spec["schema"], "response_format.json_schema.schema"))), param
 
 
 def _only(given: dict, known: set[str], param: str, where: str = "") -> None:
@@ -131,7 +137,7 @@ def _from_structured_outputs(structured: dict[str, Any] | None):
             raise APIError(400, f"structured_outputs.json is not valid JSON: {str(exc) or 'nested too deeply'}", param=param) from None
         if not isinstance(schema, dict):
             raise APIError(400, "structured_outputs.json must be a JSON schema object", param=param)
-        return ("json", json.dumps(closed(schema))), param
+        return ("json", json.dumps(closed(schema, param))), param
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise APIError(400, "structured_outputs.choice must be a non-empty list of non-empty strings", param=param)
@@ -162,6 +168,8 @@ def _compiled_grammar(kind: str, text: str) -> tuple[str | None, str | None]:
 
     if kind in ("json", "choice") and (why := _too_large(json.loads(text))):
         return None, why
+    if kind == "grammar" and (why := next(filter(None, map(_too_large, _json_in_grammar(text))), None)):
+        return None, why  # a schema inside a Lark grammar is a schema
     try:
         if kind == "json":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
@@ -199,9 +207,20 @@ def require_compilable_size(value: Any, param: str) -> None:
         raise APIError(400, f"{param} cannot be used: {why}", param=param, code="invalid_grammar")
 
 
+def _json_in_grammar(text: str) -> list[Any]:
+    """The schemas a Lark grammar holds as ``%json {...}`` values."""
+    decoder, found = json.JSONDecoder(), []
+    for match in re.finditer(r"%json\s*", text):
+        try:
+            found.append(decoder.raw_decode(text, match.end())[0])
+        except NOT_JSON:
+            continue  # not JSON: llguidance says what is wrong
+    return found
+
+
 def _too_large(value: Any) -> str | None:
     """Why a schema (or choice list) is past what the engine compiles promptly, or None."""
-    nodes, pending = 0, [value]
+    nodes, all_properties, pending = 0, 0, [value]
     over = isinstance(value, list) and len(value) > MAX_LISTED
     written = _chars(value) if isinstance(value, list) else 0  # what the grammar spells out: choices, enums, patterns
     while pending and not over:
@@ -210,15 +229,17 @@ def _too_large(value: Any) -> str | None:
             nodes += 1
             properties, enum = node.get("properties"), node.get("enum")
             written += _chars(enum) + _chars(node.get("const")) + _chars(node.get("pattern"))
+            all_properties += len(properties) if isinstance(properties, dict) else 0
             over = (isinstance(properties, dict) and len(properties) > MAX_PROPERTIES) or nodes > MAX_SCHEMA_NODES or \
-                (isinstance(enum, list) and len(enum) > MAX_LISTED) or written > MAX_GRAMMAR_CHARS
+                (isinstance(enum, list) and len(enum) > MAX_LISTED) or written > MAX_GRAMMAR_CHARS or \
+                all_properties > MAX_ALL_PROPERTIES
             pending.extend(node.values())
         elif isinstance(node, list):
             pending.extend(node)
     over = over or written > MAX_GRAMMAR_CHARS
-    return (f"too large to compile without holding up the engine: at most {MAX_PROPERTIES} properties in an object, "
-            f"{MAX_LISTED} enum values or choices, {MAX_SCHEMA_NODES} schema objects, {MAX_GRAMMAR_CHARS:,} characters "
-            "of choices, enum values and patterns in all") if over else None
+    return (f"too large to compile without holding up the engine: at most {MAX_PROPERTIES} properties in an object "
+            f"({MAX_ALL_PROPERTIES:,} in all), {MAX_LISTED:,} enum values or choices, {MAX_SCHEMA_NODES:,} schema "
+            f"objects, {MAX_GRAMMAR_CHARS:,} characters of choices, enum values and patterns in all") if over else None
 
 
 def _chars(value: Any) -> int:

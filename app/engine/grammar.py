@@ -25,6 +25,12 @@ from app.engine.deep_stack import on_a_deep_stack
 _NEG_INF_BITS = int(torch.tensor(float("-inf")).view(torch.int32).item())
 _CACHED_GRAMMARS = 256
 _CACHED_GRAMMAR_CHARS = 64 << 20  # of the grammars' text in all (each up to a 4 MB request's schema)
+# The parser items one step of a matcher may take (llguidance's default: 50,000). An ambiguous grammar's items grow
+# with its output (`s: s s | "a" | "b"`: a mask ~0.5 s by its 340th token at the default, every batch-mate waiting);
+# past this its request fails alone ("Too many items"), its steps held to ~30 ms (2-core AVX2 EPYC, SmolLM2's
+# vocabulary). The largest grammars the API admits (490 optional properties, 1,999 choices, 128 strict tools) take
+# fewer than 2,100.
+STEP_MAX_ITEMS = 5000
 # llguidance's view of each tokenizer (~1 s to build), shared by every engine of the process on that tokenizer
 _LLG_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -58,11 +64,11 @@ class Grammars:
 
         compiled = self._compiled.get(grammar)
         if compiled is None:
-            tokenizer = self._llg_tokenizer()
-            compiled = on_a_deep_stack(lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0))
-            if compiled.is_error():
-                raise GrammarError(f"the grammar cannot be used: {_short(compiled.get_error())}")
-            self._compiled.put(grammar, compiled, len(grammar))
+            tokenizer, limits = self._llg_tokenizer(), llguidance.LLParserLimits(step_max_items=STEP_MAX_ITEMS)
+            compiled = on_a_deep_stack(lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits))
+            self._compiled.put(grammar, compiled, len(grammar))  # a failure too: a resent one costs no second compile
+        if compiled.is_error():
+            raise GrammarError(f"the grammar cannot be used: {_short(compiled.get_error())}")
         return compiled.deep_copy()
 
     def mask(self, logits: torch.Tensor, requests: Sequence) -> torch.Tensor:

@@ -246,3 +246,31 @@ def test_a_draft_that_ends_a_grammar_with_eos_is_masked_without_rolling_back_wha
         grammars.mask_drafts(rows, [request], [drafts])
         assert torch.isfinite(rows[len(yes)]).nonzero().squeeze(1).tolist() == [eos]  # complete: only EOS after it
         assert request.matcher.validate_tokens(yes) == len(yes)  # rolled back to where it stood
+
+
+def test_an_ambiguous_grammar_fails_its_request_once_its_steps_pass_the_item_budget(loaded_rounded):
+    """`s: s s | "a" | "b"` parses its output in ever more ways: unbounded, each step's mask took ~0.5 s by token 340,
+    every batch-mate waiting. Past the step budget the request fails alone; an unambiguous grammar of the same
+    language goes on."""
+    from app.engine.grammar import GrammarError, Grammars
+
+    tokenizer = loaded_rounded.tokenizer
+    grammars = Grammars(tokenizer, len(tokenizer), frozenset(loaded_rounded.eos_token_ids))
+    a, b = tokenizer.convert_tokens_to_ids("a"), tokenizer.convert_tokens_to_ids("b")
+
+    def steps(grammar: str) -> int:
+        request = Request("r", [1], SamplingParams(grammar=grammar))
+        request.matcher = grammars.matcher(grammar)
+        for step in range(400):
+            grammars.mask(torch.zeros(1, len(tokenizer)), [request])  # raises for this request where it fails
+            assert request.matcher.consume_token((a, b)[step % 2])
+        return step + 1
+
+    with pytest.raises(GrammarError, match="Too many items"):
+        steps('start: s\ns: s s | "a" | "b"\n')
+    assert steps('start: s\ns: ("a" | "b")+\n') == 400
+    with pytest.raises(GrammarError, match="cannot be used"):  # a grammar that fails to compile fails again from the cache
+        grammars.matcher("start: /(ab/")
+    assert grammars._compiled.get("start: /(ab/") is not None
+    with pytest.raises(GrammarError, match="cannot be used"):
+        grammars.matcher("start: /(ab/")

@@ -1,5 +1,6 @@
 """Structured-output fields at the API: what becomes a grammar, and each way a request is refused with a 400."""
 
+import json
 import os
 
 import pytest
@@ -62,6 +63,18 @@ def test_each_form_becomes_a_grammar_and_text_stays_free():
     ({"structured_outputs": {"json": {"type": "string", "pattern": "a" * 140_000}}}, "structured_outputs.json", "characters"),
     ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}}, "structured_outputs.disable_any_whitespace",
      "true or false"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {**SCHEMA, "required": 5}}}},
+     "response_format.json_schema.schema", '"required" must be a list of property names'),
+    ({"structured_outputs": {"json": {"type": "array", "items": {**SCHEMA, "required": [["city"]]}}}},
+     "structured_outputs.json", '"required" must be a list'),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {f"p{i}": {} for i in range(481)}}}},
+     "structured_outputs.json", "at most 480 properties"),  # llguidance could not open its "{"
+    ({"structured_outputs": {"json": {"type": "object", "properties": {
+        f"o{j}": {"type": "object", "properties": {f"p{i}": True for i in range(400)}} for j in range(11)}}}},
+     "structured_outputs.json", "4,000 in all"),
+    ({"structured_outputs": {"choice": [f"c{i}" for i in range(2000)]}}, "structured_outputs.choice", "1,999"),
+    ({"structured_outputs": {"grammar": "start: %json " + json.dumps({"type": "object", "properties": {
+        f"p{i}": {} for i in range(2000)}})}}, "structured_outputs.grammar", "at most 480 properties"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(form, param, says):
     with pytest.raises(APIError) as caught:
@@ -103,8 +116,17 @@ def test_an_object_listing_its_properties_takes_no_others_and_json_object_honour
     assert _accepts(_grammar({**CHAT, "structured_outputs": {"json": combined}}), '{"a": 1, "b": 2}')
     opened = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True}
     assert _accepts(_grammar({**CHAT, "structured_outputs": {"json": opened}}), '{"a": 1, "z": 2}')
-    nullable = {"type": "object", "properties": {"a": {"type": "integer", "nullable": True}}}  # OpenAPI's, pydantic v1's
-    assert _accepts(_grammar({**CHAT, "structured_outputs": {"json": nullable}}), '{"a": null}')
+    nullable = {"type": "object", "properties": {"a": {"type": "integer", "nullable": True},  # OpenAPI's, pydantic v1's
+                                                 "b": {"type": ["string", "integer"], "nullable": True},
+                                                 "c": {"enum": ["x", "y"], "nullable": True}}}
+    nullable = _grammar({**CHAT, "structured_outputs": {"json": nullable}})
+    assert _accepts(nullable, '{"a": null, "b": null, "c": null}') and _accepts(nullable, '{"b": 2, "c": "x"}')
+    assert not _accepts(nullable, '{"c": "z"}')
+    tuples = {"type": "array", "items": [{"type": "object", "properties": {"a": {"type": "integer"}}}],  # draft 4's tuple
+              "additionalItems": {"type": "object", "properties": {"b": {"type": "integer"}}}}
+    tuples = _grammar({**CHAT, "structured_outputs": {"json": tuples}})
+    assert _accepts(tuples, '[{"a": 1}, {"b": 2}]') and not _accepts(tuples, '[{"a": 1, "zzz": 2}]')
+    assert not _accepts(tuples, '[{"a": 1}, {"b": 2, "zzz": 3}]')
     with_schema = _grammar({**CHAT, "response_format": {"type": "json_object", "schema": SCHEMA}})
     assert _accepts(with_schema, '{"a": 1}') and not _accepts(with_schema, '{"a": "one"}')
 
@@ -176,5 +198,5 @@ def test_a_schema_the_engine_would_take_seconds_to_compile_is_a_400_and_one_at_t
     with pytest.raises(APIError) as refused:
         parse_body({"prompt": "x", "structured_outputs": structured}, CompletionRequest).grammar()
     assert (refused.value.status, refused.value.param) == (400, param) and "too large to compile" in refused.value.message
-    at_limit = {"type": "object", "properties": {f"p{i}": {"enum": [f"v{j}" for j in range(2 if i else 2000)]} for i in range(1000)}}
+    at_limit = {"type": "object", "properties": {f"p{i}": {"enum": [f"v{j}" for j in range(2 if i else 1999)]} for i in range(480)}}
     assert parse_body({"prompt": "x", "structured_outputs": {"json": at_limit}}, CompletionRequest).grammar()

@@ -330,3 +330,22 @@ def test_allowed_tools_show_and_let_the_model_call_those_alone_in_their_mode():
     body = chat_body({"model": "m", "input": "What time is it?", "tool_choice": flat,
                       "tools": [{"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}]})
     assert [t.name for t in parse_body(body, ChatCompletionRequest).parsed_tools()] == ["get_time"]
+
+
+@pytest.mark.parametrize("parameters, says", [
+    ({"type": "object", "$defs": 5}, "$defs must be an object"),
+    ({"type": "object", "properties": {"a": {}}, "required": True}, '"required" must be a list'),
+])
+def test_a_tools_schema_keyword_no_schema_has_is_a_400_not_a_500(parameters, says):
+    tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+    with pytest.raises(APIError) as refused:
+        forced_schema("required", tools, True)
+    assert refused.value.status == 400 and says in refused.value.message
+
+
+def test_a_formats_x_guidance_that_is_no_object_is_a_400_beside_tools():
+    from app.api.structured import json_in_lark
+
+    with pytest.raises(APIError) as refused:
+        json_in_lark(json.dumps({"type": "object", "x-guidance": 5}))
+    assert refused.value.status == 400 and "x-guidance" in refused.value.message
