@@ -198,9 +198,12 @@ class _ResponseStream:
         return events + [self._event(kind, response=self._snapshot(status))]
 
     def fail(self, error: APIError) -> list[dict]:
-        told = {"code": error.code or "server_error", "message": error.message}
-        return [self._event("error", code=told["code"], message=error.message, param=error.param),
-                self._event("response.failed", response=self._snapshot("failed", told))]
+        """The ``error`` event with the error's own code, then ``response.failed``, whose ``error.code`` is one of the
+        few OpenAI's Responses type allows."""
+        kind = "invalid_prompt" if error.status < 500 and error.status != 429 else \
+            "rate_limit_exceeded" if error.status in (429, 503) else "server_error"
+        return [self._event("error", code=error.code or kind, message=error.message, param=error.param),
+                self._event("response.failed", response=self._snapshot("failed", {"code": kind, "message": error.message}))]
 
 
 def _tail_writing(logprobs: list, text: str) -> list:

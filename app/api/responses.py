@@ -136,9 +136,9 @@ def _messages(instructions: Any, given: Any) -> list[dict]:
 
 
 def _message(item: Any, param: str, messages: list[dict]) -> dict | None:
-    """The chat message of one input item; None where it joins the assistant message before it (its calls and its
-    text are one turn, however the items split them) or is dropped (a reasoning item given back: templates show an
-    earlier turn's answer, not its thinking)."""
+    """The chat message of one input item; None where it joins the assistant message before it (its thinking, calls
+    and text are one turn, however the items split them; a template shows the thinking of the turns it shows it of,
+    Qwen3's those after the last user message, an agent loop's steps) or is dropped (a reasoning item of no text)."""
     if not isinstance(item, dict):
         raise APIError(400, f"{param} must be an object (a message or a function call item)", param=param)
     kind = item.get("type", "message")
@@ -147,8 +147,8 @@ def _message(item: Any, param: str, messages: list[dict]) -> dict | None:
         if item.get("role") not in ("user", "system", "developer", "assistant"):
             raise APIError(400, f"{param}.role must be user, system, developer or assistant", param=f"{param}.role")
         text = _text(item.get("content"), f"{param}.content")
-        if item["role"] == "assistant" and previous is not None and previous.get("tool_calls") and not previous["content"]:
-            previous["content"] = text
+        if item["role"] == "assistant" and previous is not None and (previous.get("tool_calls") or not previous["content"]):
+            previous["content"] = f"{previous['content']}\n\n{text}" if previous["content"] else text  # text after calls too
             return None
         return {"role": item["role"], "content": text}
     if kind == "function_call":
@@ -161,8 +161,10 @@ def _message(item: Any, param: str, messages: list[dict]) -> dict | None:
     if kind == "function_call_output":
         output = item.get("output")
         return {"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(output, f"{param}.output")}
-    if kind == "reasoning":
-        return None
+    if kind == "reasoning":  # as vLLM reads it: its text, else its summary's (encrypted content: none made here)
+        parts = [part for key in ("content", "summary") for part in (item.get(key) or []) if isinstance(part, dict)]
+        thinking = next((part["text"] for part in parts if isinstance(part.get("text"), str) and part["text"]), None)
+        return {"role": "assistant", "content": None, "reasoning": thinking} if thinking else None
     raise APIError(400, f"{param}.type {kind!r} is not supported (message, function_call, function_call_output)",
                    param=f"{param}.type")
 

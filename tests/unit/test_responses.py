@@ -83,6 +83,25 @@ def test_our_own_output_sent_back_as_input_is_one_assistant_turn_and_common_fiel
     assert (logged.logprobs, logged.top_logprobs) == (True, 2)
 
 
+def test_a_replayed_reasoning_item_is_its_turns_thinking_and_text_after_calls_stays_in_their_turn():
+    """An agent loop replays its output: the thinking reaches the template with its turn (as vLLM reads a reasoning
+    item: its text, else its summary's), and [message, call, message] stays one assistant turn before the result."""
+    body = {"model": "m", "input": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Need weather."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done soon."}]},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Sunny: say so."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "It is sunny."}]}]}
+    _, chat = responses.parse_request(json.dumps(body).encode())
+    assert [(m.role, m.content, m.reasoning) for m in chat.messages] == [
+        ("user", "Weather in Oslo?", None), ("assistant", "Checking.\n\nDone soon.", "Need weather."),
+        ("tool", "sunny", None), ("assistant", "It is sunny.", "Sunny: say so.")]
+    assert [c["id"] for c in chat.messages[1].tool_calls] == ["c1"]
+
+
 def _replayed(answer: str, **extra) -> dict:
     """A response request the fake model answers with ``answer``."""
     return {"model": "fake-tools", "input": f"Weather? {REPLAY[0].decode()}{answer}{REPLAY[1].decode()}", "tools": [WEATHER],
@@ -174,9 +193,15 @@ async def test_a_failure_after_the_stream_began_is_an_error_event_then_response_
         yield {"model": "m", "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None, "logprobs": None}]}
         raise RuntimeError("engine gone")
 
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
     events = [e async for e in response_stream.response_events({"model": "m"}, chunks(), "resp_1", 0, "req-1")]
     assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
     assert events[-1]["response"]["status"] == "failed" and "engine gone" not in json.dumps(events)  # no internals
+    for event in events:  # response.failed's error.code: one of the few the Responses type allows
+        TypeAdapter(ResponseStreamEvent).validate_python(event, strict=True)
+    assert (events[-2]["code"], events[-1]["response"]["error"]["code"]) == ("internal_error", "server_error")
 
 
 @pytest.mark.parametrize("began", [False, True])
