@@ -30,7 +30,10 @@ async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, 
             if choice["finish_reason"] is not None:
                 content, whole = calls_in.finish()
                 text, calls = text + (content or ""), [(call.name, call.arguments) for call in whole]
-            entries = call_entries(calls[:1] if one_call else calls, sent)
+            calls = calls[:1] if one_call else calls  # (the finish reads the kept calls alone, as the whole answer does)
+            entries = call_entries(calls, sent)
+            if not (text or entries or choice["finish_reason"] is not None or choice["delta"].get("reasoning")):
+                yield held_back(chunk, choice)
             if text:
                 logprobs, held_logprobs = ({"content": held_logprobs} if held_logprobs else None), []
                 yield {**chunk, "choices": [{**pending(choice), "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}]}
@@ -42,6 +45,13 @@ async def auto_chunks(chunks: AsyncIterator[dict], parser: str, one_call: bool, 
                 finish = "tool_calls" if whole_calls and choice["finish_reason"] == "stop" else choice["finish_reason"]
                 logprobs = {"content": held_logprobs} if held_logprobs else None  # tokens of no text (a call's end)
                 yield {**chunk, "choices": [{**choice, "delta": {}, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+def held_back(chunk: dict, choice: dict) -> dict:
+    """A token whose text is held (a call may begin there, or thinking not shown) as an empty chunk: a stream sends a
+    chunk for each token, so its first byte never waits for a hidden thinking's end (a proxy's idle timeout would cut
+    it), and its logprobs go out with the text they are for."""
+    return {**chunk, "choices": [{**pending(choice), "delta": {}, "logprobs": None, "finish_reason": None}]}
 
 
 def pending(choice: dict) -> dict:
@@ -87,6 +97,8 @@ async def named_call_chunks(chunks: AsyncIterator[dict], name: str) -> AsyncIter
             fragment = text.rstrip()
             held = text[len(fragment):]  # trailing whitespace waits for what follows it
             begun = begun or bool(fragment)
+            if not (fragment or choice["logprobs"] or choice["finish_reason"] is not None or choice["delta"].get("reasoning")):
+                yield held_back(chunk, choice)
             if fragment or choice["logprobs"]:
                 entry = {"index": 0, "function": {"arguments": fragment}}
                 if not opened:  # the first fragment carries the call's id and name
@@ -112,7 +124,7 @@ async def required_call_chunks(chunks: AsyncIterator[dict]) -> AsyncIterator[dic
             text += piece
             reader.feed(piece)
             entries = call_entries([(name, arguments) for name, arguments in reader.calls], sent)
-            if entries or choice["logprobs"]:
+            if entries or choice["logprobs"] or (choice["finish_reason"] is None and not choice["delta"].get("reasoning")):
                 delta = {"tool_calls": entries} if entries else {}
                 yield {**chunk, "choices": [{**pending(choice), "delta": delta, "finish_reason": None}]}
             if choice["finish_reason"] is not None:  # "tool_calls" unless a stop string ended it inside a call

@@ -267,3 +267,22 @@ async def test_a_qwen3_call_written_while_thinking_ends_the_thinking_and_is_the_
     strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
     held = await server.serving.chat(parse_body(_body(answer, tools=[strict]), ChatCompletionRequest))
     assert "<tool_call>" in held["choices"][0]["message"]["reasoning"] and "tool_calls" not in held["choices"][0]["message"]
+
+
+THINKING = "<think>" + "Rain in Oslo, I should look it up. " * 3 + "</think>"
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+                                                                                "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("tool_choice, answer", [("auto", CALL), ({"type": "function", "function": {"name": "get_weather"}},
+                                                                  '{"city": "Oslo"}'), ("required", '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')])
+async def test_thinking_not_shown_beside_tools_still_streams_a_chunk_per_token(server, tool_choice, answer):
+    """A stream sends a chunk for each token, an empty one where its text is held: a hidden thinking (or a call's
+    start held back) must not hold the stream's first byte until the answer, or a proxy's idle timeout cuts it."""
+    body = _body(THINKING + answer, include_reasoning=False, tools=[TOOL], tool_choice=tool_choice)
+    whole, deltas = await _whole_and_streamed(server, body)
+    before_call = next(i for i, d in enumerate(deltas) if d["delta"].get("tool_calls"))
+    assert before_call > len(THINKING)  # the opening chunk, then one a token (a byte a token here) while it thinks
+    assert not any(d["delta"].get("reasoning") or d["delta"].get("content") for d in deltas[:before_call])
+    assert whole["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'

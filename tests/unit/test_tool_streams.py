@@ -217,3 +217,14 @@ async def test_an_answer_a_stop_ended_inside_a_call_makes_no_call_and_finishes_s
     assert whole["finish_reason"] == "stop" and "tool_calls" not in whole["message"]
     assert whole["message"]["content"] == answer
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+
+
+async def test_with_parallel_tool_calls_false_a_second_call_cut_short_leaves_the_first_and_its_finish(tools_server):
+    """The answer keeps its first call; a second one the model began and did not finish is dropped, so it cannot make
+    the finish "stop" in the stream when the whole answer's is "tool_calls" (an agent loop runs the tool on it)."""
+    cut = ANSWER + '<tool_call>{"name": "get_weather", "arguments": {"city": "Ro'
+    whole, chunks = await _whole_and_streamed(tools_server, _body(cut, parallel_tool_calls=False))
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    entries = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+    assert _assembled(entries) == [("get_weather", '{"city": "Oslo"}')] and len(whole["message"]["tool_calls"]) == 1
+    assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "tool_calls"
