@@ -95,7 +95,7 @@ class _ResponseStream:
             if delta.get("content"):
                 events += self._text(delta["content"], logprobs_of(choice.get("logprobs")))
             elif not delta.get("tool_calls") and not delta.get("reasoning"):  # a token of no text of its own
-                self._textless(logprobs_of(choice.get("logprobs")))
+                events += self._textless(logprobs_of(choice.get("logprobs")))
             for entry in delta.get("tool_calls") or []:
                 events += self._call(entry)
             if choice.get("finish_reason") is not None:
@@ -140,13 +140,15 @@ class _ResponseStream:
                                       name=item["name"], arguments=item["arguments"]))
         return events + [self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
 
-    def _textless(self, logprobs: list) -> None:
-        """Logprobs of tokens with no text of their own: the open message's, else the next message's; none while the
-        thinking or a call is open (their markers' tokens are no output text's)."""
+    def _textless(self, logprobs: list) -> list[dict]:
+        """Logprobs of tokens with no text of their own: the open message's (in an empty delta, so the deltas' add up
+        to its logprobs), else the next message's; none while the thinking or a call is open (their markers' tokens
+        are no output text's)."""
         if self.open is not None and self.open["type"] == "message":
-            self.open["content"][0]["logprobs"] += logprobs
-        elif self.open is None:
+            return self._text("", logprobs) if logprobs else []
+        if self.open is None:
             self.held_logprobs += logprobs
+        return []
 
     def _text(self, text: str, logprobs: list) -> list[dict]:
         events = []

@@ -180,6 +180,8 @@ async def test_logprobs_of_tokens_without_text_of_their_own_stay_with_the_messag
     for response in (whole, events[-1]["response"]):
         [message] = response["output"]
         assert [lp["token"] for lp in message["content"][0]["logprobs"]] == ["\\xf0\\x9f", "\\x98\\x80", "<eos>"]
+    deltas = [lp["token"] for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    assert deltas == ["\\xf0\\x9f", "\\x98\\x80", "<eos>"]  # each once in the deltas too, as the chat stream sends them
 
 
 @pytest.mark.parametrize("given", ["false", 1, "yes"])
