@@ -208,7 +208,15 @@ def _chat_tool_choice(choice: Any) -> Any:
         tools = [{"type": "function", "function": {"name": tool.get("name")}}  # flat, as response tools are
                  if isinstance(tool, dict) and tool.get("type") == "function" else tool for tool in choice["tools"]]
         return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": tools}}
-    return choice  # "auto", "none", "required"; anything else the chat request refuses, naming it
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    kind = choice.get("type") if isinstance(choice, dict) else choice
+    if kind == "allowed_tools":
+        raise APIError(400, "tool_choice allowed_tools must be {\"type\": \"allowed_tools\", \"mode\": \"auto\" | \"required\", "
+                       "\"tools\": [{\"type\": \"function\", \"name\": ...}, ...]}", param="tool_choice")
+    raise APIError(400, f"tool_choice {kind!r} is not supported: \"none\", \"auto\", \"required\", {{\"type\": \"function\", "
+                   "\"name\": ...}, or {\"type\": \"allowed_tools\", \"mode\": ..., \"tools\": [...]} (function tools only)",
+                   param="tool_choice")
 
 
 def _response_format(text: Any) -> dict | None:

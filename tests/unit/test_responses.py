@@ -59,6 +59,8 @@ def test_input_items_become_the_chat_messages_with_instructions_first():
     ({"tools": [{**WEATHER, "paramters": {}}]}, "tools[0].paramters"),  # a misspelt field: no tool of no arguments
     ({"text": {"verbosity": "low"}}, "text.verbosity is not supported"),  # as chat's verbosity
     ({"max_tool_calls": -1}, "max_tool_calls"),
+    ({"tool_choice": {"type": "web_search_preview"}}, '{"type": "function", "name": ...}'),  # the Responses shape
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": "get_weather"}}, '"tools": [{"type": "function", "name"'),
 ])
 def test_what_the_chat_path_cannot_do_is_a_400_naming_it(extra, named):
     with pytest.raises(APIError) as refused:
