@@ -21,6 +21,8 @@ import re
 import string
 from dataclasses import dataclass
 
+from app.api.mistral_calls import MISTRAL_MARKER
+
 _MARK = "q7Zx3-probe"  # text no template writes by itself
 
 
@@ -71,12 +73,12 @@ def _probed(tokenizer, source: str) -> TemplateTraits:
     as_string = _shows(tokenizer, [{"role": "user", "content": _MARK}])
     as_parts = not as_string and _shows(tokenizer, [{"role": "user", "content": [{"type": "text", "text": _MARK}]}])
     if not as_string and not as_parts:  # a template the probes cannot render (it needs more): taken as it is
-        return TemplateTraits(short_call_ids="[TOOL_CALLS]" in source)
+        return TemplateTraits(short_call_ids=MISTRAL_MARKER in source)
     wrap = (lambda text: [{"type": "text", "text": text}]) if as_parts else (lambda text: text)
     system = _shows(tokenizer, [{"role": "system", "content": wrap(_MARK)}, {"role": "user", "content": wrap("u")}])
     tool = _shows(tokenizer, [{"role": "user", "content": wrap("u")}, {"role": "assistant", "content": wrap("a")},
                               {"role": "tool", "tool_call_id": "a1B2c3D4e", "content": wrap(_MARK)}])
-    return TemplateTraits(as_parts, system, tool, "[TOOL_CALLS]" in source)
+    return TemplateTraits(as_parts, system, tool, MISTRAL_MARKER in source)
 
 
 def _shows(tokenizer, messages: list[dict]) -> bool:

@@ -9,8 +9,8 @@ from typing import AsyncIterator
 
 from app.api.call_readers import PYTHON_TAG, HermesReader, ListReader, marker_start_held
 from app.api.growing import grow_attribute
-from app.api.mistral_calls import MistralReader
-from app.api.tools import MISTRAL_MARKER, TOOL_PARSERS, Tool, ToolCall, parse_calls, schemas_of, whole_arguments
+from app.api.mistral_calls import MISTRAL_MARKER, MistralReader
+from app.api.tools import TOOL_PARSERS, Tool, ToolCall, parse_calls, schemas_of, whole_arguments
 from app.api.xml_calls import XmlReader
 
 

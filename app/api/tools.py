@@ -7,8 +7,9 @@
 - ``"auto"``: the model writes calls in its own format, read back by the model's parser (``model.tool_parser``):
   ``hermes`` (``<tool_call>{"name", "arguments"}</tool_call>``, Qwen, Hermes, and the default), ``llama3_json``
   (a bare ``{"name", "parameters"}`` object, optionally after ``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS]``
-  then a JSON list, or ``name[ARGS]{...}`` per call from tokenizer v11 on: app/api/mistral_calls.py), ``qwen3_coder`` (XML-like blocks: app/api/xml_calls.py). Text the parser cannot read as a
-  call stays the answer's content: nothing is dropped. For Hermes, a tool's ``strict: true`` holds the calls to the
+  then a JSON list, or ``name[ARGS]{...}`` per call from tokenizer v11 on: app/api/mistral_calls.py),
+  ``qwen3_coder`` (XML-like blocks: app/api/xml_calls.py). Text the parser cannot read as a call stays the answer's
+  content: nothing is dropped. For Hermes, a tool's ``strict: true`` holds the calls to the
   tools' schemas by a grammar while the text stays free (``strict_calls``); beside a JSON response format the
   grammar is the format's answer or calls (``answer_or_calls``).
 - ``"none"`` (or no tools): plain chat, no call read out of the answer; a template that renders tools still gets them,
@@ -29,9 +30,9 @@ from typing import Any
 
 from app.api.errors import NOT_JSON, APIError
 from app.api.call_readers import END, MARKER, PYTHON_TAG, HermesReader, ListReader, call_from
+from app.api.mistral_calls import MISTRAL_MARKER, MistralReader
 from app.api.schemas import call_schema, closed, tools_schema
 from app.api.structured import compiled, json_in_lark, require_compilable_size, special_token, token_or_text
-from app.api.mistral_calls import MISTRAL_MARKER, MistralReader
 from app.api.xml_calls import XmlReader
 from app.config.model import TOOL_PARSERS
 _TOOLS_PREAMBLE = ("You may call one or more functions to answer. The functions, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
@@ -320,7 +321,7 @@ def tool_parser_for(setting: str, tokenizer) -> str:
         return setting
     template = getattr(tokenizer, "chat_template", None) or ""
     template = "\n".join(template.values()) if isinstance(template, dict) else template
-    if "[TOOL_CALLS]" in template:
+    if MISTRAL_MARKER in template:
         return "mistral"
     if "<function=" in template and "<parameter=" in template:  # Qwen3-Coder
         return "qwen3_coder"
