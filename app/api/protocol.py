@@ -169,11 +169,20 @@ class _SamplingFields(StrictModel):
 
 
 def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
-    for token in logit_bias or {}:  # int() would take other digits too (an Arabic-Indic five), underscores and spaces
-        if not _TOKEN_ID.fullmatch(token):
-            raise APIError(400, f"logit_bias keys must be token ids (integers, as strings); got {token[:20]!r}",
+    biases: dict[int, float] = {}
+    for key, value in (logit_bias or {}).items():  # int() would take other digits too (an Arabic-Indic five), "1_0", " 5 "
+        if not _TOKEN_ID.fullmatch(key):
+            raise APIError(400, f"logit_bias keys must be token ids (integers, as strings); got {key[:20]!r}",
                            param="logit_bias")
-    return {int(token): value for token, value in (logit_bias or {}).items()}
+        token = int(key)
+        if not 0 <= token <= INT64_MAX:
+            raise APIError(400, f"logit_bias key {key[:24]!r} is not a token id (ids are >= 0)", param="logit_bias")
+        if token in biases:  # "97" and "097": one bias would silently replace the other
+            raise APIError(400, f"logit_bias names token {token} twice; give each token one bias", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias for token {token} is {value}; biases are in [-100, 100]", param="logit_bias")
+        biases[token] = value
+    return biases
 
 
 _TOKEN_ID = re.compile(r"-?[0-9]+")
@@ -344,6 +353,10 @@ def parse_body(raw: bytes | str | dict, model_cls: type[StrictModel]) -> Any:
     return request
 
 
+_UNION_SHAPES = {  # by path, list indexes as "*"
+    "prompt": "a string, a list of strings, a list of token ids (integers >= 0) or a list of such lists",
+    "messages.*.content": "a string or a list of content parts",
+}
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\])$")
 
 
@@ -356,5 +369,8 @@ def _validation_error(exc: pydantic.ValidationError) -> APIError:
     if first["type"] == "missing":
         return APIError(400, f"Missing required parameter: {param}", param=param, code="missing_parameter")
     if first["type"].endswith("_type"):  # bool_type, int_type, string_type, ...: the JSON type is wrong
-        return APIError(400, f"Invalid type for {param}: {first['msg']}", param=param, code="invalid_type")
+        # a union's first error is its first member's ("Input should be a valid string" for a list of ids): say them all
+        expected = _UNION_SHAPES.get(re.sub(r"\.[0-9]+", ".*", param or ""))
+        message = f"give {expected}" if expected else first["msg"]
+        return APIError(400, f"Invalid type for {param}: {message}", param=param, code="invalid_type")
     return APIError(400, f"Invalid value for {param}: {first['msg']}", param=param, code="invalid_value")

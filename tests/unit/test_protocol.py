@@ -207,7 +207,18 @@ def test_logit_bias_keys_must_be_token_ids():
         assert (info.value.status, info.value.param) == (400, "logit_bias")
     with pytest.raises(APIError) as info:
         parse_body(json.dumps({"prompt": "x", "logit_bias": {"3": 200}}), CompletionRequest).sampling_params(4)
-    assert (info.value.status, info.value.param) == (400, "logit_bias")
+    assert (info.value.status, info.value.param) == (400, "logit_bias") and "token 3" in info.value.message
+
+
+@pytest.mark.parametrize("biases, says", [
+    ({"97": 1, "097": 2}, "names token 97 twice"),  # one bias would silently replace the other
+    ({"99999999999999999999999": 1}, "is not a token id"),  # the key is wrong, not its bias
+    ({"-3": 1}, "is not a token id"),
+])
+def test_a_logit_bias_key_that_is_no_single_token_id_is_a_400_saying_so(biases, says):
+    with pytest.raises(APIError) as info:
+        parse_body(json.dumps({"prompt": "x", "logit_bias": biases}), CompletionRequest).sampling_params(4)
+    assert (info.value.status, info.value.param) == (400, "logit_bias") and says in info.value.message
 
 
 @pytest.mark.parametrize("raw, param, code", [
@@ -288,3 +299,16 @@ def test_json_inside_a_json_string_that_python_cannot_read_is_a_400_naming_the_f
     with pytest.raises(APIError) as info:
         parse_body(json.dumps({"prompt": "x", "structured_outputs": {"json": text}}), CompletionRequest).grammar()
     assert (info.value.status, info.value.param) == (400, "structured_outputs.json")
+
+
+@pytest.mark.parametrize("body, param, names", [
+    ({"prompt": [1, "a"]}, "prompt", "a list of token ids"),  # pydantic's first error is the string member's alone
+    ({"prompt": [[97], "a"]}, "prompt", "a list of token ids"),
+    ({"prompt": None}, "prompt", "a list of token ids"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "a list of content parts"),
+])
+def test_a_field_of_several_shapes_given_none_of_them_is_a_400_naming_every_shape(body, param, names):
+    with pytest.raises(APIError) as info:
+        parse_body(body, ChatCompletionRequest if "messages" in body else CompletionRequest)
+    assert (info.value.status, info.value.param, info.value.code) == (400, param, "invalid_type")
+    assert names in info.value.message and "a string" in info.value.message
