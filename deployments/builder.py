@@ -139,7 +139,8 @@ def _check_autoscaling(model: str, merged: dict[str, Any], given: dict[str, Any]
     try:
         AutoscalingConfig(**merged)
     except ValueError as exc:  # pydantic's ValidationError is one
-        reasons = "; ".join(error["msg"] for error in exc.errors()) if hasattr(exc, "errors") else str(exc)
+        reasons = ("; ".join(f"{'.'.join(map(str, error['loc'])) or 'the config'}: {error['msg']}" for error in exc.errors())
+                   if hasattr(exc, "errors") else str(exc))
         defaults = {key: value for key, value in DEFAULT_AUTOSCALING.items() if key not in given}
         raise ValueError(f"model {model!r}: replica.autoscaling_config {given}, with the defaults {defaults}: {reasons}") from None
 

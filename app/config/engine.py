@@ -61,7 +61,7 @@ class SpecConfig:
             raise ValueError(f"engine.speculative.drafter {self.drafter!r} is not one of {', '.join(SPEC_DRAFTERS)}")
         require_int("engine.speculative.num_speculative_tokens", self.num_speculative_tokens, minimum=1)
         require_int("engine.speculative.ngram_min", self.ngram_min, minimum=1)
-        require_int("engine.speculative.ngram_max", self.ngram_max, minimum=self.ngram_min)
+        require_int("engine.speculative.ngram_max (at least ngram_min)", self.ngram_max, minimum=self.ngram_min)
         if not isinstance(self.saturation_tokens, (int, float)) or self.saturation_tokens <= 0:
             raise ValueError("engine.speculative.saturation_tokens must be a number > 0")
         if not isinstance(self.max_draft_wait_ms, (int, float)) or self.max_draft_wait_ms < 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,10 +144,19 @@ def _check_sampling_defaults(defaults: dict[str, Any]) -> None:
         integer = key in ("top_k", "max_tokens")
         if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
             raise ValueError(f"default_sampling.{key} must be {'an integer' if integer else 'a number'}, got {value!r}")
+        low, high = _REQUEST_RANGES.get(key, (None, None))
+        if low is not None and not low <= value <= high:
+            raise ValueError(f"default_sampling.{key} must be in [{low}, {high}], as a request's own value, got {value!r}")
     try:
         SamplingParams(**defaults)
     except SamplingParamsError as exc:
         raise ValueError(f"default_sampling.{exc.param}: {exc}") from None
+
+
+# The API's ranges (app/api/protocol.py), where they are narrower than what the engine computes: a default outside
+# them would give a request what it could not ask for itself.
+_REQUEST_RANGES = {"temperature": (0, 2), "top_p": (0, 1), "min_p": (0, 1), "presence_penalty": (-2, 2),
+                   "frequency_penalty": (-2, 2), "repetition_penalty": (0.01, 100)}
 
 
 @dataclass
@@ -205,10 +215,28 @@ def _read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         path = Path(__file__).resolve().parents[2] / path
     if not path.exists():
         raise ValueError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    except yaml.YAMLError as exc:  # its message names the line and column
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
     return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently: a second
+    ``engine:`` block would replace the first whole)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -277,5 +305,18 @@ def _build(cls: type, data: Any, where: str) -> Any:
         kwargs[key] = value
     try:
         return cls(**kwargs)
-    except TypeError as exc:  # wrong types that reach a comparison
-        raise ValueError(f"{where}: {exc}") from exc
+    except (TypeError, ValueError) as exc:  # ranges and combinations (each __post_init__), wrong types in a comparison
+        raise ValueError(_located(where, str(exc), known)) from exc
+
+
+def _located(where: str, message: str, fields: set[str]) -> str:
+    """``message`` naming its key from the config's root: "engine.max_num_seqs must..." raised by the engine
+    config of ``app.models[1]`` reads "app.models[1].engine.max_num_seqs must..."."""
+    path = [re.sub(r"\[[0-9]+\]$", "", part) for part in where.split(".")]  # "models[1]" -> "models"
+    for start in range(len(path)):  # the longest end of the path the message begins with
+        named = ".".join(path[start:])
+        if message.startswith(f"{named}."):
+            return where + message[len(named):]
+    if message.split(" ", 1)[0].split(".")[0].rstrip(":") in fields:
+        return f"{where}.{message}"
+    return f"{where}: {message}"

@@ -139,6 +139,7 @@ def test_the_default_cpu_config_fits_two_replicas_of_each_model_on_two_cores():
 @pytest.mark.parametrize("replica, message", [
     ({"autoscaling_config": {"max_replica": 6}}, "unknown key(s) max_replica"),
     ({"autoscaling_config": {"min_replicas": 6}}, "max_replicas (4) must be greater than or equal to min_replicas (6)"),
+    ({"autoscaling_config": {"max_replicas": 0}}, "max_replicas: Input should be greater than 0"),  # the key, named
 ])
 def test_an_autoscaling_config_serve_would_refuse_or_pass_over_is_refused_naming_the_model(replica, message):
     config = AppConfig.from_args({"models": [{"model": {"source": "m"}, "replica": replica}]})

@@ -61,6 +61,31 @@ def test_bad_configs_say_what_is_wrong(data, message):
         AppConfig.from_dict(data)
 
 
+@pytest.mark.parametrize("data, message", [
+    ({"models": [{"model": "a"}, {"model": "b", "engine": {"max_num_seqs": 0}}]},
+     r"^app.models\[1\].engine.max_num_seqs must be an integer >= 1, got 0$"),  # which model: this app serves two
+    ({"models": [{"model": "a"}, {"model": "b", "engine": {"speculative": {"drafter": "ngram", "ngram_max": 0}}}]},
+     r"^app.models\[1\].engine.speculative.ngram_max \(at least ngram_min\) must be"),
+    ({"models": [{"model": "a", "default_sampling": {"temperature": 5}}]},
+     r"^app.models\[0\].default_sampling.temperature must be in \[0, 2\], as a request's own value"),
+    ({"models": []}, r"^app: the app must serve at least one model"),
+])
+def test_a_bad_value_is_named_from_the_configs_root(data, message):
+    with pytest.raises(ValueError, match=message):
+        AppConfig.from_dict(data)
+
+
+def test_a_yaml_file_with_a_key_given_twice_or_bad_syntax_is_refused_naming_the_line(tmp_path):
+    twice = tmp_path / "twice.yaml"  # PyYAML keeps the second engine block whole: max_num_seqs 8 would be lost
+    twice.write_text("models:\n  - model: a\n    engine: {max_num_seqs: 8}\n    engine: {block_size: 32}\n")
+    with pytest.raises(ValueError, match=r"(?s)key 'engine' is given twice in one mapping.*line 4"):
+        AppConfig.from_yaml(twice)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("models:\n  - model: {source: a\n")
+    with pytest.raises(ValueError, match="is not valid YAML"):
+        AppConfig.from_yaml(broken)
+
+
 def test_from_args_merges_file_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("models:\n  - model: {source: smollm2-135m-instruct, dtype: bf16}\nmax_request_bytes: 2048\n")
