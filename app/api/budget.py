@@ -23,7 +23,7 @@ def room_left(prompt_ids: list[int], vocab_size: int, max_model_len: int, prompt
 
 
 def capped_max_tokens(max_tokens: int | None, room: int, request, max_model_len: int, default: int | None = None) -> int:
-    """``max_tokens`` (unset: the model's ``default``, else the room left) capped by the room the prompt leaves, as vLLM
+    """``max_tokens`` (unset in chat: the model's ``default``, else the room left) capped by the room the prompt leaves, as vLLM
     caps it (the answer then ends as "length"); more than the whole context, or a ``min_tokens`` the room cannot hold,
     is a 400."""
     if max_tokens is not None and max_tokens > max_model_len:
@@ -35,6 +35,8 @@ def capped_max_tokens(max_tokens: int | None, room: int, request, max_model_len:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
                        f"{max_model_len - room}, which leaves room for {room}, fewer than min_tokens "
                        f"({request.min_tokens}).", param="min_tokens", code="context_length_exceeded")
+    if not hasattr(request, "messages"):  # completions: unset is 16 (OpenAI's), null the room itself
+        default = None
     return min(room, max_tokens if max_tokens is not None else default or room)
 
 

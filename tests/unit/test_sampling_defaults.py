@@ -3,7 +3,7 @@ generation_config, then OpenAI's."""
 
 import logging
 
-from app.api.protocol import ChatCompletionRequest, parse_body
+from app.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from app.config import ModelConfig, ServedModelConfig
 from app.engine.core_process import CoreInfo
 from app.server import _sampling_defaults
@@ -34,5 +34,9 @@ async def test_a_default_max_tokens_bounds_an_answer_that_leaves_it_unset_and_a_
         asked = await server.serving.chat(parse_body({**chat, "max_tokens": 5}, ChatCompletionRequest))
         assert [(a["usage"]["completion_tokens"], a["choices"][0]["finish_reason"]) for a in (unset, asked)] == \
                [(3, "length"), (5, "length")]
+        # a completion's max_tokens: null asks for what the context leaves (its unset is OpenAI's 16): not chat's default
+        text = {"prompt": f"{REPLAY[0].decode()}It is sunny today.{REPLAY[1].decode()}"}
+        null = await server.serving.completion(parse_body({**text, "max_tokens": None}, CompletionRequest))
+        assert null["usage"]["completion_tokens"] > 3 and null["choices"][0]["finish_reason"] == "stop"
     finally:
         server.shutdown(timeout_s=1)
