@@ -12,12 +12,21 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-# Latency buckets in seconds (vLLM's for TTFT and inter-token latency, cut to what a CPU replica sees).
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
-# A request's wait for its first step and its prefill: milliseconds when idle, minutes behind a long queue.
-PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+# Latency buckets in seconds: vLLM's (vllm/v1/metrics/buckets.py), so that its dashboards' quantiles read the same;
+# their top bounds leave room for a CPU replica behind a long queue (a value past the last bound reads as that bound).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+# A request's wait for its first step and its prefill: milliseconds when idle (finer than vLLM's, which start at
+# 0.3 s), up to vLLM's top bound behind a long queue.
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+                 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# Every reason's series exists from the start at 0 (as vLLM's): Prometheus' rate() and increase() see no rise in a
+# series' first sample, so a first rejection after a restart would raise no alert.
+REJECTION_REASONS = ("overloaded", "draining", "stopped", "queue_timeout")
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -49,6 +58,7 @@ class RequestMetrics:
 
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     inter_token: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    time_per_output_token: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     # the engine's phases of a request: waiting for its first step, prefill until its first token, decode after
     queue: Histogram = field(default_factory=lambda: Histogram(PHASE_BUCKETS))
@@ -56,11 +66,11 @@ class RequestMetrics:
     decode: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)  # by finish reason: stop, length, abort, error
+    finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
     # requests turned away before the engine took them (overloaded, draining, stopped), or that had no first token
     # within engine.max_queue_time_s (queue_timeout): never served, so in no latency or token figure above (a
     # timed-out request's wait in the queue figure alone)
-    rejected: dict[str, int] = field(default_factory=dict)
+    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECTION_REASONS, 0))
 
     def record_rejection(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
@@ -71,25 +81,32 @@ class RequestMetrics:
         self.record_rejection("queue_timeout")
         self.queue.observe(waited_s)
 
+    def record_output(self, timing: "RequestTiming", now: float, count: int) -> None:
+        """As each output arrives (vLLM's, per engine step): its prompt's tokens and TTFT with the first, then a
+        gap per output, so a long stream shows in the rates and a stalled one in the latencies while it runs."""
+        if timing.outputs == 0:
+            self.prompt_tokens += timing.prompt_tokens  # its prefill is done
+        if count > 0 and timing.first_token_s is None:
+            self.ttft.observe(now - timing.arrival_s)
+        elif count > 0:
+            self.inter_token.observe(now - timing.last_token_s)
+        self.generation_tokens += max(count, 0)
+
     def record(self, timing: "RequestTiming") -> None:
-        """A request that ended (normally, aborted or failed)."""
-        if timing.first_token_s is not None:
-            self.ttft.observe(timing.first_token_s - timing.arrival_s)
-        for gap, tokens in timing.gaps:  # a chunk of several tokens (speculation) spreads its gap over them
-            for _ in range(tokens):
-                self.inter_token.observe(gap / tokens)
+        """A request that ended (normally, aborted or failed): its whole figures."""
+        if timing.output_tokens > 1:  # vLLM's: the decode's time over the tokens after the first
+            self.time_per_output_token.observe((timing.last_token_s - timing.first_token_s) / (timing.output_tokens - 1))
         self.e2e.observe(timing.end_s - timing.arrival_s)
         for key, histogram in (("queue_s", self.queue), ("prefill_s", self.prefill), ("decode_s", self.decode)):
             if key in timing.phase_times:
                 histogram.observe(max(timing.phase_times[key], 0.0))
-        self.prompt_tokens += timing.prompt_tokens
-        self.generation_tokens += timing.output_tokens
         self.finished[timing.finish_reason] = self.finished.get(timing.finish_reason, 0) + 1
 
     def to_dict(self) -> dict:
         return {
             "time_to_first_token_seconds": self.ttft.to_dict(),
             "inter_token_latency_seconds": self.inter_token.to_dict(),
+            "request_time_per_output_token_seconds": self.time_per_output_token.to_dict(),
             "e2e_request_latency_seconds": self.e2e.to_dict(),
             "request_queue_time_seconds": self.queue.to_dict(),
             "request_prefill_time_seconds": self.prefill.to_dict(),
@@ -103,27 +120,30 @@ class RequestMetrics:
 
 @dataclass
 class RequestTiming:
-    """One request's clock, filled in as its outputs arrive (monotonic seconds)."""
+    """One request's clock, filled in as its outputs arrive (monotonic seconds); each output goes to ``sink``'s
+    figures at once, the whole request's at its end."""
 
     arrival_s: float
     prompt_tokens: int
+    sink: RequestMetrics | None = None
     first_token_s: float | None = None
     last_token_s: float | None = None
     end_s: float = 0.0
+    outputs: int = 0
     output_tokens: int = 0
     finish_reason: str = "abort"
-    gaps: list[tuple[float, int]] = field(default_factory=list)  # (seconds since the previous chunk, its tokens)
     phase_times: dict[str, float] = field(default_factory=dict)  # the engine's queue/prefill/decode seconds
 
     def tokens(self, now: float, count: int) -> None:
-        """``count`` new tokens arrived at ``now`` (one streamed chunk)."""
+        """An output of ``count`` new tokens arrived at ``now`` (one streamed chunk; 0: a prompt scored alone)."""
+        if self.sink is not None:
+            self.sink.record_output(self, now, count)
+        self.outputs += 1
         if count <= 0:
             return
         self.output_tokens += count
         if self.first_token_s is None:
-            self.first_token_s = now  # TTFT's; other tokens of its chunk have no gap of their own to show
-        else:
-            self.gaps.append((now - self.last_token_s, count))
+            self.first_token_s = now
         self.last_token_s = now
 
     def finish(self, now: float, reason: str) -> None:
@@ -148,8 +168,9 @@ ENGINE_COUNTERS = {
     "spec_num_accepted_tokens": "spec_decode_num_accepted_tokens",
 }
 PREFIX = "llm_serve:"
-HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-              "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds")
+HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
+              "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+              "request_decode_time_seconds")
 
 
 def render(models: dict[str, dict]) -> str:

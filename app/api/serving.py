@@ -54,7 +54,7 @@ class OpenAIServing:
         request."""
         self.engine = engine
         self.speculative_names = list(speculative_names or [])
-        self.metrics: dict[str, RequestMetrics] = {}  # by the name requests were sent to (GET /metrics)
+        self.metrics = {name: RequestMetrics() for name in [model_name, *filter(None, self.speculative_names)]}  # at 0 first
         self.admit = admit  # how a request enters the engine (the replica's batch window); None: at once
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -281,7 +281,7 @@ class OpenAIServing:
             metrics.record_rejection(rejection_reason(exc))
             raise
         prompt_tokens = len(prepared.prompt_token_ids) if prepared.first_of_prompt else 0
-        timing = RequestTiming(time.monotonic(), prompt_tokens)  # ends as "abort" unless told
+        timing = RequestTiming(time.monotonic(), prompt_tokens, metrics)  # ends as "abort" unless told
         timed_out = False
         prepared.token_ids = []  # its own: fan_out's copies of one plan would share a list made before
         try:

@@ -316,7 +316,9 @@ class Scheduler:
         if not self.blocks.allocate(request.request_id, cached + num_new):
             self.blocks.free(request.request_id)  # give back the prefix blocks it took
             return 0
-        if looked_up:  # the hit rate is the cache's: a session's own KV resumed, or no lookup, is no query of it
+        # the hit rate is the cache's on new requests (as vLLM's): a session's own KV resumed, no lookup, or a
+        # preempted request finding its own blocks again is no query of it
+        if looked_up and request.status is RequestStatus.WAITING:
             self.blocks.record_prefix_query(len(token_ids), cached)
         if request.status is RequestStatus.WAITING:  # first admission, not a resumed preemption
             request.num_cached_tokens = cached

@@ -20,7 +20,7 @@ def populated_models() -> dict[str, dict]:
     """What the ingress gathers for a busy speculative model and its twin: every metric we render has a sample."""
     requests = RequestMetrics()
     for reason, tokens in (("stop", 3), ("length", 4), ("abort", 1), ("error", 0)):
-        timing = RequestTiming(arrival_s=0.0, prompt_tokens=5)
+        timing = RequestTiming(arrival_s=0.0, prompt_tokens=5, sink=requests)
         for step in range(tokens):
             timing.tokens(0.1 + 0.02 * step, 1 if step else 2)
         timing.finish(0.5, reason)

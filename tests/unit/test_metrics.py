@@ -16,27 +16,51 @@ def test_a_histogram_counts_each_value_in_the_first_bucket_that_holds_it():
 
 
 def test_a_request_clock_gives_ttft_inter_token_gaps_and_e2e():
-    timing = RequestTiming(arrival_s=10.0, prompt_tokens=7)
+    metrics = RequestMetrics()
+    timing = RequestTiming(arrival_s=10.0, prompt_tokens=7, sink=metrics)
     timing.tokens(10.5, 1)  # TTFT 0.5
     timing.tokens(10.6, 1)
-    timing.tokens(10.9, 3)  # a chunk of 3 (accepted drafts): 0.3 s spread over them
+    timing.tokens(10.9, 3)  # a chunk of 3 (accepted drafts): one engine step, one gap of 0.3 s (vLLM's)
     timing.finish(11.0, "length")
     timing.phase_times = {"queue_s": 0.125, "prefill_s": 0.25, "decode_s": 0.5}  # as the engine reports them
-    metrics = RequestMetrics()
     metrics.record(timing)
     data = metrics.to_dict()
     assert data["time_to_first_token_seconds"]["count"] == 1 and abs(data["time_to_first_token_seconds"]["sum"] - 0.5) < 1e-9
-    assert data["inter_token_latency_seconds"]["count"] == 4  # 5 tokens: 4 gaps after the first
+    assert data["inter_token_latency_seconds"]["count"] == 2  # 3 outputs: 2 gaps after the first
     assert abs(data["inter_token_latency_seconds"]["sum"] - 0.4) < 1e-9
+    tpot = data["request_time_per_output_token_seconds"]  # the decode's 0.4 s over the 4 tokens after the first
+    assert tpot["count"] == 1 and abs(tpot["sum"] - 0.1) < 1e-9
     assert abs(data["e2e_request_latency_seconds"]["sum"] - 1.0) < 1e-9
-    assert (data["prompt_tokens"], data["generation_tokens"], data["request_success"]) == (7, 5, {"length": 1})
+    assert (data["prompt_tokens"], data["generation_tokens"]) == (7, 5) and data["request_success"]["length"] == 1
     for key, seconds in (("queue", 0.125), ("prefill", 0.25), ("decode", 0.5)):
         assert data[f"request_{key}_time_seconds"]["sum"] == seconds and data[f"request_{key}_time_seconds"]["count"] == 1
 
 
+def test_a_running_request_shows_in_the_rates_and_latencies_before_it_ends():
+    """A long stream's tokens and a stalled one's latencies reach /metrics as they happen (vLLM's, per step), not as
+    one jump when the request ends (a stall would read healthy until then)."""
+    metrics = RequestMetrics()
+    timing = RequestTiming(arrival_s=0.0, prompt_tokens=9, sink=metrics)
+    assert (metrics.prompt_tokens, metrics.ttft.count) == (0, 0)
+    timing.tokens(2.0, 1)
+    assert (metrics.prompt_tokens, metrics.generation_tokens, metrics.ttft.count, metrics.ttft.total) == (9, 1, 1, 2.0)
+    timing.tokens(6.0, 2)  # a 4 s stall, seen while the request runs on
+    assert (metrics.generation_tokens, metrics.inter_token.count, metrics.inter_token.total) == (3, 1, 4.0)
+    assert metrics.e2e.count == 0 and sum(metrics.finished.values()) == 0
+
+
+def test_every_reason_is_a_series_from_the_start():
+    """Prometheus sees no rise in a series' first sample: the first error after a restart must move a series at 0."""
+    lines = render({"m": {"requests": RequestMetrics().to_dict()}}).splitlines()
+    for reason in ("stop", "length", "abort", "error"):
+        assert f'llm_serve:request_success_total{{model_name="m",finished_reason="{reason}"}} 0.0' in lines
+    for reason in ("overloaded", "draining", "stopped", "queue_timeout"):
+        assert f'llm_serve:request_rejected_total{{model_name="m",reason="{reason}"}} 0.0' in lines
+
+
 def test_render_writes_valid_prometheus_text_with_cumulative_buckets_per_model():
     requests = RequestMetrics()
-    timing = RequestTiming(0.0, 3)
+    timing = RequestTiming(0.0, 3, requests)
     timing.tokens(0.2, 2)
     timing.finish(0.3, "stop")
     requests.record(timing)
@@ -57,12 +81,12 @@ def test_render_writes_valid_prometheus_text_with_cumulative_buckets_per_model()
 def test_a_first_chunk_of_several_tokens_adds_no_zero_gaps():
     """A consumer that fell behind gets its first tokens merged into one chunk: they came with TTFT, so they have no
     gap of their own to show (counted as 0 s, they would pull the inter-token percentiles to nothing)."""
-    timing = RequestTiming(arrival_s=0.0, prompt_tokens=3)
+    metrics = RequestMetrics()
+    timing = RequestTiming(arrival_s=0.0, prompt_tokens=3, sink=metrics)
     timing.tokens(0.5, 3)
     timing.tokens(0.55, 1)
     timing.tokens(0.6, 1)
     timing.finish(0.6, "length")
-    metrics = RequestMetrics()
     metrics.record(timing)
     itl = metrics.to_dict()["inter_token_latency_seconds"]
     assert itl["count"] == 2 and abs(itl["sum"] - 0.1) < 1e-9
@@ -86,7 +110,8 @@ def test_rejected_requests_are_their_own_counter():
     for reason in ("overloaded", "overloaded", "draining"):
         metrics.record_rejection(reason)
     data = metrics.to_dict()
-    assert data["request_rejected"] == {"overloaded": 2, "draining": 1} and data["e2e_request_latency_seconds"]["count"] == 0
+    assert data["request_rejected"] == {"overloaded": 2, "draining": 1, "stopped": 0, "queue_timeout": 0}
+    assert data["e2e_request_latency_seconds"]["count"] == 0
     lines = render({"m": {"requests": data}}).splitlines()
     assert 'llm_serve:request_rejected_total{model_name="m",reason="overloaded"} 2.0' in lines
     assert all(SAMPLE.match(line) for line in lines)
@@ -123,7 +148,7 @@ async def test_served_figures_leave_out_refusals_and_names_this_model_does_not_s
     assert refused >= 1 and failed is not None
     data = server.metrics()["fake-a"]["requests"]
     served = len(outcomes) - refused + 2
-    assert data["request_rejected"] == {"overloaded": refused}
+    assert data["request_rejected"] == {"overloaded": refused, "draining": 0, "stopped": 0, "queue_timeout": 0}
     assert data["e2e_request_latency_seconds"]["count"] == served and sum(data["request_success"].values()) == served
     assert data["request_success"]["error"] == 1
     assert set(server.serving.metrics) == {"fake-a"}
@@ -157,7 +182,8 @@ async def test_a_queue_timeout_is_a_refusal_after_its_wait_not_an_engine_error()
         server.shutdown(1)
     assert outcomes == [EngineQueueTimeoutError, EngineQueueTimeoutError, None]
     data = server.metrics()["fake-a"]["requests"]
-    assert data["request_rejected"] == {"queue_timeout": 2} and data["request_success"] == {"length": 1}
+    assert data["request_rejected"] == {"overloaded": 0, "draining": 0, "stopped": 0, "queue_timeout": 2}
+    assert data["request_success"] == {"stop": 0, "length": 1, "abort": 0, "error": 0}
     waited = data["request_queue_time_seconds"]  # the fake engine reports no phases: the two waits alone
     assert waited["count"] == 2 and 0.6 <= waited["sum"] < 1.2 and data["e2e_request_latency_seconds"]["count"] == 1
 

@@ -86,6 +86,8 @@ def test_running_out_of_blocks_preempts_the_newest_and_recomputes_it_later():
         _step(scheduler)
     assert old.num_output_tokens == 8 and new.num_output_tokens == 8
     assert scheduler.blocks.num_free_blocks == 4
+    # the hit rate is the cache's on new requests (vLLM's): a resumed preemption's lookup is not counted again
+    assert scheduler.blocks.prefix_stats.queried_tokens == 6 + 6
 
 
 def test_a_waiting_request_waits_for_blocks_instead_of_failing():
