@@ -214,7 +214,7 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
         if self.stream and (self.best_of or self.n) > self.n:
             raise APIError(400, "best_of cannot be streamed: the best candidates are known only at the end", param="best_of")
-        if self.echo and self.suffix is not None:  # the model reads the FIM layout, not the prompt echoed back
+        if self.echo and self.suffix:  # the model reads the FIM layout, not the prompt echoed back ("": no suffix, as used)
             raise APIError(400, "echo cannot be combined with suffix: the model reads the prompt and the suffix in its "
                            "fill-in-the-middle layout, which the echoed prompt and its logprobs would not match", param="echo")
         if self.max_tokens == 0 and not self.echo:

@@ -39,3 +39,5 @@ def test_echo_with_a_suffix_is_a_400_naming_echo():
     with pytest.raises(APIError, match="echo cannot be combined with suffix") as refused:
         parse_body({"model": "m", "prompt": "def f(", "suffix": "\n  return x", "echo": True, "logprobs": 1}, CompletionRequest)
     assert refused.value.param == "echo"
+    # an empty suffix is none (the prompt is used as it is): echo beside it is taken
+    assert parse_body({"model": "m", "prompt": "def f(", "suffix": "", "echo": True}, CompletionRequest).echo
