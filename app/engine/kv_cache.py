@@ -170,6 +170,8 @@ class BlockManager:
         missing = self.blocks_needed(num_tokens) - len(entry.table)
         if missing <= 0:
             return True
+        if missing > len(self._free) and missing > len(self._free) + self.num_parked_blocks:
+            return False  # short even with every parked session dropped: keep them (a retry comes each step)
         while missing > len(self._free) and self._parked:
             self._drop_oldest_session()
         if missing > len(self._free):

@@ -125,24 +125,25 @@ class PagedBatch:
     def __post_init__(self) -> None:
         # one query per sequence, in packed order (the steady state): torch attends the queries where they lie
         self.decode_only = all(s.num_queries == 1 for s in self.slices)
+        self.null_slot = self.kv_pool.shape[2] - 1  # the pool's last slot: past every block, zero (runner.py)
 
     @classmethod
     def build(
         cls, kv_pool: torch.Tensor, block_size: int, slices: Sequence[SequenceSlice],
         kernel: PagedAttentionKernel | None = None, sdpa_prompts: bool = False, sdpa_prompt_min: int = SDPA_PROMPT_MIN,
     ) -> "PagedBatch":
-        device = kv_pool.device
+        device, null_slot = kv_pool.device, kv_pool.shape[2] - 1  # as __post_init__ sets it
         if kernel is not None and all(s.num_queries == 1 for s in slices):
-            decode, slot_mapping = _kernel_decode(slices, block_size, device)
+            decode, slot_mapping = _kernel_decode(slices, block_size, device, null_slot)
             return cls(kv_pool, block_size, slices, slot_mapping, kernel, kernel_decode=decode)
         if kernel is not None:
-            queries, slot_mapping = _kernel_queries(slices, block_size)
+            queries, slot_mapping = _kernel_queries(slices, block_size, null_slot)
             batch = cls(kv_pool, block_size, slices, slot_mapping, kernel, kernel_queries=queries)
             if sdpa_prompts:
                 batch._split_prompt_chunks(sdpa_prompt_min)
             return batch
         slot_mapping = torch.empty(sum(s.num_queries for s in slices), dtype=torch.long)  # filled by _torch_groups
-        groups = _torch_groups(slices, block_size, device, slot_mapping)
+        groups = _torch_groups(slices, block_size, device, slot_mapping, null_slot)
         return cls(kv_pool, block_size, slices, slot_mapping.to(device), _groups=groups)
 
     def _split_prompt_chunks(self, min_tokens: int) -> None:
@@ -151,18 +152,18 @@ class PagedBatch:
         chunks = [s for s in self.slices if s.num_queries >= min_tokens]
         if not chunks:
             return
-        self.prompts = [_prompt_chunk(s, self.block_size, self.kv_pool.device) for s in chunks]
+        self.prompts = [_prompt_chunk(s, self.block_size, self.kv_pool.device, self.null_slot) for s in chunks]
         rest = [s for s in self.slices if all(s is not c for c in chunks)]
         if rest:
             starts = itertools.accumulate((s.num_queries for s in rest), initial=0)
             compact = [SequenceSlice(start, s.num_queries, s.num_computed, s.block_table) for s, start in zip(rest, starts)]
-            self.rest = _kernel_queries(compact, self.block_size)[0]
+            self.rest = _kernel_queries(compact, self.block_size, self.null_slot)[0]
             self.rest_rows = torch.cat([torch.arange(s.query_start, s.query_start + s.num_queries) for s in rest])
 
     def torch_groups(self) -> list[AttentionGroup]:
         if self._groups is None:  # a kernel step with a layer torch must attend
             scratch = torch.empty(len(self.slot_mapping), dtype=torch.long)
-            self._groups = _torch_groups(self.slices, self.block_size, self.kv_pool.device, scratch)
+            self._groups = _torch_groups(self.slices, self.block_size, self.kv_pool.device, scratch, self.null_slot)
         return self._groups
 
     def windowed_decode(self, window: int | None) -> KernelDecode:
@@ -187,12 +188,12 @@ class PagedBatch:
         return self._windowed[window]
 
 
-def _prompt_chunk(s: SequenceSlice, block_size: int, device: torch.device) -> PromptChunk:
+def _prompt_chunk(s: SequenceSlice, block_size: int, device: torch.device, null_slot: int) -> PromptChunk:
     if s.num_computed == 0:
         return PromptChunk(s.query_start, s.num_queries)
     keys = s.num_computed + s.num_queries
     mask = torch.ones(s.num_queries, keys, dtype=torch.bool, device=device).tril(diagonal=s.num_computed)
-    return PromptChunk(s.query_start, s.num_queries, _key_slots([s], [keys], block_size)[0].to(device), mask)
+    return PromptChunk(s.query_start, s.num_queries, _key_slots([s], [keys], block_size, null_slot)[0].to(device), mask)
 
 
 def _window_rows(key_slots: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, window: int):
@@ -205,33 +206,38 @@ def _window_rows(key_slots: torch.Tensor, rows: torch.Tensor, counts: torch.Tens
     return key_slots[rows.unsqueeze(1), index].contiguous(), kept
 
 
-def _key_slots(slices: Sequence[SequenceSlice], counts: list[int], block_size: int) -> torch.Tensor:
-    """[B, max count] pool slot of every key of each sequence (past its count, or in a block handed back:
-    a slot of block 0, never attended)."""
+def _key_slots(slices: Sequence[SequenceSlice], counts: list[int], block_size: int, null_slot: int) -> torch.Tensor:
+    """[B, max count] pool slot of every key of each sequence; past its count, or in a block handed back (a sliding
+    window's), ``null_slot``: masked, but still read by a padded SDPA, where a masked NaN or inf (another request's
+    overflow, a stale slot) would still make every row of the batch NaN (0 * inf)."""
     num_keys = max(counts)
     num_blocks = -(-num_keys // block_size)
-    tables = torch.tensor([_padded(s.block_table[:num_blocks], num_blocks) for s in slices]).clamp(min=0)  # [B, blocks]
-    return (tables.unsqueeze(-1) * block_size + torch.arange(block_size)).view(len(slices), -1)[:, :num_keys].contiguous()
+    tables = torch.tensor([_padded(s.block_table[:num_blocks], num_blocks) for s in slices])  # [B, blocks]; -1: none
+    slots = (tables.unsqueeze(-1) * block_size + torch.arange(block_size)).view(len(slices), -1)[:, :num_keys]
+    outside = (tables < 0).repeat_interleave(block_size, dim=1)[:, :num_keys]
+    outside |= torch.arange(num_keys) >= torch.tensor(counts).unsqueeze(1)
+    return slots.masked_fill(outside, null_slot).contiguous()
 
 
 def _padded(blocks: Sequence[int], length: int) -> list[int]:
-    return [*blocks, *[0] * (length - len(blocks))]
+    return [*blocks, *[-1] * (length - len(blocks))]
 
 
-def _kernel_decode(slices: Sequence[SequenceSlice], block_size: int, device: torch.device) -> tuple[KernelDecode, torch.Tensor]:
+def _kernel_decode(slices: Sequence[SequenceSlice], block_size: int, device: torch.device,
+                   null_slot: int) -> tuple[KernelDecode, torch.Tensor]:
     """A decode step for the CPU kernel: key slots and counts, and each sequence's new slot (its last key's)."""
     counts = [s.num_computed + 1 for s in slices]
     new_slots = [s.block_table[s.num_computed // block_size] * block_size + s.num_computed % block_size for s in slices]
-    decode = KernelDecode(_key_slots(slices, counts, block_size).to(device), torch.tensor(counts, device=device))
+    decode = KernelDecode(_key_slots(slices, counts, block_size, null_slot).to(device), torch.tensor(counts, device=device))
     return decode, torch.tensor(new_slots, device=device)
 
 
-def _kernel_queries(slices: Sequence[SequenceSlice], block_size: int) -> tuple[KernelQueries, torch.Tensor]:
+def _kernel_queries(slices: Sequence[SequenceSlice], block_size: int, null_slot: int) -> tuple[KernelQueries, torch.Tensor]:
     """Per packed query: its sequence's row of key slots, the keys it sees, and the slot its key goes to."""
     lengths = torch.tensor([s.num_queries for s in slices])
     starts = torch.tensor([s.query_start for s in slices])
     computed = torch.tensor([s.num_computed for s in slices])
-    key_slots = _key_slots(slices, (computed + lengths).tolist(), block_size)  # [S, L]
+    key_slots = _key_slots(slices, (computed + lengths).tolist(), block_size, null_slot)  # [S, L]
     seq = torch.repeat_interleave(torch.arange(len(slices)), lengths)  # [T] in slice order
     offset = torch.arange(len(seq)) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
     positions = computed[seq] + offset
@@ -242,14 +248,14 @@ def _kernel_queries(slices: Sequence[SequenceSlice], block_size: int) -> tuple[K
 
 
 def _torch_groups(slices: Sequence[SequenceSlice], block_size: int, device: torch.device,
-                  slot_mapping: torch.Tensor) -> list[AttentionGroup]:
+                  slot_mapping: torch.Tensor, null_slot: int) -> list[AttentionGroup]:
     decodes = [s for s in slices if s.num_queries == 1]
     prefills = [s for s in slices if s.num_queries > 1]
-    return [_group(g, block_size, device, slot_mapping) for g in (decodes, prefills) if g]
+    return [_group(g, block_size, device, slot_mapping, null_slot) for g in (decodes, prefills) if g]
 
 
 def _group(
-    slices: Sequence[SequenceSlice], block_size: int, device: torch.device, slot_mapping: torch.Tensor
+    slices: Sequence[SequenceSlice], block_size: int, device: torch.device, slot_mapping: torch.Tensor, null_slot: int
 ) -> AttentionGroup:
     """Padded attention metadata for ``slices``; also writes their new tokens' slots into ``slot_mapping``.
 
@@ -258,7 +264,7 @@ def _group(
     """
     counts = [s.num_computed + s.num_queries for s in slices]
     num_queries, num_keys = max(s.num_queries for s in slices), max(counts)
-    key_slots = _key_slots(slices, counts, block_size)
+    key_slots = _key_slots(slices, counts, block_size, null_slot)
     per_seq = torch.tensor([[s.query_start, s.num_queries, s.num_computed] for s in slices]).T  # [3, B]
     starts, lengths, computed = per_seq[0].unsqueeze(1), per_seq[1].unsqueeze(1), per_seq[2].unsqueeze(1)
     offsets = torch.arange(num_queries)

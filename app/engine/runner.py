@@ -151,9 +151,10 @@ class ModelRunner:
         shape = KVCacheShape.of(model_config)
         kv_dtype = kv_cache_dtype(config, loaded)
         self.num_blocks = config.num_kv_blocks or _blocks_for_budget(shape, kv_dtype, config, self.device)
-        # [layers, key/value, slots, kv_heads, head_dim]: allocated once, never grown, so a step cannot OOM.
+        # [layers, key/value, slots, kv_heads, head_dim]: allocated once, never grown, so a step cannot OOM. One slot
+        # past the blocks stays zero: the padding a batched attention reads for a key outside its sequence (paged_batch.py)
         self.kv_pool = torch.empty(
-            shape.num_layers, 2, self.num_blocks * self.block_size, shape.num_kv_heads, shape.head_dim,
+            shape.num_layers, 2, self.num_blocks * self.block_size + 1, shape.num_kv_heads, shape.head_dim,
             dtype=kv_dtype, device=self.device,
         )
         advise_huge_pages(tensor_spans([self.kv_pool]))  # before its first write: its pages then come 2 MB at a time

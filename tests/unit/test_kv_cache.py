@@ -161,6 +161,16 @@ def test_parked_sessions_give_their_blocks_back_when_the_pool_needs_them_oldest_
     assert blocks.resume("d", "old", list(range(9))) is None and blocks.resume("d", "new", list(range(9))) == 8
 
 
+def test_an_allocation_too_large_even_without_the_sessions_keeps_them():
+    """A waiting request that cannot fit is retried each step: it must not wipe the parked sessions for nothing."""
+    blocks = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    _finished(blocks, "a", list(range(8)), session="s1")
+    _finished(blocks, "b", list(range(8)), session="s2")
+    assert blocks.allocate("running", 12) and blocks.num_free_blocks == 1  # 1 free + 4 parked: 5 blocks at most
+    assert not blocks.allocate("big", 24)  # 6 blocks
+    assert blocks.num_parked_blocks == 4 and blocks.resume("next", "s1", list(range(9))) == 8
+
+
 def test_at_most_max_parked_sessions_are_kept():
     blocks = BlockManager(num_blocks=16, block_size=4, max_parked=2)
     for session in ("s1", "s2", "s3"):

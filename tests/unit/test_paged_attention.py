@@ -101,6 +101,21 @@ def test_paged_attention_equals_causal_attention_over_each_sequence(steps, kv_dt
 
 
 
+@pytest.mark.parametrize("route", ["torch", "kernel"])
+def test_no_slot_outside_a_sequence_reaches_its_output_even_inf(route):
+    """A padded batch (the torch route) reads slots past each row's keys, masked: a masked inf or NaN there (a stale
+    slot, a batch-mate's or a freed block's overflow) would still make the row NaN (0 * inf), failing a request for
+    another's numbers. Every slot no sequence wrote holds inf here; the pool's last slot is the runner's zero one."""
+    if route == "kernel" and build.unsupported_reason() is not None:
+        pytest.skip(f"the CPU kernels cannot run here: {build.unsupported_reason()}")
+    sequences = Sequences(load_decode_attention() if route == "kernel" else None)
+    sequences.pool = torch.full((1, 2, 8 * BLOCK + 1, KV_HEADS, HEAD_DIM), float("inf"))
+    sequences.pool[:, :, -1] = 0
+    for new_tokens in ({"a": 9, "b": 2, "c": 5}, {"a": 1, "b": 1, "c": 1}, {"b": 1, "a": 1}, {"c": 3, "b": 1}):
+        got, expected, _ = sequences.step(new_tokens)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 WINDOW_STEPS = [{"a": 7, "c": 3}, {"a": 1, "c": 6}, {"a": 1, "c": 1}, {"b": 5, "a": 1, "c": 1}, {"a": 1, "b": 1}]
 
 
