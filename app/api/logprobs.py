@@ -17,9 +17,17 @@ class LogprobFormatter:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._byte_tokenizer = None  # built on first need: ~0.5 s for a 49k vocabulary
+        self._anchor = _space_anchor(tokenizer)
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """The token's text as it reads inside a text: a sentencepiece decoder strips a word-initial token's space when
+        it comes first (``▁world`` alone decodes to "world"), so such a token is decoded after an anchor token and
+        the anchor's text taken off (" world", as OpenAI's and vLLM's token strings read)."""
+        if self._anchor is None:
+            return self.tokenizer.decode([token_id])
+        anchor_id, anchor_text = self._anchor
+        text = self.tokenizer.decode([anchor_id, token_id])
+        return text[len(anchor_text):] if text.startswith(anchor_text) else self.tokenizer.decode([token_id])
 
     def token_name(self, token_id: int, as_id: bool = False) -> str:
         """How a token is named in logprobs: its text, or ``token_id:<id>`` (vLLM's return_tokens_as_token_ids: a name
@@ -93,6 +101,19 @@ def next_text_offset(logprobs: dict | None, text_offset: int) -> int:
     if not logprobs or not logprobs["tokens"]:
         return text_offset
     return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+
+
+def _space_anchor(tokenizer) -> tuple[int, str] | None:
+    """(id, text) of a one-token word whose decoder strips the leading space of a text's first token, else None (a
+    byte-level vocabulary: every token decodes alone as it reads in a text)."""
+    try:
+        ids = tokenizer.encode("a", add_special_tokens=False)
+        if len(ids) != 1:
+            return None
+        alone = tokenizer.decode(ids)
+        return (ids[0], alone) if tokenizer.decode(ids * 2) != alone * 2 else None
+    except Exception:  # noqa: BLE001 - a tokenizer this probe cannot run: tokens decoded alone
+        return None
 
 
 def _byte_tokenizer(tokenizer):

@@ -8,6 +8,7 @@ shows a stop string that the final text would not contain.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for the leading space
@@ -15,6 +16,13 @@ _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for 
 # it decodes (U+FFFD for bytes that are no character). Held longer, it would grow with every token, and so would the
 # cost of decoding it (a model biased to a lone continuation byte: 1.4 ms a token at 4,000 tokens).
 _MAX_PENDING_TOKENS = 6
+
+
+@functools.lru_cache(maxsize=16)  # per tokenizer (a model's, for as long as it serves)
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """The ids ``skip_special_tokens`` decodes to nothing: the special ones among the added tokens too."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return frozenset(getattr(tokenizer, "all_special_ids", ())) | frozenset(i for i, token in added.items() if getattr(token, "special", False))
 
 
 class IncrementalDetokenizer:
@@ -30,6 +38,9 @@ class IncrementalDetokenizer:
         include_stop_str_in_output)."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        # skipped tokens add no text: kept out of the window, they neither count as a character still pending nor,
+        # at its start, take the place of the token whose leading space the decoder would then strip
+        self._skipped = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -42,6 +53,8 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
         """Add one token; return (text now safe to emit, whether a stop string was hit)."""
+        if token_id in self._skipped:
+            return "", False
         self._ids.append(token_id)
         new = self._decode_new()
         if not new:

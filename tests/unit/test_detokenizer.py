@@ -125,3 +125,21 @@ def test_the_finishing_output_names_what_stopped_it_as_vllms_stop_reason():
     assert last_output("abc", stop_token_ids=(ord("c"),)) == ("stop", ord("c"))
     assert last_output("ab\0") == ("stop", None)  # EOS
     assert last_output("abcdef", stop=("x",)) == ("length", None)
+
+
+def test_skipped_special_tokens_neither_strip_a_leading_space_nor_cut_a_character_short():
+    """Tokens skip_special_tokens decodes to nothing (EOS under ignore_eos, a template's markers) are no pending
+    character: after six of them the window used to go out early, and a character split over byte tokens went out as
+    U+FFFD, or the next word, first in a new window, lost its leading space to the decoder's strip."""
+    from tests.unit.sentencepiece_tokenizer import sentencepiece_tokenizer
+
+    for legacy in (True, False):
+        tokenizer = sentencepiece_tokenizer(legacy)
+        eos = tokenizer.eos_token_id
+        for text, specials in ((" world", 6), (" 😀 你", 3), (" world", 0)):
+            answer = tokenizer.encode("Hello" + text, add_special_tokens=False)
+            hello = len(tokenizer.encode("Hello", add_special_tokens=False))
+            ids = answer[:hello] + [eos] * specials + answer[hello:]
+            detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hi", add_special_tokens=False))
+            streamed = "".join(detok.add_token(i)[0] for i in ids) + detok.flush()
+            assert streamed == " " + tokenizer.decode(answer), (legacy, specials, streamed)
