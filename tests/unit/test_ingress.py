@@ -146,4 +146,4 @@ def test_a_draining_ingress_counts_its_refusal_of_the_hosted_model_as_that_model
     with pytest.raises(APIError) as raised:  # a stats probe while draining: a 503, and no request refused
         asyncio.run(OpenAIIngress.func_or_class.model_stats(ingress, "m"))
     assert raised.value.status == 503
-    assert {name: m.rejected for name, m in serving.metrics.items()} == {"m": {"draining": 2}}  # the other's: its own
+    assert {name: m.rejected["draining"] for name, m in serving.metrics.items()} == {"m": 2}  # the other's: its own
