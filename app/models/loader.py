@@ -16,6 +16,7 @@ from app.engine.text_config import text_config
 from app.models.exact_context import asked_past_stated_context, exact_context_limit, rope_scaled_context
 from app.models.generation_defaults import checkpoint_sampling_defaults
 from app.models.quantization import QuantizationError, from_pretrained_kwargs, warn_about_unquantized
+from app.models.unread_weights import unread_weights
 from app.quiet import quiet_gptqmodel
 from app.models.registry import BUILTIN_MODELS, prepare_builtin
 
@@ -237,12 +238,16 @@ def load_model(config: ModelConfig) -> LoadedModel:
         # device_map, not .to(): quantized weights are placed as they load and must not move afterwards.
         model, loading = model_class.from_pretrained(
             path, dtype=dtype, device_map={"": device}, output_loading_info=True, **quantization, **common)
+    except ModelLoadError:
+        raise  # ours, naming the model already
     except (OSError, ValueError, KeyError, ImportError, RuntimeError, SafetensorError) as exc:
         raise ModelLoadError(f"model {config.source!r} could not be loaded from {path!r}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - transformers' own code on this checkpoint (GPT-2's GPTQ layers): named
         raise ModelLoadError(f"model {config.source!r} (quantization {config.quantization}) could not be loaded from "
                              f"{path!r}: {type(exc).__name__}: {exc}") from exc
-    _require_every_weight(config.source, loading, config.quantization)
+    problem = unread_weights(loading, config.quantization)
+    if problem:
+        raise ModelLoadError(f"model {config.source!r}: {problem}")
     _warn_about(config, model, tokenizer, device, dtype)
     model.eval()
     loaded = LoadedModel(
@@ -328,28 +333,6 @@ def _quantization_kwargs(config: ModelConfig, path: str, gguf_file: str | None, 
         return from_pretrained_kwargs(config.quantization, path, dtype, device, common)
     except QuantizationError as exc:
         raise ModelLoadError(f"model {config.source!r}: {exc}") from exc
-
-
-def _require_every_weight(source: str, loading: dict, quantization: str = "none") -> None:
-    """transformers fills a weight the checkpoint lacks with random values and goes on (a quantized ``lm_head`` it
-    cannot read, an older GPTQ layout read as a plain checkpoint, GPTQ layers under names transformers' modules have
-    not): refuse, naming them, rather than serve noise."""
-    missing = sorted(loading.get("missing_keys") or [])
-    if not missing:
-        return
-    unexpected = sorted(loading.get("unexpected_keys") or [])
-    quantized = [key for key in unexpected if key.endswith((".qweight", ".qzeros", ".scales", ".g_idx"))]
-    packed = sorted({key.rsplit(".", 1)[-1] for key in quantized})
-    hint = (f"; the checkpoint holds quantized tensors ({', '.join(packed)}) that this load did not read: a GPTQ checkpoint "
-            "needs model.quantization: gptq and a quantization_config in its config.json (AutoGPTQ's older "
-            "quantize_config.json alone is not read), and a quantized lm_head is not supported") if packed else ""
-    if quantized and quantization == "gptq":  # read as GPTQ, yet its layers are not where transformers' modules are
-        hint = (f"; its GPTQ layers are named as transformers' modules for this architecture are not (e.g. {quantized[0]}): "
-                "GPTQModel writes some architectures' layers apart (MoE experts one by one, Phi-3's gate_up_proj in "
-                "two) where transformers fuses them, so this checkpoint cannot be served; serve the unquantized model")
-    shown = ", ".join(missing[:4]) + (f" (and {len(missing) - 4} more)" if len(missing) > 4 else "")
-    raise ModelLoadError(f"model {source!r}: the checkpoint has no values for {shown}, which transformers would fill "
-                         f"with random numbers{hint}")
 
 
 # Where configs state their context (GPT-2: n_positions, ChatGLM: seq_length, MPT: max_seq_len): the least one

@@ -46,15 +46,27 @@ def from_pretrained_kwargs(method: str, path: str, dtype: torch.dtype, device: t
 
 
 def checkpoint_quantization(path: str, hub_kwargs: dict) -> dict[str, Any] | None:
-    """The ``quantization_config`` a checkpoint's config.json carries, if any."""
+    """The ``quantization_config`` a checkpoint's config.json carries, if any (or an older compressed-tensors
+    checkpoint's ``compression_config``), its ``quant_method`` in lower case and always set."""
     config_file = Path(path) / "config.json"
     if config_file.is_file():
-        return json.loads(config_file.read_text()).get("quantization_config")
-    from transformers import AutoConfig  # a hub id: read just its config
+        config = json.loads(config_file.read_text())
+    else:
+        from transformers import AutoConfig  # a hub id: read just its config
 
-    config = AutoConfig.from_pretrained(path, **hub_kwargs)
-    found = getattr(config, "quantization_config", None)
-    return found if isinstance(found, dict) or found is None else found.to_dict()
+        config = AutoConfig.from_pretrained(path, **hub_kwargs).to_dict()
+    found = config.get("quantization_config")
+    if not found and config.get("compression_config"):
+        found = {"quant_method": "compressed-tensors", **config["compression_config"]}
+    return {**found, "quant_method": _quant_method(found)} if found else None
+
+
+def _quant_method(found: dict[str, Any]) -> str:
+    """A config's method, named as transformers names it (bitsandbytes' older configs give only load_in_8bit or
+    load_in_4bit)."""
+    if found.get("quant_method"):
+        return str(found["quant_method"]).lower()
+    return "bitsandbytes" if found.get("load_in_8bit") or found.get("load_in_4bit") else "unknown"
 
 
 def _prequantized_advice(existing: dict[str, Any]) -> str:
@@ -76,6 +88,13 @@ def _gptq_kwargs(existing: dict[str, Any] | None, device: torch.device) -> dict[
             "quantization_config with quant_method: gptq); make one with `python -m app quantize SOURCE OUTPUT_DIR`, "
             "or use quantization: none / bnb-int8 / bnb-nf4"
         )
+    if existing.get("lm_head"):
+        raise QuantizationError("its lm_head is GPTQ-quantized (quantization_config lm_head: true), which transformers' "
+                                "GPTQ loader does not read; quantize the model again with the head left in full precision")
+    if existing.get("dynamic"):
+        raise QuantizationError("its quantization_config has per-module overrides (dynamic: other bits, group sizes or "
+                                "skipped modules for some layers), which transformers' GPTQ loader does not read; "
+                                "quantize the model again with one setting for every layer")
     for module, package in (("gptqmodel", "gptqmodel==7.6.0"), ("optimum", "optimum==2.3.0")):
         if importlib.util.find_spec(module) is None:
             raise QuantizationError(f"GPTQ checkpoints load through {module}, which is not installed: pip install {package}")

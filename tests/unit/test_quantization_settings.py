@@ -15,6 +15,7 @@ CPU = torch.device("cpu")
 
 
 def _checkpoint(tmp_path, quantization_config=None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     config = {"model_type": "llama"}
     if quantization_config:
         config["quantization_config"] = quantization_config
@@ -44,6 +45,26 @@ def test_bnb_refuses_an_already_quantized_checkpoint(tmp_path):
     path = _checkpoint(tmp_path, {"quant_method": "gptq"})
     with pytest.raises(QuantizationError, match="already quantized"):
         from_pretrained_kwargs("bnb-nf4", path, torch.bfloat16, CPU, {})
+
+
+@pytest.mark.parametrize("quantization_config, message", [
+    ({"quant_method": "gptq", "bits": 4, "lm_head": True}, "its lm_head is GPTQ-quantized"),  # transformers leaves it
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*mlp.*": {}}}, "per-module overrides"),  # optimum ignores them
+])
+def test_a_gptq_checkpoint_transformers_would_read_only_in_part_is_refused_saying_what(tmp_path, quantization_config, message):
+    with pytest.raises(QuantizationError, match=message):
+        from_pretrained_kwargs("gptq", _checkpoint(tmp_path, quantization_config), torch.bfloat16, CPU, {})
+
+
+def test_a_quantization_configs_method_is_read_as_transformers_reads_it(tmp_path):
+    assert from_pretrained_kwargs("gptq", _checkpoint(tmp_path / "a", {"quant_method": "GPTQ", "bits": 4}), torch.bfloat16,
+                                  CPU, {}) == {}  # in capitals too
+    with pytest.raises(QuantizationError, match="pre-quantized with bitsandbytes"):  # an older config: no quant_method
+        from_pretrained_kwargs("none", _checkpoint(tmp_path / "b", {"load_in_8bit": True}), torch.bfloat16, CPU, {})
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "config.json").write_text(json.dumps({"model_type": "llama", "compression_config": {"format": "x"}}))
+    with pytest.raises(QuantizationError, match="pre-quantized with compressed-tensors"):
+        from_pretrained_kwargs("none", str(tmp_path / "c"), torch.bfloat16, CPU, {})
 
 
 def test_bnb_configs_name_the_requested_format(tmp_path):
