@@ -125,7 +125,8 @@ def rejection_sample(
     target_argmax = p.argmax(dim=-1)  # [B, K+1]
 
     u = torch.rand(B, K, device=device)  # [B, K]
-    accept_sampled = u * q_draft < p_draft  # [B, K]: P(u < p/q) = min(1, p/q); never accepts p = 0
+    # P(u < p/q) = min(1, p/q); never a token the target rules out (p = 0), whatever q came with it
+    accept_sampled = (u * q_draft < p_draft) & (p_draft > 0)  # [B, K]
     accept_greedy = draft == target_argmax[:, :K]  # [B, K]
     accept = torch.where(greedy.unsqueeze(1), accept_greedy, accept_sampled) & valid  # [B, K]
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B], length of the leading accepted run
@@ -141,7 +142,8 @@ def rejection_sample(
             q_final = _one_hot(draft[rows, jd], V_p)  # [B, V_p]
         else:
             q_final = _fit_vocab(draft_probs[rows, jd].float(), V_p)  # [B, V_p]
-        residual = (p_final - q_final).clamp_min(0.0)  # [B, V_p], unnormalized
+        # unnormalized; a q below 0 (no distribution: a corrupted answer) must not lift a token the target rules out
+        residual = (p_final - q_final.clamp_min(0.0)).clamp_min(0.0)  # [B, V_p]
         # A residual with no mass means p <= q everywhere, i.e. p == q up to rounding, where rejection has
         # probability 0: it can only come from rounding, and p is then the right distribution.
         use_residual = rejected & (residual.sum(dim=-1) > 0)  # [B]

@@ -192,8 +192,10 @@ class ModelDrafter:
             return False  # a sequence that ended, or an answer overtaken by a newer call
         usable = _inside_vocabulary(result.token_ids, self.vocab_size)
         seq.arrived_base, seq.arrived = seq.asked_base, usable
-        probs = _matching_probs(result)
-        seq.arrived_probs = probs[:len(usable)] if probs is not None else None
+        # a window cut short where the draft sampled past the target's vocabulary: the cut depends on what was drawn,
+        # so verifying the rest against the distributions it was drawn from would bias the output; as one-hot, not
+        probs = _matching_probs(result) if len(usable) == len(result.token_ids) else None
+        seq.arrived_probs = probs
         seq.asked_id = seq.asked_base = None
         return True
 
@@ -251,19 +253,27 @@ def _inside_vocabulary(token_ids: list[int], vocab_size: int | None) -> list[int
     larger): verification would reject it anyway, and everything after it depends on it."""
     if vocab_size is None:
         return list(token_ids)
-    cut = next((i for i, token in enumerate(token_ids) if not 0 <= token < vocab_size), len(token_ids))
+    cut = next((i for i, token in enumerate(token_ids) if type(token) is not int or not 0 <= token < vocab_size),
+               len(token_ids))
     return list(token_ids[:cut])
 
 
 def _matching_probs(result: DraftResult) -> list[SparseProbs] | None:
-    """The result's distributions if each proposal lies in its own (else None: the proposals are then verified as
-    one-hot, which is lossless for any tokens, where a distribution that did not produce them would not be)."""
+    """The result's distributions if each is one (finite values >= 0 summing to 1) in which its proposal has a
+    chance; else None: the proposals are then verified as one-hot, which is lossless for any tokens, where a
+    distribution that did not produce them (a corrupted or foreign answer) would not be."""
     probs = result.probs
     if probs is None or len(probs) != len(result.token_ids):
         return None
-    if any(token not in ids for token, (ids, _) in zip(result.token_ids, probs)):
-        return None
+    for token, (ids, values) in zip(result.token_ids, probs):
+        chances = dict(zip(ids, values))
+        if len(ids) != len(values) or not chances.get(token, 0) > 0 or not _a_distribution(values):
+            return None
     return [(list(ids), list(values)) for ids, values in probs]
+
+
+def _a_distribution(values) -> bool:
+    return all(isinstance(v, (int, float)) and 0 <= v <= 1 for v in values) and abs(sum(values) - 1) < 1e-3
 
 
 def _extends(output: list[int], base: list[int] | None) -> bool:

@@ -159,6 +159,19 @@ def test_sampled_rows_with_certain_outcomes():
         assert out.tolist() == [[1, 3, 0], [2], [1, 1, 4]]
 
 
+def test_a_token_the_target_rules_out_is_never_accepted_whatever_q_came_with_it():
+    """q <= 0 at the drafted token (no distribution the draft drew from says so): u * q < p held at p = 0 for a
+    negative q, and the target's banned token went out."""
+    V = 4
+    p = torch.tensor([[[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]]])  # token 0 ruled out at the first position
+    for q_value in (-1.0, 0.0):
+        q = torch.zeros(1, 1, V)
+        q[0, 0, 0] = q_value
+        for _ in range(50):
+            out = rejection_sample(torch.tensor([[0]]), [1], q, p)
+            assert int(out.num_accepted[0]) == 0 and int(out.token_ids[0, 0]) in (1, 2)
+
+
 def test_seeded_rows_repeat_alone_or_in_any_batch_and_padding():
     gen = torch.Generator().manual_seed(3)
     V = 20

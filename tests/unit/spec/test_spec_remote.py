@@ -197,4 +197,19 @@ def test_proposals_past_the_targets_vocabulary_are_cut_before_the_first_of_them(
     probs = [([11], [1.0]), ([12], [1.0]), ([100], [1.0]), ([13], [1.0])]
     drafter.add_result(DraftResult(call.call_id, 0, request.request_id, [11, 12, 100, 13], probs=probs), 0.01)
     drafter.propose(request, 4, 1, STEP_S, 0.02)
-    assert request.spec_token_ids == [11, 12] and request.spec_draft_probs == probs[:2]
+    # where the window ends depends on what the draft drew: verified against those distributions, the kept ones
+    # would be biased (a sampled 100 drops the window where a rejection would have drawn from the residual); one-hot
+    # verification is lossless for any tokens
+    assert request.spec_token_ids == [11, 12] and request.spec_draft_probs is None
+
+
+@pytest.mark.parametrize("values", [[-1.0], [0.0], [float("nan")], [0.5], [2.0]])
+def test_a_distribution_that_is_none_or_gives_its_proposal_no_chance_is_verified_as_one_hot(values):
+    """A corrupted or foreign answer: a negative q accepted a token the target rules out; q = 0 accepted any token
+    the target allows (P(u * 0 < p) = 1); neither is what the draft drew from."""
+    drafter, request = _drafter(), _request([7])
+    drafter.propose(request, 4, 1, STEP_S, 0.0)
+    [call] = drafter.take_calls()
+    drafter.add_result(DraftResult(call.call_id, 0, request.request_id, [11], probs=[([11], values)]), 0.01)
+    drafter.propose(request, 4, 1, STEP_S, 0.02)
+    assert request.spec_token_ids == [11] and request.spec_draft_probs is None
