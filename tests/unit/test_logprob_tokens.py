@@ -33,3 +33,34 @@ def test_a_vocabulary_whose_tokens_decode_alone_as_in_a_text_is_decoded_alone():
 
     formatter = LogprobFormatter(Bytes())
     assert formatter._anchor is None and formatter.token_text(ord("a")) == "a"
+
+
+async def test_an_echoed_prompts_logprobs_are_formatted_and_written_off_the_event_loop(tools_server, monkeypatch):
+    """A streamed echo's first chunk carries the whole prompt's logprobs (5.4k tokens with 20 alternatives each:
+    ~0.9 s to format, ~0.2 s to write): on the event loop, every other stream of the replica would wait that long."""
+    import threading
+
+    from app.api.protocol import CompletionRequest, parse_body
+    from deployments import http_answers
+
+    loop_thread, threads = threading.current_thread(), {}
+    formatting, writing = LogprobFormatter.completion, http_answers._sse
+
+    def formatted(self, logprobs, prompt_ids=None, *args, **kwargs):
+        threads.setdefault("format", []).append(threading.current_thread()) if prompt_ids else None
+        return formatting(self, logprobs, prompt_ids, *args, **kwargs)
+
+    def written(data, named=False):
+        threads.setdefault("write", []).append(threading.current_thread())
+        return writing(data, named)
+
+    monkeypatch.setattr(LogprobFormatter, "completion", formatted)
+    monkeypatch.setattr(http_answers, "_sse", written)
+    body = {"prompt": "x" * 300, "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True}
+    chunks = [chunk async for chunk in tools_server.serving.completion_stream(parse_body(body, CompletionRequest))]
+    assert chunks[0]["choices"][0]["text"].startswith(body["prompt"])
+    assert threads["format"] and loop_thread not in threads["format"]  # the echoed chunk's
+    echoed = {**chunks[0], "choices": [{**chunks[0]["choices"][0], "logprobs": {"tokens": ["x"] * 300}}]}  # as a model's
+    events = [await http_answers._sse_event(chunk, False) for chunk in (echoed, chunks[-1])]
+    assert events[0].startswith("data: ") and threads["write"][0] is not loop_thread
+    assert threads["write"][-1] is loop_thread  # a small chunk: written in place
