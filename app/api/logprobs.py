@@ -17,12 +17,14 @@ class LogprobFormatter:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._byte_tokenizer = None  # built on first need: ~0.5 s for a 49k vocabulary
-        self._anchor = _space_anchor(tokenizer)
+        self._anchor: tuple[int, str] | None | bool = False  # probed on first need (False: not yet)
 
     def token_text(self, token_id: int) -> str:
         """The token's text as it reads inside a text: a sentencepiece decoder strips a word-initial token's space when
         it comes first (``▁world`` alone decodes to "world"), so such a token is decoded after an anchor token and
         the anchor's text taken off (" world", as OpenAI's and vLLM's token strings read)."""
+        if self._anchor is False:
+            self._anchor = _space_anchor(self.tokenizer)
         if self._anchor is None:
             return self.tokenizer.decode([token_id])
         anchor_id, anchor_text = self._anchor

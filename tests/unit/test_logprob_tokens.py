@@ -32,7 +32,7 @@ def test_a_vocabulary_whose_tokens_decode_alone_as_in_a_text_is_decoded_alone():
             return bytes(ids).decode("utf-8", errors="replace")
 
     formatter = LogprobFormatter(Bytes())
-    assert formatter._anchor is None and formatter.token_text(ord("a")) == "a"
+    assert formatter.token_text(ord("a")) == "a" and formatter._anchor is None
 
 
 async def test_an_echoed_prompts_logprobs_are_formatted_and_written_off_the_event_loop(tools_server, monkeypatch):
