@@ -81,15 +81,17 @@ class RequestMetrics:
         self.record_rejection("queue_timeout")
         self.queue.observe(waited_s)
 
-    def record_output(self, timing: "RequestTiming", now: float, count: int) -> None:
-        """As each output arrives (vLLM's, per engine step): its prompt's tokens and TTFT with the first, then a
-        gap per output, so a long stream shows in the rates and a stalled one in the latencies while it runs."""
+    def record_output(self, timing: "RequestTiming", now: float, count: int, steps: int = 1) -> None:
+        """As each output arrives: its prompt's tokens and TTFT with the first, then a gap per engine step (vLLM's; a
+        paced chunk of several steps spreads its gap over them), so a long stream shows in the rates and a stalled one
+        in the latencies while it runs."""
         if timing.outputs == 0:
             self.prompt_tokens += timing.prompt_tokens  # its prefill is done
         if count > 0 and timing.first_token_s is None:
-            self.ttft.observe(now - timing.arrival_s)
+            self.ttft.observe(now - timing.arrival_s)  # the first chunk's other steps came with it: no gap to show
         elif count > 0:
-            self.inter_token.observe(now - timing.last_token_s)
+            for _ in range(steps):
+                self.inter_token.observe((now - timing.last_token_s) / steps)
         self.generation_tokens += max(count, 0)
 
     def record(self, timing: "RequestTiming") -> None:
@@ -134,10 +136,11 @@ class RequestTiming:
     finish_reason: str = "abort"
     phase_times: dict[str, float] = field(default_factory=dict)  # the engine's queue/prefill/decode seconds
 
-    def tokens(self, now: float, count: int) -> None:
-        """An output of ``count`` new tokens arrived at ``now`` (one streamed chunk; 0: a prompt scored alone)."""
+    def tokens(self, now: float, count: int, steps: int = 1) -> None:
+        """An output of ``count`` new tokens from ``steps`` engine steps arrived at ``now`` (one streamed chunk; 0
+        tokens: a prompt scored alone)."""
         if self.sink is not None:
-            self.sink.record_output(self, now, count)
+            self.sink.record_output(self, now, count, steps)
         self.outputs += 1
         if count <= 0:
             return

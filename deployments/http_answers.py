@@ -57,6 +57,15 @@ async def guarded(response: Awaitable[Any], request_id: str) -> Any:
         return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
 
 
+async def json_answer(body: dict) -> JSONResponse:
+    """A whole answer as JSON; one with logprobs written off the event loop, where every stream of the replica waits
+    (an echoed 5.4k-token prompt's, 20 alternatives each: ~0.4 s)."""
+    if not any(isinstance(choice, dict) and (choice.get("logprobs") or choice.get("prompt_logprobs"))
+               for choice in body.get("choices") or ()):
+        return JSONResponse(body)
+    return await asyncio.to_thread(JSONResponse, body)
+
+
 def raises_api_errors(method):
     """A handle method's failure reaches the calling Ray job as the APIError an HTTP client would read."""
 

@@ -36,7 +36,7 @@ from app.server import ModelServer
 from app.spec.remote import DraftCall, DraftResult
 from deployments.admission import HostedModel, ServerFactory
 from deployments.autoscaling import engine_queue_depth
-from deployments.http_answers import (RETRY_AFTER_S, as_generate_chunks, guarded, parsed, raises_api_errors,
+from deployments.http_answers import (RETRY_AFTER_S, as_generate_chunks, guarded, json_answer, parsed, raises_api_errors,
                                       request_id_of, sse_response, streams_api_errors, too_large)
 from deployments.lifecycle import GracefulShutdown, ingress_admission_after_stop_s
 from deployments.ray_metrics import RAY_METRICS_INTERVAL_S, RayMetricsExporter
@@ -328,7 +328,7 @@ class OpenAIIngress:
         request = await parsed(await self._read_body(raw), request_cls)
         if request.stream:
             return await sse_response(self._stream(request, kind), request_id)
-        return JSONResponse(await self._call(request, kind))
+        return await json_answer(await self._call(request, kind))
 
     async def _respond_plain(self, raw: Request, request_cls: type, kind: str):
         """A request answered in one piece by the model it names (vLLM's /tokenize, /detokenize)."""

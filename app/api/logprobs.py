@@ -17,7 +17,7 @@ class LogprobFormatter:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._byte_tokenizer = None  # built on first need: ~0.5 s for a 49k vocabulary
-        self._anchor: tuple[int, str] | None | bool = False  # probed on first need (False: not yet)
+        self._anchor: tuple[list[int], str] | None | bool = False  # probed on first need (False: not yet)
 
     def token_text(self, token_id: int) -> str:
         """The token's text as it reads inside a text: a sentencepiece decoder strips a word-initial token's space when
@@ -27,8 +27,8 @@ class LogprobFormatter:
             self._anchor = _space_anchor(self.tokenizer)
         if self._anchor is None:
             return self.tokenizer.decode([token_id])
-        anchor_id, anchor_text = self._anchor
-        text = self.tokenizer.decode([anchor_id, token_id])
+        anchor_ids, anchor_text = self._anchor
+        text = self.tokenizer.decode([*anchor_ids, token_id])
         return text[len(anchor_text):] if text.startswith(anchor_text) else self.tokenizer.decode([token_id])
 
     def token_name(self, token_id: int, as_id: bool = False) -> str:
@@ -74,6 +74,8 @@ class LogprobFormatter:
         entries.extend((lp.token_id, lp.logprob, lp.top) for lp in logprobs)
         # with ``as_ids`` the offsets count the names' characters, as vLLM's do (a stream's chunks then still agree)
         names = [self.token_name(token, as_ids) for token, _, _ in entries]
+        if prompt_ids and prompt_logprobs is not None and not as_ids:  # the echoed text starts with it: as it reads there
+            names[0] = self.tokenizer.decode([prompt_ids[0]])
         return {
             "tokens": names,
             "token_logprobs": [value for _, value, _ in entries],
@@ -105,15 +107,13 @@ def next_text_offset(logprobs: dict | None, text_offset: int) -> int:
     return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
 
-def _space_anchor(tokenizer) -> tuple[int, str] | None:
-    """(id, text) of a one-token word whose decoder strips the leading space of a text's first token, else None (a
-    byte-level vocabulary: every token decodes alone as it reads in a text)."""
+def _space_anchor(tokenizer) -> tuple[list[int], str] | None:
+    """(ids, text) of a short word, where the tokenizer's decoder strips the leading space of a text's first token;
+    else None (a byte-level vocabulary: every token decodes alone as it reads in a text)."""
     try:
-        ids = tokenizer.encode("a", add_special_tokens=False)
-        if len(ids) != 1:
-            return None
-        alone = tokenizer.decode(ids)
-        return (ids[0], alone) if tokenizer.decode(ids * 2) != alone * 2 else None
+        ids = list(tokenizer.encode("a", add_special_tokens=False))
+        alone = tokenizer.decode(ids) if ids else ""
+        return (ids, alone) if alone and tokenizer.decode(ids * 2) != alone * 2 else None
     except Exception:  # noqa: BLE001 - a tokenizer this probe cannot run: tokens decoded alone
         return None
 

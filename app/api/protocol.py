@@ -176,7 +176,8 @@ def _token_biases(logit_bias: dict[str, float] | None) -> dict[int, float]:
                            param="logit_bias")
         token = int(key)
         if not 0 <= token <= INT64_MAX:
-            raise APIError(400, f"logit_bias key {key[:24]!r} is not a token id (ids are >= 0)", param="logit_bias")
+            raise APIError(400, f"logit_bias key {key[:24]!r} is not a token id (ids run from 0 up to the vocabulary's size)",
+                           param="logit_bias")
         if token in biases:  # "97" and "097": one bias would silently replace the other
             raise APIError(400, f"logit_bias names token {token} twice; give each token one bias", param="logit_bias")
         if not -100 <= value <= 100:

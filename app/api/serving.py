@@ -293,7 +293,7 @@ class OpenAIServing:
                 prepared.last = output
                 prepared.token_ids.extend(output.new_token_ids)
                 prepared.prompt_logprobs = prepared.prompt_logprobs or output.prompt_logprobs
-                timing.tokens(time.monotonic(), len(output.new_token_ids))
+                timing.tokens(time.monotonic(), len(output.new_token_ids), output.steps)
                 if output.finished:
                     timing.finish_reason = output.finish_reason or "stop"
                     timing.phase_times = output.phase_times or {}

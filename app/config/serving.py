@@ -3,6 +3,7 @@ HTTP edge's limits, and reading it all from YAML."""
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import os
 import re
@@ -155,7 +156,7 @@ def _check_sampling_defaults(defaults: dict[str, Any]) -> None:
 
 # The API's ranges (app/api/protocol.py), where they are narrower than what the engine computes: a default outside
 # them would give a request what it could not ask for itself.
-_REQUEST_RANGES = {"temperature": (0, 2), "top_p": (0, 1), "min_p": (0, 1), "presence_penalty": (-2, 2),
+_REQUEST_RANGES = {"temperature": (0, 2), "min_p": (0, 1), "presence_penalty": (-2, 2),
                    "frequency_penalty": (-2, 2), "repetition_penalty": (0.01, 100)}
 
 
@@ -231,12 +232,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden here
+                continue
             key = self.construct_object(key_node, deep=True)
-            if key in seen:
+            if isinstance(key, collections.abc.Hashable) and key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in one mapping",
                                                         key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
+            if isinstance(key, collections.abc.Hashable):
+                seen.add(key)
+        return super().construct_mapping(node, deep)  # an unhashable key: its error, with the line
 
 
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

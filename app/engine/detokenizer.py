@@ -8,7 +8,8 @@ shows a stop string that the final text would not contain.
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import weakref
 from typing import Sequence
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for the leading space
@@ -18,11 +19,20 @@ _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for 
 _MAX_PENDING_TOKENS = 6
 
 
-@functools.lru_cache(maxsize=16)  # per tokenizer (a model's, for as long as it serves)
+_SPECIAL_IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per tokenizer, for as long as it lives
+
+
 def special_token_ids(tokenizer) -> frozenset[int]:
     """The ids ``skip_special_tokens`` decodes to nothing: the special ones among the added tokens too."""
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    return frozenset(getattr(tokenizer, "all_special_ids", ())) | frozenset(i for i, token in added.items() if getattr(token, "special", False))
+    try:
+        return _SPECIAL_IDS[tokenizer]
+    except (KeyError, TypeError):  # not yet; or a tokenizer no weak reference can name: computed each time
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        ids = frozenset(getattr(tokenizer, "all_special_ids", ())) | frozenset(
+            i for i, token in added.items() if getattr(token, "special", False))
+        with contextlib.suppress(TypeError):
+            _SPECIAL_IDS[tokenizer] = ids
+        return ids
 
 
 class IncrementalDetokenizer:

@@ -49,7 +49,7 @@ class AttentionGroup:
     """Requests attended together by SDPA as a padded batch: ``B`` sequences, ``Q`` queries, ``L`` keys."""
 
     query_index: torch.Tensor  # [B*Q] packed index of each padded query (padding repeats a real one)
-    key_slots: torch.Tensor  # [B, L] pool slot of each key (padding: slots of block 0 or unused ones, masked out)
+    key_slots: torch.Tensor  # [B, L] pool slot of each key (padding: the pool's zero slot, masked out)
     query_pos: torch.Tensor  # [B, Q] position of each query (past the context for padded ones)
     real: torch.Tensor  # [B, Q] True for real queries
     real_rows: torch.Tensor | None  # [n] rows of the flattened [B*Q] output that are real queries (None: all)
@@ -134,10 +134,10 @@ class PagedBatch:
     ) -> "PagedBatch":
         device, null_slot = kv_pool.device, kv_pool.shape[2] - 1  # as __post_init__ sets it
         if kernel is not None and all(s.num_queries == 1 for s in slices):
-            decode, slot_mapping = _kernel_decode(slices, block_size, device, null_slot)
+            decode, slot_mapping = _kernel_decode(slices, block_size, device)
             return cls(kv_pool, block_size, slices, slot_mapping, kernel, kernel_decode=decode)
         if kernel is not None:
-            queries, slot_mapping = _kernel_queries(slices, block_size, null_slot)
+            queries, slot_mapping = _kernel_queries(slices, block_size)
             batch = cls(kv_pool, block_size, slices, slot_mapping, kernel, kernel_queries=queries)
             if sdpa_prompts:
                 batch._split_prompt_chunks(sdpa_prompt_min)
@@ -157,7 +157,7 @@ class PagedBatch:
         if rest:
             starts = itertools.accumulate((s.num_queries for s in rest), initial=0)
             compact = [SequenceSlice(start, s.num_queries, s.num_computed, s.block_table) for s, start in zip(rest, starts)]
-            self.rest = _kernel_queries(compact, self.block_size, self.null_slot)[0]
+            self.rest = _kernel_queries(compact, self.block_size)[0]
             self.rest_rows = torch.cat([torch.arange(s.query_start, s.query_start + s.num_queries) for s in rest])
 
     def torch_groups(self) -> list[AttentionGroup]:
@@ -206,14 +206,19 @@ def _window_rows(key_slots: torch.Tensor, rows: torch.Tensor, counts: torch.Tens
     return key_slots[rows.unsqueeze(1), index].contiguous(), kept
 
 
-def _key_slots(slices: Sequence[SequenceSlice], counts: list[int], block_size: int, null_slot: int) -> torch.Tensor:
+def _key_slots(slices: Sequence[SequenceSlice], counts: list[int], block_size: int, null_slot: int | None) -> torch.Tensor:
     """[B, max count] pool slot of every key of each sequence; past its count, or in a block handed back (a sliding
     window's), ``null_slot``: masked, but still read by a padded SDPA, where a masked NaN or inf (another request's
-    overflow, a stale slot) would still make every row of the batch NaN (0 * inf)."""
+    overflow, a stale slot) would still make every row of the batch NaN (0 * inf). None: our kernel's rows, which
+    it reads only up to each count and within each window (a slot of block 0 there, never read)."""
     num_keys = max(counts)
     num_blocks = -(-num_keys // block_size)
     tables = torch.tensor([_padded(s.block_table[:num_blocks], num_blocks) for s in slices])  # [B, blocks]; -1: none
+    if null_slot is None:
+        tables = tables.clamp(min=0)
     slots = (tables.unsqueeze(-1) * block_size + torch.arange(block_size)).view(len(slices), -1)[:, :num_keys]
+    if null_slot is None:
+        return slots.contiguous()
     outside = (tables < 0).repeat_interleave(block_size, dim=1)[:, :num_keys]
     outside |= torch.arange(num_keys) >= torch.tensor(counts).unsqueeze(1)
     return slots.masked_fill(outside, null_slot).contiguous()
@@ -223,21 +228,20 @@ def _padded(blocks: Sequence[int], length: int) -> list[int]:
     return [*blocks, *[-1] * (length - len(blocks))]
 
 
-def _kernel_decode(slices: Sequence[SequenceSlice], block_size: int, device: torch.device,
-                   null_slot: int) -> tuple[KernelDecode, torch.Tensor]:
+def _kernel_decode(slices: Sequence[SequenceSlice], block_size: int, device: torch.device) -> tuple[KernelDecode, torch.Tensor]:
     """A decode step for the CPU kernel: key slots and counts, and each sequence's new slot (its last key's)."""
     counts = [s.num_computed + 1 for s in slices]
     new_slots = [s.block_table[s.num_computed // block_size] * block_size + s.num_computed % block_size for s in slices]
-    decode = KernelDecode(_key_slots(slices, counts, block_size, null_slot).to(device), torch.tensor(counts, device=device))
+    decode = KernelDecode(_key_slots(slices, counts, block_size, None).to(device), torch.tensor(counts, device=device))
     return decode, torch.tensor(new_slots, device=device)
 
 
-def _kernel_queries(slices: Sequence[SequenceSlice], block_size: int, null_slot: int) -> tuple[KernelQueries, torch.Tensor]:
+def _kernel_queries(slices: Sequence[SequenceSlice], block_size: int) -> tuple[KernelQueries, torch.Tensor]:
     """Per packed query: its sequence's row of key slots, the keys it sees, and the slot its key goes to."""
     lengths = torch.tensor([s.num_queries for s in slices])
     starts = torch.tensor([s.query_start for s in slices])
     computed = torch.tensor([s.num_computed for s in slices])
-    key_slots = _key_slots(slices, (computed + lengths).tolist(), block_size, null_slot)  # [S, L]
+    key_slots = _key_slots(slices, (computed + lengths).tolist(), block_size, None)  # [S, L]
     seq = torch.repeat_interleave(torch.arange(len(slices)), lengths)  # [T] in slice order
     offset = torch.arange(len(seq)) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
     positions = computed[seq] + offset

@@ -254,11 +254,12 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token, when the request asked for them
     phase_times: dict[str, float] | None = None  # on the finishing output: Request.phase_times
+    steps: int = 1  # the engine steps it holds (a paced stream's chunk folds several)
 
     def followed_by(self, later: "RequestOutput") -> "RequestOutput":
         """This delta and the request's next one as one delta: both deltas' tokens, the later one's totals and status."""
         logprobs = (self.logprobs or []) + (later.logprobs or []) if self.logprobs or later.logprobs else None
         return dataclasses.replace(
             later, new_token_ids=self.new_token_ids + later.new_token_ids, new_text=self.new_text + later.new_text, logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs, steps=self.steps + later.steps,
         )

@@ -62,10 +62,10 @@ def checkpoint_quantization(path: str, hub_kwargs: dict) -> dict[str, Any] | Non
 
 
 def _quant_method(found: dict[str, Any]) -> str:
-    """A config's method, named as transformers names it (bitsandbytes' older configs give only load_in_8bit or
-    load_in_4bit)."""
+    """A config's method as written (transformers reads it as written: "GPTQ" is none of its methods), where bitsandbytes'
+    older configs give only load_in_8bit or load_in_4bit."""
     if found.get("quant_method"):
-        return str(found["quant_method"]).lower()
+        return str(found["quant_method"])
     return "bitsandbytes" if found.get("load_in_8bit") or found.get("load_in_4bit") else "unknown"
 
 
@@ -80,6 +80,9 @@ def _prequantized_advice(existing: dict[str, Any]) -> str:
 
 
 def _gptq_kwargs(existing: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
+    if existing and existing["quant_method"] != "gptq" and existing["quant_method"].lower() == "gptq":
+        raise QuantizationError(f"its quantization_config's quant_method is {existing['quant_method']!r}, which "
+                                "transformers does not read; write it \"gptq\" in config.json")
     if not existing or existing.get("quant_method") != "gptq":
         found = f"a {existing.get('quant_method')} quantization_config" if existing else "no quantization_config"
         raise QuantizationError(

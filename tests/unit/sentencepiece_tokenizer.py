@@ -10,10 +10,10 @@ from transformers import PreTrainedTokenizerFast
 CORPUS = ["Hello world, this is a test.", "The answer is 42.", "hello there friend", "Is it? Yes! No, maybe."] * 20
 
 
-def sentencepiece_tokenizer(legacy: bool = True) -> PreTrainedTokenizerFast:
+def sentencepiece_tokenizer(legacy: bool = True, corpus: list[str] = CORPUS) -> PreTrainedTokenizerFast:
     trained = Tokenizer(models.BPE(unk_token="<unk>"))
     trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
-    trained.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+    trained.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
                                                             show_progress=False))
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
     for token, _ in sorted(trained.get_vocab().items(), key=lambda item: item[1]):

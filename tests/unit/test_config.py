@@ -84,6 +84,11 @@ def test_a_yaml_file_with_a_key_given_twice_or_bad_syntax_is_refused_naming_the_
     broken.write_text("models:\n  - model: {source: a\n")
     with pytest.raises(ValueError, match="is not valid YAML"):
         AppConfig.from_yaml(broken)
+    merged = tmp_path / "merged.yaml"  # a merge key's values may be overridden: no key is given twice
+    merged.write_text("models:\n  - model: a\n    engine: &engine {max_num_seqs: 8, block_size: 16}\n"
+                      "  - model: b\n    engine:\n      <<: *engine\n      block_size: 32\n")
+    engines = [served.engine for served in AppConfig.from_yaml(merged).models]
+    assert [(e.max_num_seqs, e.block_size) for e in engines] == [(8, 16), (8, 32)]
 
 
 def test_from_args_merges_file_and_overrides(tmp_path):

@@ -49,6 +49,15 @@ def test_a_running_request_shows_in_the_rates_and_latencies_before_it_ends():
     assert metrics.e2e.count == 0 and sum(metrics.finished.values()) == 0
 
 
+def test_a_paced_chunk_of_several_steps_spreads_its_gap_over_them():
+    """stream_interval_ms folds steps into one chunk: the figure stays the engine's per step, not the chunk's."""
+    metrics = RequestMetrics()
+    timing = RequestTiming(arrival_s=0.0, prompt_tokens=3, sink=metrics)
+    timing.tokens(0.1, 1)
+    timing.tokens(0.2, 5, steps=5)  # a token every 20 ms, sent as one chunk
+    assert metrics.inter_token.count == 5 and abs(metrics.inter_token.total - 0.1) < 1e-9
+
+
 def test_every_reason_is_a_series_from_the_start():
     """Prometheus sees no rise in a series' first sample: the first error after a restart must move a series at 0."""
     lines = render({"m": {"requests": RequestMetrics().to_dict()}}).splitlines()

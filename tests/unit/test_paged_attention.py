@@ -33,7 +33,8 @@ class Sequences:
         self.decode_kernel, self.kv_dtype, self.window, self.softcap = decode_kernel, kv_dtype, window, softcap
         self.sdpa_prompts, self.sdpa_prompt_min = False, 1  # prompts through SDPA's causal kernel (PagedBatch.build)
         self.tables = {name: list(table) for name, table in TABLES.items()}
-        self.pool = torch.zeros(1, 2, 8 * BLOCK, KV_HEADS, HEAD_DIM, dtype=kv_dtype)  # [layers, k/v, slots, Hkv, D]
+        # [layers, k/v, slots, Hkv, D]: 8 blocks and, as the runner lays it out, one zero slot past them
+        self.pool = torch.zeros(1, 2, 8 * BLOCK + 1, KV_HEADS, HEAD_DIM, dtype=kv_dtype)
         self.keys = {name: torch.empty(KV_HEADS, 0, HEAD_DIM) for name in TABLES}
         self.values = {name: torch.empty(KV_HEADS, 0, HEAD_DIM) for name in TABLES}
 
@@ -109,7 +110,7 @@ def test_no_slot_outside_a_sequence_reaches_its_output_even_inf(route):
     if route == "kernel" and build.unsupported_reason() is not None:
         pytest.skip(f"the CPU kernels cannot run here: {build.unsupported_reason()}")
     sequences = Sequences(load_decode_attention() if route == "kernel" else None)
-    sequences.pool = torch.full((1, 2, 8 * BLOCK + 1, KV_HEADS, HEAD_DIM), float("inf"))
+    sequences.pool.fill_(float("inf"))
     sequences.pool[:, :, -1] = 0
     for new_tokens in ({"a": 9, "b": 2, "c": 5}, {"a": 1, "b": 1, "c": 1}, {"b": 1, "a": 1}, {"c": 3, "b": 1}):
         got, expected, _ = sequences.step(new_tokens)

@@ -57,8 +57,8 @@ def test_a_gptq_checkpoint_transformers_would_read_only_in_part_is_refused_sayin
 
 
 def test_a_quantization_configs_method_is_read_as_transformers_reads_it(tmp_path):
-    assert from_pretrained_kwargs("gptq", _checkpoint(tmp_path / "a", {"quant_method": "GPTQ", "bits": 4}), torch.bfloat16,
-                                  CPU, {}) == {}  # in capitals too
+    with pytest.raises(QuantizationError, match="transformers does not read; write it \"gptq\""):  # its own error, deep
+        from_pretrained_kwargs("gptq", _checkpoint(tmp_path / "a", {"quant_method": "GPTQ", "bits": 4}), torch.bfloat16, CPU, {})
     with pytest.raises(QuantizationError, match="pre-quantized with bitsandbytes"):  # an older config: no quant_method
         from_pretrained_kwargs("none", _checkpoint(tmp_path / "b", {"load_in_8bit": True}), torch.bfloat16, CPU, {})
     (tmp_path / "c").mkdir()
