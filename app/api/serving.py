@@ -315,7 +315,7 @@ class OpenAIServing:
     def metrics_for(self, model: str) -> RequestMetrics:
         """The figures of requests sent to ``model``: under that name where this model serves it, else the model's
         own (a handle call naming something else is answered; its name must not grow the metrics)."""
-        return self.metrics.setdefault(model if model in self.speculative_names else self.model_name, RequestMetrics())
+        return self.metrics[model if model in self.speculative_names else self.model_name]  # each made at start
 
     async def _collect(self, prepared: Prepared) -> tuple[str, RequestOutput, list[TokenLogprob] | None]:
         parts, last, logprobs = [], None, None

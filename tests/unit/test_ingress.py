@@ -133,7 +133,9 @@ def test_a_draining_ingress_counts_its_refusal_of_the_hosted_model_as_that_model
     from app.api.serving import OpenAIServing
     from deployments.routes import LocalModel
 
-    serving = types.SimpleNamespace(metrics={}, speculative_names=[], model_name="m")
+    from app.metrics import RequestMetrics
+
+    serving = types.SimpleNamespace(metrics={"m": RequestMetrics()}, speculative_names=[], model_name="m")  # as made
     serving.metrics_for = types.MethodType(OpenAIServing.metrics_for, serving)
     hosted = types.SimpleNamespace(server=types.SimpleNamespace(serving=serving))
     ingress = types.SimpleNamespace(_draining=True, _hosted=hosted, _default_model="m",
