@@ -235,12 +235,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden here
                 continue
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, collections.abc.Hashable) and key in seen:
+            if not isinstance(key, collections.abc.Hashable):
+                continue  # the parent's error names it, with the line
+            if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in one mapping",
                                                         key_node.start_mark)
-            if isinstance(key, collections.abc.Hashable):
-                seen.add(key)
-        return super().construct_mapping(node, deep)  # an unhashable key: its error, with the line
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

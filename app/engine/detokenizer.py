@@ -8,8 +8,6 @@ shows a stop string that the final text would not contain.
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from typing import Sequence
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for the leading space
@@ -19,20 +17,11 @@ _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token, for 
 _MAX_PENDING_TOKENS = 6
 
 
-_SPECIAL_IDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # per tokenizer, for as long as it lives
-
-
 def special_token_ids(tokenizer) -> frozenset[int]:
     """The ids ``skip_special_tokens`` decodes to nothing: the special ones among the added tokens too."""
-    try:
-        return _SPECIAL_IDS[tokenizer]
-    except (KeyError, TypeError):  # not yet; or a tokenizer no weak reference can name: computed each time
-        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        ids = frozenset(getattr(tokenizer, "all_special_ids", ())) | frozenset(
-            i for i, token in added.items() if getattr(token, "special", False))
-        with contextlib.suppress(TypeError):
-            _SPECIAL_IDS[tokenizer] = ids
-        return ids
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return frozenset(getattr(tokenizer, "all_special_ids", ())) | frozenset(
+        i for i, token in added.items() if getattr(token, "special", False))
 
 
 class IncrementalDetokenizer:
@@ -43,14 +32,16 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         include_stop: bool = False,
+        special_ids: frozenset[int] | None = None,
     ) -> None:
         """``include_stop``: the text ends after the stop string that ended it, not before (vLLM's
-        include_stop_str_in_output)."""
+        include_stop_str_in_output). ``special_ids``: the tokenizer's ``special_token_ids`` (found here if not given)."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         # skipped tokens add no text: kept out of the window, they neither count as a character still pending nor,
         # at its start, take the place of the token whose leading space the decoder would then strip
-        self._skipped = special_token_ids(tokenizer) if skip_special_tokens else frozenset()
+        self._skipped = frozenset() if not skip_special_tokens else special_ids if special_ids is not None else \
+            special_token_ids(tokenizer)
         self._ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)

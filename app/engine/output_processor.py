@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import time
 
-from app.engine.detokenizer import IncrementalDetokenizer
+from app.engine.detokenizer import IncrementalDetokenizer, special_token_ids
 from app.engine.request import Request, RequestOutput, RequestStatus, TokenLogprob
 
 
 class OutputProcessor:
     def __init__(self, tokenizer, max_model_len: int) -> None:
         self._tokenizer = tokenizer
+        self._special_ids = special_token_ids(tokenizer)  # once: every request's detokenizer skips them
         self._max_model_len = max_model_len
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
 
@@ -65,7 +66,7 @@ class OutputProcessor:
         if detokenizer is None:
             detokenizer = IncrementalDetokenizer(
                 self._tokenizer, request.prompt_token_ids, request.sampling.stop, request.sampling.skip_special_tokens,
-                request.sampling.include_stop_str_in_output,
+                request.sampling.include_stop_str_in_output, self._special_ids,
             )
             self._detokenizers[request.request_id] = detokenizer
         return detokenizer

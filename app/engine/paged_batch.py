@@ -125,14 +125,14 @@ class PagedBatch:
     def __post_init__(self) -> None:
         # one query per sequence, in packed order (the steady state): torch attends the queries where they lie
         self.decode_only = all(s.num_queries == 1 for s in self.slices)
-        self.null_slot = self.kv_pool.shape[2] - 1  # the pool's last slot: past every block, zero (runner.py)
+        self.null_slot = _null_slot(self.kv_pool)
 
     @classmethod
     def build(
         cls, kv_pool: torch.Tensor, block_size: int, slices: Sequence[SequenceSlice],
         kernel: PagedAttentionKernel | None = None, sdpa_prompts: bool = False, sdpa_prompt_min: int = SDPA_PROMPT_MIN,
     ) -> "PagedBatch":
-        device, null_slot = kv_pool.device, kv_pool.shape[2] - 1  # as __post_init__ sets it
+        device, null_slot = kv_pool.device, _null_slot(kv_pool)
         if kernel is not None and all(s.num_queries == 1 for s in slices):
             decode, slot_mapping = _kernel_decode(slices, block_size, device)
             return cls(kv_pool, block_size, slices, slot_mapping, kernel, kernel_decode=decode)
@@ -206,6 +206,11 @@ def _window_rows(key_slots: torch.Tensor, rows: torch.Tensor, counts: torch.Tens
     return key_slots[rows.unsqueeze(1), index].contiguous(), kept
 
 
+def _null_slot(kv_pool: torch.Tensor) -> int:
+    """The pool's last slot: past every block, zero (runner.py)."""
+    return kv_pool.shape[2] - 1
+
+
 def _key_slots(slices: Sequence[SequenceSlice], counts: list[int], block_size: int, null_slot: int | None) -> torch.Tensor:
     """[B, max count] pool slot of every key of each sequence; past its count, or in a block handed back (a sliding
     window's), ``null_slot``: masked, but still read by a padded SDPA, where a masked NaN or inf (another request's
@@ -214,9 +219,7 @@ def _key_slots(slices: Sequence[SequenceSlice], counts: list[int], block_size: i
     num_keys = max(counts)
     num_blocks = -(-num_keys // block_size)
     tables = torch.tensor([_padded(s.block_table[:num_blocks], num_blocks) for s in slices])  # [B, blocks]; -1: none
-    if null_slot is None:
-        tables = tables.clamp(min=0)
-    slots = (tables.unsqueeze(-1) * block_size + torch.arange(block_size)).view(len(slices), -1)[:, :num_keys]
+    slots = (tables.clamp(min=0).unsqueeze(-1) * block_size + torch.arange(block_size)).view(len(slices), -1)[:, :num_keys]
     if null_slot is None:
         return slots.contiguous()
     outside = (tables < 0).repeat_interleave(block_size, dim=1)[:, :num_keys]

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 # Tensors that only a quantized checkpoint holds beside its weights (fp8's and compressed-tensors' scales, bitsandbytes'
 # int8 and 4-bit states, AWQ's and GPTQ's packing): left unread, the weights they scale are served as raw codes.
+GPTQ_TENSORS = (".qweight", ".qzeros", ".scales", ".g_idx")
 QUANTIZATION_TENSORS = (".weight_scale", ".weight_scale_inv", ".input_scale", ".weight_zero_point", ".weight_packed",
-                        ".SCB", ".weight_format", ".absmax", ".quant_map", ".qweight", ".qzeros", ".scales", ".g_idx")
+                        ".SCB", ".weight_format", ".absmax", ".quant_map", *GPTQ_TENSORS)
 
 
 def unread_weights(loading: dict, quantization: str = "none") -> str | None:
@@ -19,7 +20,7 @@ def unread_weights(loading: dict, quantization: str = "none") -> str | None:
     unexpected = sorted(loading.get("unexpected_keys") or [])
     if not missing:
         return _unread_quantization(unexpected)
-    quantized = [key for key in unexpected if key.endswith((".qweight", ".qzeros", ".scales", ".g_idx"))]
+    quantized = [key for key in unexpected if key.endswith(GPTQ_TENSORS)]
     packed = sorted({key.rsplit(".", 1)[-1] for key in quantized})
     hint = (f"; the checkpoint holds quantized tensors ({', '.join(packed)}) that this load did not read: a GPTQ checkpoint "
             "needs model.quantization: gptq and a quantization_config in its config.json (AutoGPTQ's older "
