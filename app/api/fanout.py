@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Sequence
 
-from app.api.errors import APIError
+from app.api.errors import APIError, rejection_reason
 from app.engine import RequestOutput, SamplingParams
 from app.engine.request import INT64_MAX, INT64_MIN, TokenLogprob
 
@@ -137,6 +137,17 @@ def fan_out(prepared: list[Prepared], count: int, n: int | None, holds: int | No
                                              created=prepared[0].created, index=prompt_index * n + j,
                                              prompt_index=prompt_index, first_of_prompt=j == 0))
     return plans
+
+
+def check_room(engine, metrics, plans: list[Prepared]) -> None:
+    """Refuse what the engine would not take now (full, draining, stopped), counted as a rejection (in no latency
+    figure): an OpenAI request's generations together, so it is admitted whole or refused whole, never some of its
+    choices run, then aborted with it."""
+    try:
+        engine.check_accepting(len(plans))
+    except Exception as exc:
+        metrics.record_rejection(rejection_reason(exc))
+        raise
 
 
 def usage(plans: list[Prepared]) -> dict:

@@ -18,9 +18,9 @@ import uuid
 from typing import AsyncIterator
 
 from app.api import budget, extras, legacy_functions, reasoning, tool_streams, tools
-from app.api.errors import APIError, rejection_reason
+from app.api.errors import APIError
 from app.api.fim import fim_prompt
-from app.api.fanout import Prepared, best_candidates, fan_out, gather_or_cancel, merged, num_prompts, usage
+from app.api.fanout import Prepared, best_candidates, check_room, fan_out, gather_or_cancel, merged, num_prompts, usage
 from app.api.logprobs import LogprobFormatter, next_text_offset
 from app.api.messages import assistant_message
 from app.api.prompts import Prompts
@@ -79,6 +79,7 @@ class OpenAIServing:
 
     async def completion(self, request: CompletionRequest) -> dict:
         plans = await asyncio.to_thread(self._completion_plans, request)  # tokenizing: off the event loop
+        check_room(self.engine, self.metrics_for(plans[0].model), plans)
         results = await gather_or_cancel([self._collect(p) for p in plans])
         ranked = len(plans) > request.n * num_prompts(plans)
         kept = best_candidates(plans, results, request.n) if ranked else list(zip(plans, results))
@@ -126,6 +127,7 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest) -> dict:
         plans = await asyncio.to_thread(self._chat_plans, request)  # the template and tokenizing: off the loop
+        check_room(self.engine, self.metrics_for(plans[0].model), plans)
         results = await gather_or_cancel([self._collect(p) for p in plans])
         choice = request.tool_choice_resolved()
         one_call = request.parallel_tool_calls is False
@@ -222,6 +224,7 @@ class OpenAIServing:
         has the request: a full queue, a draining replica or a queue timeout is still an HTTP status (503), as for
         completions, not an error event inside a 200 stream. A chat stream's role chunks go out with the first
         content chunk."""
+        check_room(self.engine, self.metrics_for(plans[0].model), plans)
         chunker = chunker or (lambda plan: self._chunks(plan, make_choice, kind, request))
         streams = merged([chunker(p) for p in plans]) if len(plans) > 1 else None
         chunks = chunker(plans[0]) if streams is None else (chunk async for _, chunk in streams)
@@ -275,11 +278,7 @@ class OpenAIServing:
         request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling, self.eos_token_ids,
                           drafter=prepared.drafter, cache_salt=prepared.cache_salt)
         metrics = self.metrics_for(prepared.model)
-        try:
-            self.engine.check_accepting()
-        except Exception as exc:  # turned away before the engine took it: counted apart, in no latency figure
-            metrics.record_rejection(rejection_reason(exc))
-            raise
+        check_room(self.engine, metrics, [prepared])  # a request arriving while its batch-mates ran
         prompt_tokens = len(prepared.prompt_token_ids) if prepared.first_of_prompt else 0
         timing = RequestTiming(time.monotonic(), prompt_tokens, metrics)  # ends as "abort" unless told
         timed_out = False

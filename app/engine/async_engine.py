@@ -336,17 +336,19 @@ class AsyncEngine:
         """The most requests this replica holds at once, running and queued (one more is refused: overloaded)."""
         return self._max_queued
 
-    def check_accepting(self) -> None:
-        """Raise what a request arriving now would be refused with (EngineDeadError, ReplicaDrainingError,
-        EngineOverloadedError), before it reaches the engine."""
+    def check_accepting(self, count: int = 1) -> None:
+        """Raise what ``count`` requests arriving now would be refused with (EngineDeadError, ReplicaDrainingError,
+        EngineOverloadedError), before they reach the engine: the generations of one OpenAI request are checked
+        together, so it is admitted whole or refused whole."""
         if self._dead_reason is not None:
             raise EngineDeadError(f"engine stopped: {self._dead_reason}")
         if self._draining or self._stopping:
             raise ReplicaDrainingError("the replica is shutting down; retry on another replica")
-        if self.num_unfinished >= self._max_queued:
+        if self.num_unfinished + count > self._max_queued:
+            held = (f"the replica already holds {self._max_queued} requests" if count == 1 else
+                    f"this request's {count} generations do not fit: the replica holds {self.num_unfinished} of {self._max_queued} requests")
             raise EngineOverloadedError(
-                f"the replica already holds {self._max_queued} requests, all its batch and queue take "
-                "(engine.max_num_seqs + engine.max_queued_requests); retry later"
+                f"{held}, all its batch and queue take (engine.max_num_seqs + engine.max_queued_requests); retry later"
             )
 
 

@@ -83,3 +83,29 @@ def test_config_bounds_and_the_serve_limit_that_leaves_the_engine_room():
     assert ServedModelConfig(replica=ReplicaConfig(max_ongoing_requests=48)).replica.max_ongoing_requests == 48
     with pytest.raises(ValueError, match="engine.max_queue_time_s"):
         EngineConfig(max_queue_time_s=-1)
+
+
+async def test_a_request_of_several_generations_is_admitted_whole_or_refused_whole():
+    """n choices on a replica with room for fewer: one 503, counted once; none of its choices reaches the engine
+    (they would run, then be aborted with it)."""
+    from app.api.protocol import CompletionRequest, parse_body
+    from app.api.serving import OpenAIServing
+    from tests.serve.fake_model import ByteTokenizer
+
+    core = QueueingCore(max_running=2)
+    engine = AsyncEngine(in_thread(lambda: core), max_queued_requests=4)
+    serving = OpenAIServing(engine, ByteTokenizer(), "m", 100, [0], 256)
+    admitted = [asyncio.ensure_future(_collect(engine, f"r{i}", max_tokens=40)) for i in range(2)]
+    await until(lambda: engine.num_unfinished == 2)
+    request = parse_body({"model": "m", "prompt": "hi", "n": 3, "max_tokens": 5}, CompletionRequest)
+    with pytest.raises(EngineOverloadedError, match="3 generations"):
+        await serving.completion(request)
+    with pytest.raises(EngineOverloadedError, match="3 generations"):  # a stream too, before its first byte
+        await anext(serving.completion_stream(request))
+    assert set(core.requests) | set(core.aborted) == {"r0", "r1"}  # none of the three reached the engine
+    metrics = serving.metrics_for("m").to_dict()
+    assert metrics["request_rejected"]["overloaded"] == 2 and sum(metrics["request_success"].values()) == 0
+    fits = parse_body({"model": "m", "prompt": "hi", "n": 2, "max_tokens": 5}, CompletionRequest)
+    assert len((await serving.completion(fits))["choices"]) == 2  # two fit: served
+    assert [len(tokens) for tokens in await asyncio.gather(*admitted)] == [40] * 2
+    engine.shutdown(1)
