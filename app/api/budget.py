@@ -58,7 +58,7 @@ def check_token_ids(sampling: SamplingParams, vocab_size: int, eos_token_ids: fr
     if not left:
         raise APIError(400, "every token of allowed_token_ids is a bad word: no token is left to choose",
                        param="allowed_token_ids", code=NO_TOKEN_LEFT)
-    stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
+    stops = set(sampling.stop_token_ids) | set(eos_token_ids)  # min_tokens bans EOS under ignore_eos too, as vLLM
     if sampling.min_tokens and not left - stops:
         raise APIError(400, "allowed_token_ids hold only EOS and stop tokens, which min_tokens bans: no token is left to "
                        "choose", param="allowed_token_ids", code=NO_TOKEN_LEFT)

@@ -98,9 +98,18 @@ class Sampler:
         generator = self._generators.get(request.request_id)
         if generator is None:
             generator = torch.Generator(device=device)
-            generator.manual_seed(request.sampling.seed)
+            generator.manual_seed(mixed_seed(request.sampling.seed))
             self._generators[request.request_id] = generator
         return generator
+
+
+def mixed_seed(seed: int) -> int:
+    """A generator's seed from a request's 64-bit one (splitmix64's finalizer, a bijection): a CPU generator keeps only
+    its seed's low 32 bits, which then depend on all 64 (5 and 5 + 2**32, -2 and 2**32 - 2 are different streams)."""
+    z = (seed + 0x9E3779B97F4A7C15) % 2**64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+    return z ^ (z >> 31)
 
 
 def draw_rows(weights: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
@@ -155,8 +164,8 @@ def token_logprobs(raw: torch.Tensor, tokens: list[int], requests: Sequence[Requ
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """OpenAI logit_bias, then presence/frequency penalties over output tokens; HF repetition penalty over all
-    tokens; then vLLM's bans: every token outside allowed_token_ids, and each bad word's last token where the output
+    """OpenAI logit_bias, then (vLLM's order) HF repetition penalty over the prompt's and output's tokens, then
+    frequency/presence penalties over the output's; then vLLM's bans: every token outside allowed_token_ids, and each bad word's last token where the output
     ends with the rest of it. In place, on the rows that ask."""
     rows = [i for i, r in enumerate(requests) if has_penalty(r)]
     if not rows:
@@ -168,17 +177,17 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.
         if bias:
             ids, values = zip(*bias)
             logits[row, list(ids)] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
-        if params.frequency_penalty or params.presence_penalty:
-            output = torch.tensor(requests[row].output_token_ids, dtype=torch.long, device=logits.device)
-            output = output[output < vocab]
-            counts = torch.bincount(output, minlength=vocab).to(logits.dtype)  # [V]
-            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(requests[row].all_token_ids)), dtype=torch.long, device=logits.device)
             seen = seen[seen < vocab]
             values = logits[row, seen]
             penalized = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
             logits[row, seen] = penalized
+        if params.frequency_penalty or params.presence_penalty:
+            output = torch.tensor(requests[row].output_token_ids, dtype=torch.long, device=logits.device)
+            output = output[output < vocab]
+            counts = torch.bincount(output, minlength=vocab).to(logits.dtype)  # [V]
+            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
         ban_tokens(logits[row], params, requests[row].output_token_ids)
     return logits
 
@@ -210,9 +219,7 @@ def mask_stop_tokens_before_min(logits: torch.Tensor, requests: Sequence[Request
     else: a complete structured output (a closed JSON object, one of the choices) ends there, min_tokens or not."""
     for row, request in enumerate(requests):
         if request.num_output_tokens < request.sampling.min_tokens:
-            banned = set(request.sampling.stop_token_ids)
-            if not request.sampling.ignore_eos:
-                banned |= request.eos_token_ids
+            banned = set(request.sampling.stop_token_ids) | request.eos_token_ids  # ignore_eos too, as vLLM
             banned_ids = [t for t in banned if 0 <= t < logits.shape[-1]]
             if banned_ids:
                 kept = logits[row, banned_ids].clone()
@@ -312,6 +319,7 @@ def _prefix_kept(probs: torch.Tensor, floor: torch.Tensor | None, requests: Sequ
         unbounded = limited[:, -1] & (width < V)  # min-p's and top-k's prefix runs past the window: its mass is not known
         mass = torch.where(k < V, values.masked_fill(~limited, 0.0).sum(dim=-1), survivors[rows])  # [r]
         kept = limited & (values.cumsum(dim=-1) - values < top_p[rows].unsqueeze(1) * mass.unsqueeze(1))  # [r, W]
+        kept[:, 0] = limited[:, 0]  # the most likely token stays whatever top_p (as vLLM: 1e-46 is 0 in float32)
         out[rows] = torch.zeros(len(rows), V, dtype=torch.bool, device=device).scatter_(1, ids, kept)
         rows = rows[kept[:, -1] | (unbounded & (k < V))]  # a prefix that fills the window may go on past it
         if width == V or len(rows) == 0:

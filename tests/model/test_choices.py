@@ -87,7 +87,7 @@ async def test_a_stream_sends_a_chunk_for_every_token_even_one_with_no_text(serv
     holds one token while the reader keeps up, and the tokens that queued meanwhile when it falls behind (a busy
     machine): counted by their logprobs, every token is in exactly one chunk."""
     question = "What is 2 + 2?"
-    body = dict(temperature=0, max_tokens=48, min_tokens=48, ignore_eos=True, stream_options={"include_usage": True})
+    body = dict(temperature=0, max_tokens=48, ignore_eos=True, stream_options={"include_usage": True})
     if cls is CompletionRequest:
         body["prompt"] = server_fp32.info.tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                                         add_generation_prompt=True, tokenize=False)

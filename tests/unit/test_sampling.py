@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from app.engine.request import Request, SamplingParams
-from app.engine.sampling import Sampler, draw_rows, truncated_probs
+from app.engine.sampling import Sampler, apply_penalties, draw_rows, truncated_probs
 
 
 def _req(rid="r", **params):
@@ -169,3 +169,37 @@ def test_a_row_sampled_again_after_its_batch_mate_failed_reports_the_logprobs_it
         Sampler().sample_with_logprobs(rows, [request, _req("b", temperature=0)])
     tokens, [logprob] = Sampler().sample_with_logprobs(rows[:1], [request])  # as runner._isolated does
     assert (tokens, [logprob]) == expected and logprob.top[0][0] == 0
+
+
+def test_penalties_come_in_vllms_order_repetition_first_then_frequency_and_presence():
+    request = Request("r", [3], SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=1.5))
+    request.output_token_ids = [0, 1]
+    logits = torch.tensor([[3.0, 1.0, 0.5, -1.0]])
+    penalized = apply_penalties(logits.clone(), [request])
+    # repetition on the raw logits (3 / 2, 1 / 2, -1 * 2), then presence on the output's tokens (0 and 1)
+    assert penalized.tolist() == [[0.0, -1.0, 0.5, -2.0]]
+    assert Sampler().sample(logits.clone(), [request]) == [2]
+
+
+def test_seed_minus_one_means_no_seed_as_in_vllm():
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+
+
+def test_seeds_differing_only_above_32_bits_draw_differently():
+    """A CPU generator keeps 32 bits of its seed: the seed is mixed down first, so 5 and 5 + 2**32 (or a choice's
+    seed + j crossing 2**32, or -2 against 2**64 - 2) are not the same stream."""
+    logits = torch.zeros(1, 1000)
+    draws = {seed: [Sampler().sample(logits.clone(), [_req("x", temperature=1.0, seed=seed)])[0] for _ in range(1)]
+             for seed in (5, 5 + 2**32, -2, 2**32 - 2, 0, -2**63)}
+    assert draws[5] != draws[5 + 2**32] and draws[-2] != draws[2**32 - 2] and draws[0] != draws[-2**63]
+
+
+def test_the_most_likely_token_survives_any_top_p():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    for top_p in (1e-46, 1e-300, 5e-324):
+        assert Sampler().sample(logits.clone(), [_req(temperature=1.0, top_p=top_p)]) == [1]
+
+
+def test_min_tokens_bans_eos_even_under_ignore_eos_as_vllm():
+    logits = torch.tensor([[10.0, 0.0, 1.0]])
+    assert Sampler().sample(logits, [_req(temperature=0, min_tokens=2, max_tokens=4, ignore_eos=True)]) == [2]

@@ -5,7 +5,7 @@ import dataclasses
 import torch
 
 from app.engine.request import Request, SamplingParams
-from app.engine.sampling import Sampler
+from app.engine.sampling import Sampler, mixed_seed
 from app.spec.probs import processed_probs
 from app.spec.rejection import rejection_sample
 
@@ -33,7 +33,7 @@ def test_no_draft_reproduces_the_engine_sampler_token_for_token():
         logits = torch.randn(len(requests), V) * 3
         expected = Sampler().sample(logits.clone(), requests)  # a fresh Sampler: fresh seeded generators
         p = processed_probs(logits, requests)  # [B, V]
-        gens = [torch.Generator().manual_seed(r.sampling.seed) if r.sampling.seed is not None else None
+        gens = [torch.Generator().manual_seed(mixed_seed(r.sampling.seed)) if r.sampling.seed is not None else None
                 for r in requests]
         out = rejection_sample(torch.zeros(len(requests), 0, dtype=torch.long), [0] * len(requests), None,
                                p.unsqueeze(1), is_greedy=[r.sampling.greedy for r in requests], generators=gens)
