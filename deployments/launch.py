@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> None:
 
         from deployments.ray_compat import serve_namespace
 
-        init_local_ray(namespace=serve_namespace(), include_dashboard=dashboard)
+        # "local": a Ray of its own even where `ray start` runs a cluster on this machine (ray.init() would join it,
+        # and serve run's Ctrl-C would then shut down Serve there, every application of it)
+        init_local_ray(address="local", namespace=serve_namespace(), include_dashboard=dashboard)
     from ray.serve.scripts import cli
 
     cli.main(["run", *args], prog_name="serve")

@@ -24,7 +24,7 @@ def calls(monkeypatch):
 
 def test_a_local_ray_without_the_dashboard_then_serve_run(calls):
     launch.main(["serve_config.yaml", "--reload"])
-    assert calls["ray.init"] == {"namespace": "serve", "include_dashboard": False}
+    assert calls["ray.init"] == {"address": "local", "namespace": "serve", "include_dashboard": False}  # never a cluster's
     assert calls["serve"] == ["run", "serve_config.yaml", "--reload"]
     assert all(calls["environ"][name] == value for name, value in launch.SERVE_ENV.items())
     assert calls["signal"] == (launch.signal.SIGINT, launch.signal.default_int_handler)  # Ctrl-C stops it
