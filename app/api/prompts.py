@@ -60,8 +60,9 @@ class Prompts:
         # The template already wrote the special tokens it wants: no second BOS, unless asked (vLLM's add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
-    def chat_text(self, request: ChatCompletionRequest) -> str:
-        """The chat's prompt as the model's template writes it."""
+    def chat_text(self, request: ChatCompletionRequest, opens_a_turn: bool | None = None) -> str:
+        """The chat's prompt as the model's template writes it (``opens_a_turn``: False renders it without the
+        answer's turn opened, whatever the request asks)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {self.model_name!r} has no chat template; use /v1/completions", param="messages")
         messages = _known_roles([m.as_template_message() for m in request.messages], self.tokenizer.chat_template)
@@ -83,11 +84,21 @@ class Prompts:
             variables.setdefault("enable_thinking", request.reasoning_effort != "none")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.opens_a_turn, continue_final_message=request.continue_final_message,
+                messages, add_generation_prompt=request.opens_a_turn if opens_a_turn is None else opens_a_turn,
+                continue_final_message=request.continue_final_message,
                 tokenize=False, **extra, **variables)
         except Exception as exc:  # template errors (e.g. role order) come from the model's own template
             raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages") from exc
         return text
+
+    def turn_opening(self, request: ChatCompletionRequest, text: str) -> str:
+        """What the template writes after the last message to open the answer's turn (Qwen3's ``<think>``, or its
+        empty block with thinking off), ``text`` being the whole prompt: its part past the same messages rendered
+        without the opening ("" where the request opens no turn, or that render is no start of it)."""
+        if not request.opens_a_turn:
+            return ""
+        closed = self.chat_text(request, opens_a_turn=False)
+        return text[len(closed):] if text.startswith(closed) else ""
 
     def fitted_chat(self, request: ChatCompletionRequest, limit: int) -> list[int]:
         """The chat's prompt, its oldest turns dropped until it is at most ``limit`` tokens (the Responses API's

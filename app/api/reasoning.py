@@ -33,21 +33,15 @@ def starts_inside(parser: str, tail: str, continued: bool = False) -> bool:
     return parser == "deepseek_r1" and not continued and opened == closed == -1
 
 
-def generation_tail(prompt_text: str, request) -> str:
-    """What the answer follows: the assistant message it continues (``continue_final_message``), else what the
-    template wrote after the last message's text (the user's own words, which may hold the markers, are left out)."""
-    last = request.messages[-1].text()
-    if request.continue_final_message:
-        return last
-    at = prompt_text.rfind(last) if last else -1
-    return prompt_text[at + len(last):] if at >= 0 else ""
-
-
-def answer_starts_inside(parser: str | None, request, prompt_text: str) -> bool | None:
-    """Whether a chat answer starts thinking (``starts_inside``), or None where it is not split (no parser)."""
+def answer_starts_inside(parser: str | None, request, turn_opening: Callable[[], str]) -> bool | None:
+    """Whether a chat answer starts thinking (``starts_inside``), or None where it is not split (no parser). What the
+    answer follows: the assistant message it continues (``continue_final_message``), else ``turn_opening()``, what the
+    template writes after the last message to open the answer's turn (the user's own words, which may hold the
+    markers or be found inside them, left out)."""
     if parser is None:
         return None
-    return starts_inside(parser, generation_tail(prompt_text, request), request.continue_final_message)
+    tail = request.messages[-1].text() if request.continue_final_message else turn_opening()
+    return starts_inside(parser, tail, request.continue_final_message)
 
 
 def call_ends_thinking(parser: str | None, tool_parser: str, request, plan) -> str | None:

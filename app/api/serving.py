@@ -178,7 +178,8 @@ class OpenAIServing:
             raise APIError(400, f"include_reasoning: false needs a reasoning parser, which model {self.model_name!r} is not "
                            "served with (model.reasoning_parser)", param="include_reasoning")
         prepared.reasoning_shown = request.include_reasoning
-        prepared.reasoning_inside = reasoning.answer_starts_inside(self.reasoning_parser, request, text)
+        prepared.reasoning_inside = reasoning.answer_starts_inside(self.reasoning_parser, request,
+                                                                   lambda: self.prompts.turn_opening(request, text))
         prepared.call_ends_thinking = reasoning.call_ends_thinking(self.reasoning_parser, self.tool_parser, request, prepared)
         if prepared.reasoning_inside is not None and prepared.sampling.grammar is not None:  # the format after the thinking
             grammar = reasoning.after_thinking(prepared.sampling.grammar, self.tokenizer, prepared.reasoning_inside)

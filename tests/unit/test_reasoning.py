@@ -286,3 +286,28 @@ async def test_thinking_not_shown_beside_tools_still_streams_a_chunk_per_token(s
     assert before_call > len(THINKING)  # the opening chunk, then one a token (a byte a token here) while it thinks
     assert not any(d["delta"].get("reasoning") or d["delta"].get("content") for d in deltas[:before_call])
     assert whole["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+
+
+# Qwen3's shape: a thinking template whose turn opens the block, and one that writes an empty block (thinking off)
+_QWEN3_OPENING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{OPENING}{% endif %}")
+
+
+@pytest.mark.parametrize("parser, opening, inside", [
+    ("qwen3", "<think>\n", True), ("deepseek_r1", "<think>\n\n</think>\n\n", False), ("deepseek_r1", "", True)])
+@pytest.mark.parametrize("words", ["hi", "think", "Hello", "<think>", "</think>"])
+def test_the_start_is_read_from_the_template_s_opening_of_the_turn_whatever_the_user_wrote(parser, opening, inside, words):
+    """The user's words may be found inside the turn's opening ("hi" in "<think>"), or be a marker themselves."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from app.api.prompts import Prompts
+    from app.api.reasoning import answer_starts_inside
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+                                        unk_token="[UNK]")
+    tokenizer.chat_template = _QWEN3_OPENING.replace("{OPENING}", opening)
+    prompts = Prompts(tokenizer, "m", 4096, 1)
+    request = parse_body({"messages": [{"role": "user", "content": words}]}, ChatCompletionRequest)
+    text = prompts.chat_text(request)
+    assert answer_starts_inside(parser, request, lambda: prompts.turn_opening(request, text)) is inside
