@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 
 from app.api import tools
 from app.api.errors import APIError
@@ -93,12 +94,12 @@ class Prompts:
 
     def turn_opening(self, request: ChatCompletionRequest, text: str) -> str:
         """What the template writes after the last message to open the answer's turn (Qwen3's ``<think>``, or its
-        empty block with thinking off), ``text`` being the whole prompt: its part past the same messages rendered
-        without the opening ("" where the request opens no turn, or that render is no start of it)."""
+        empty block with thinking off), ``text`` being the whole prompt: its part past what it shares with the same
+        messages rendered without the opening (Phi's templates end that one with EOS instead); "" where the request
+        opens no turn."""
         if not request.opens_a_turn:
             return ""
-        closed = self.chat_text(request, opens_a_turn=False)
-        return text[len(closed):] if text.startswith(closed) else ""
+        return text[len(os.path.commonprefix([text, self.chat_text(request, opens_a_turn=False)])):]
 
     def fitted_chat(self, request: ChatCompletionRequest, limit: int) -> list[int]:
         """The chat's prompt, its oldest turns dropped until it is at most ``limit`` tokens (the Responses API's

@@ -290,7 +290,7 @@ async def test_thinking_not_shown_beside_tools_still_streams_a_chunk_per_token(s
 
 # Qwen3's shape: a thinking template whose turn opens the block, and one that writes an empty block (thinking off)
 _QWEN3_OPENING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                  "{% if add_generation_prompt %}<|im_start|>assistant\n{OPENING}{% endif %}")
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{OPENING}{% else %}<|endoftext|>{% endif %}")  # Phi's EOS
 
 
 @pytest.mark.parametrize("parser, opening, inside", [
