@@ -12,7 +12,7 @@ from app.api.errors import APIError
 from app.api.prompts import Prompts
 from app.api.protocol import ChatCompletionRequest, parse_body
 from app.api.template_traits import TemplateTraits, short_call_id, traits_of
-from tests.unit.chat_templates import GEMMA2, LLAVA, MISTRAL
+from tests.unit.chat_templates import GEMMA2, LLAVA, MISTRAL, PHI4_MINI
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -87,7 +87,7 @@ def test_several_leading_system_messages_open_the_first_user_turn_together():
 
 ITEMS = ("{% for m in messages %}{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %} {{ c.function.name }}("
          "{% for k, v in c.function.arguments|items %}{{ k }}={{ v }}{% endfor %}){% endfor %}{{ '\\n' }}{% endfor %}"
-         "{% if tools %}{% endif %}")
+         "{% for t in tools or [] %}tool: {{ t.function.name }}\n{% endfor %}")  # it shows the tools: calls as it writes them
 
 
 @pytest.mark.parametrize("arguments, shown", [('{"city": "Oslo"}', "get_weather(city=Oslo)"),
@@ -114,3 +114,12 @@ def test_an_assistants_refusal_or_output_text_part_replayed_is_its_text(part):
     text = _render(ITEMS, messages=[{"role": "user", "content": [{"type": "input_text", "text": "Help?"}]},
                                     {"role": "assistant", "content": [part]}, {"role": "user", "content": "Ok"}])
     assert text == "user: Help?\nassistant: I can't help with that.\nuser: Ok\n"
+
+
+def test_a_template_that_names_tools_but_never_shows_them_gets_them_and_earlier_calls_as_text():
+    """Phi-4-mini's template names "tools" (a system message's own field): it is asked, not read, whether it shows the
+    tools it is passed; it shows none, so they, the earlier call and its result are Hermes text."""
+    text = _render(PHI4_MINI, messages=TRANSCRIPT, tools=WEATHER)
+    assert '"name": "get_weather"' in text.split("<|end|>")[0]  # the tools, in the system turn
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
