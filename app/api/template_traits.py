@@ -8,7 +8,8 @@ Chat templates differ in what they accept beyond ``role`` and ``content`` text, 
 - Gemma 1's and 2's raise on a ``system`` message (older Phi-3 and Mistral templates drop it), and Gemma's on anything
   but user and model turns in turn. There the system messages (the client's, or the tools this server shows to a
   template that renders none) open the first user turn, as Gemma's model card advises, and, where the template
-  refuses a tool message, tool results are user turns, consecutive ones joined.
+  refuses a tool message, tool results are user turns, consecutive ones joined. Mistral's and Llama 2's take one
+  system message only (and raise on a second): a Responses request's instructions and a developer item are joined.
 - Mistral's take tool call ids of 9 letters and digits only (and raise otherwise): ids of another shape (this
   server's ``call_...``, another provider's) are given as 9 characters derived from each, the same for a call and the
   tool message answering it.
@@ -32,6 +33,7 @@ class TemplateTraits:
     system_role: bool = True  # it shows a system message
     tool_role: bool = True  # it shows a tool message after an assistant's turn
     short_call_ids: bool = False  # Mistral's: call ids of 9 letters and digits
+    several_system: bool = True  # it shows a second leading system message (Mistral's and Llama 2's take one only)
 
 
 def traits_of(tokenizer) -> TemplateTraits:
@@ -66,6 +68,8 @@ def shaped(messages: list[dict], traits: TemplateTraits, tools_as_text: bool) ->
         messages = [_with_short_ids(m) for m in messages]
     if not traits.system_role and messages and messages[0]["role"] == "system":
         messages = _system_in_first_user_turn(messages)
+    elif not traits.several_system and len(messages) > 1 and messages[0]["role"] == messages[1]["role"] == "system":
+        messages = _leading_system_joined(messages)
     if not traits.tool_role and tools_as_text:
         messages = _joined_turns([{**m, "role": "user"} if m["role"] == "tool" else m for m in messages])
     if traits.content_as_parts:
@@ -94,7 +98,9 @@ def _probed(tokenizer, source: str) -> TemplateTraits:
     system = _shows(tokenizer, [{"role": "system", "content": wrap(_MARK)}, {"role": "user", "content": wrap("u")}])
     tool = _shows(tokenizer, [{"role": "user", "content": wrap("u")}, {"role": "assistant", "content": wrap("a")},
                               {"role": "tool", "tool_call_id": "a1B2c3D4e", "content": wrap(_MARK)}])
-    return TemplateTraits(as_parts, system, tool, MISTRAL_MARKER in source)
+    several = system and _shows(tokenizer, [{"role": "system", "content": wrap("s")}, {"role": "system", "content": wrap(_MARK)},
+                                            {"role": "user", "content": wrap("u")}])
+    return TemplateTraits(as_parts, system, tool, MISTRAL_MARKER in source, several)
 
 
 def _shows(tokenizer, messages: list[dict]) -> bool:
@@ -114,11 +120,23 @@ def _with_short_ids(message: dict) -> dict:
     return message
 
 
-def _system_in_first_user_turn(messages: list[dict]) -> list[dict]:
-    """The leading system messages (a client's ``developer`` one is a system one by now) as the first user turn's
-    start, a blank line apart."""
+def _leading_system_joined(messages: list[dict]) -> list[dict]:
+    """The leading system messages (a Responses request's instructions, then a ``developer`` item) as one, a blank
+    line apart."""
+    system, rest = _leading_system(messages)
+    return [{"role": "system", "content": system}, *rest]
+
+
+def _leading_system(messages: list[dict]) -> tuple[str, list[dict]]:
+    """The leading system messages' texts, a blank line apart (a client's ``developer`` one is a system one by now),
+    and the messages after them."""
     count = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-    system, rest = "\n\n".join(m["content"] for m in messages[:count]), list(messages[count:])
+    return "\n\n".join(m["content"] for m in messages[:count]), list(messages[count:])
+
+
+def _system_in_first_user_turn(messages: list[dict]) -> list[dict]:
+    """The leading system messages as the first user turn's start, a blank line apart."""
+    system, rest = _leading_system(messages)
     first_user = next((i for i, m in enumerate(rest) if m["role"] == "user"), None)
     if first_user is None:
         return [{"role": "user", "content": system}, *rest]

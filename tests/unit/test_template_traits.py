@@ -73,7 +73,7 @@ def test_the_traits_are_probed_once_per_template():
     assert (traits.system_role, traits.tool_role, traits.content_as_parts, traits.short_call_ids) == (False, False, False, False)
     assert traits_of(prompts.tokenizer) is traits
     prompts.tokenizer.chat_template = MISTRAL  # its tool messages need a call id of its shape: the probe's has one
-    assert traits_of(prompts.tokenizer) == TemplateTraits(system_role=True, tool_role=True, short_call_ids=True)
+    assert traits_of(prompts.tokenizer) == TemplateTraits(system_role=True, tool_role=True, short_call_ids=True, several_system=False)
     prompts.tokenizer.chat_template = "{{ raise_exception('needs a variable the probes do not pass') }}"
     assert traits_of(prompts.tokenizer) == TemplateTraits()  # nothing learnt: the messages go as they are
 
@@ -123,3 +123,13 @@ def test_a_template_that_names_tools_but_never_shows_them_gets_them_and_earlier_
     assert '"name": "get_weather"' in text.split("<|end|>")[0]  # the tools, in the system turn
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
     assert "<tool_response>\nsunny\n</tool_response>" in text
+
+
+def test_a_second_system_message_joins_the_first_where_the_template_takes_one_only():
+    """A Responses request's instructions and a developer item, on Mistral's template (one system message, or it
+    raises): one system message, a blank line apart; on a template that takes several, as given."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Use metric units."},
+                {"role": "user", "content": "Weather?"}]
+    assert _render(MISTRAL, messages=messages) == "<s>[INST] Be brief.\n\nUse metric units.\n\nWeather?[/INST]"
+    several = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    assert _render(several, messages=messages) == "<system>Be brief.<system>Use metric units.<user>Weather?"
