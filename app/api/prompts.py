@@ -11,7 +11,7 @@ import os
 from app.api import tools
 from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest
-from app.api.template_traits import shaped, traits_of
+from app.api.template_traits import shaped, shows, traits_of
 from app.api.token_requests import DetokenizeRequest, TokenizeRequest
 
 
@@ -80,6 +80,8 @@ class Prompts:
         variables = self._template_variables(request.chat_template_kwargs)
         if request.documents is not None:
             variables["documents"] = request.documents
+        if variables.get("documents"):
+            extra["chat_template"] = self._documents_template(bool(listed))
         if request.reasoning_effort is not None:  # as vLLM: the template's if it reads it, else its thinking switch
             variables["reasoning_effort"] = request.reasoning_effort
             variables.setdefault("enable_thinking", request.reasoning_effort != "none")
@@ -126,6 +128,19 @@ class Prompts:
                            "last user turn on leaves too little room for the answer. Shorten it.", param="messages",
                            code="context_length_exceeded")
         return found
+
+    def _documents_template(self, with_tools: bool) -> str:
+        """The template a request's documents are rendered with: a checkpoint's named ``rag`` one (Command R's, as its
+        tokenizer's grounded generation takes it), else the one transformers applies; a 400 where that one would drop
+        them."""
+        template = self.tokenizer.chat_template
+        if isinstance(template, dict):
+            named = "rag" if "rag" in template else "tool_use" if with_tools and "tool_use" in template else "default"
+            template = template.get(named) or ""
+        if not shows(self.tokenizer, template, "documents"):
+            raise APIError(400, f"model {self.model_name!r}'s chat template shows no documents: they would be dropped; "
+                           "give them in a message instead", param="documents")
+        return template
 
     def _template_variables(self, kwargs: dict | None) -> dict:
         """``chat_template_kwargs``: variables for the template to read, as vLLM passes them (one the template never

@@ -45,20 +45,24 @@ def traits_of(tokenizer) -> TemplateTraits:
     return cache[source]
 
 
-def shows_tools(tokenizer, template: str) -> bool:
-    """Whether ``template`` shows the model the tools it is passed: a tool named by the probe's text, rendered once per
-    template (Phi-4-mini's names "tools" but reads them off a system message's own field). One the probe cannot render
-    (it needs more) is taken at its word."""
-    cache = tokenizer.__dict__.setdefault("_shows_tools", {})
-    if template not in cache:
-        tool = {"type": "function", "function": {"name": _MARK, "description": _MARK, "parameters": {"type": "object", "properties": {}}}}
+_PROBES = {"tools": [{"type": "function", "function": {"name": _MARK, "description": _MARK,
+                                                       "parameters": {"type": "object", "properties": {}}}}],
+           "documents": [{"title": _MARK, "text": _MARK}]}
+
+
+def shows(tokenizer, template: str, name: str) -> bool:
+    """Whether ``template`` shows the model what it is passed as ``name`` (``tools``, ``documents``): a probe holding
+    its text rendered once per template and name (Phi-4-mini's names "tools" but reads them off a system message's
+    own field). One the probe cannot render (it needs more) is taken at its word: whether it names it."""
+    cache = tokenizer.__dict__.setdefault("_shows", {})
+    if (template, name) not in cache:
         try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "u"}], tools=[tool], chat_template=template,
-                                                 tokenize=False, add_generation_prompt=True)
-            cache[template] = _MARK in text
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "u"}], chat_template=template, tokenize=False,
+                                                 add_generation_prompt=True, **{name: _PROBES[name]})
+            cache[template, name] = _MARK in text
         except Exception:  # a template's raise_exception, or its own error on a conversation it does not take
-            cache[template] = True
-    return cache[template]
+            cache[template, name] = name in template
+    return cache[template, name]
 
 
 def shaped(messages: list[dict], traits: TemplateTraits, tools_as_text: bool) -> list[dict]:

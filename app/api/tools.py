@@ -32,7 +32,7 @@ from app.api.errors import NOT_JSON, APIError
 from app.api.call_readers import END, MARKER, PYTHON_TAG, HermesReader, ListReader, call_from
 from app.api.mistral_calls import MISTRAL_MARKER, MistralReader
 from app.api.schemas import call_schema, closed, tools_schema
-from app.api.template_traits import shows_tools
+from app.api.template_traits import shows
 from app.api.structured import compiled, json_in_lark, require_compilable_size, special_token, token_or_text
 from app.api.xml_calls import XmlReader
 from app.config.model import TOOL_PARSERS
@@ -343,7 +343,7 @@ def template_renders_tools(tokenizer, with_tools: bool) -> bool:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("tool_use") if with_tools and "tool_use" in template else template.get("default")
-    return isinstance(template, str) and "tools" in template and shows_tools(tokenizer, template)
+    return isinstance(template, str) and "tools" in template and shows(tokenizer, template, "tools")
 
 
 _SHOWN_AS_GIVEN = ("name", "reasoning_content", "reasoning")  # a message's fields a template may read besides its text

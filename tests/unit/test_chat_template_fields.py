@@ -135,3 +135,20 @@ def test_tokenize_reads_a_chat_as_the_chat_request_does(prompts, rendered):
     with pytest.raises(APIError) as caught:
         prompts._tokenized(parse_body({**fields, "add_generation_prompt": True}, TokenizeRequest))
     assert caught.value.param == "continue_final_message"
+
+
+def test_documents_go_to_a_checkpoints_rag_template_and_are_a_400_where_the_template_would_drop_them():
+    """Command R ships named templates: its documents show in "rag", as its tokenizer's grounded generation renders
+    them; a template that reads no documents would drop them without a word."""
+    from tests.unit.test_template_traits import _render
+
+    named = {"default": "{% for m in messages %}{{ m.content }}{% endfor %}",
+             "rag": "{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"}
+    body = {"messages": [{"role": "user", "content": "Biggest penguin?"}],
+            "documents": [{"title": "Tall penguins", "text": "Emperors are the tallest."}]}
+    assert _render(named, **body) == "[Tall penguins: Emperors are the tallest.]Biggest penguin?"
+    with pytest.raises(APIError, match="shows no documents") as caught:
+        _render(named["default"], **body)
+    assert caught.value.status == 400 and caught.value.param == "documents"
+    with pytest.raises(APIError, match="shows no documents"):  # passed as a template variable: the same
+        _render(named["default"], messages=body["messages"], chat_template_kwargs={"documents": body["documents"]})
