@@ -70,11 +70,11 @@ def test_an_exception_for_one_request_fails_it_alone(loaded_rounded, where, monk
             assert request.output_token_ids == reference.output_token_ids  # seeded ones too: the same draws
 
 
-def test_a_seed_torch_refuses_fails_at_admission_alone(loaded_rounded):
+def test_a_seed_the_generator_refuses_fails_at_admission_alone(loaded_rounded):
     engine = make_engine(loaded_rounded)
     requests = _requests(loaded_rounded, bad=False)
     bad = Request("bad", requests[0].prompt_token_ids, SamplingParams(max_tokens=4, temperature=1.0, seed=7), frozenset())
-    bad.sampling.seed = 2**64 + 5  # past the edge's checks (the API answers 400): the engine still fails it alone
+    bad.sampling.seed = "7"  # past the edge's checks (the API answers 400): the engine still fails it alone
     finals = _run(engine, [*requests, bad])
     assert finals["bad"].finish_reason == "error" and finals["bad"].num_output_tokens == 0
     assert all(finals[r.request_id].finish_reason == "length" for r in requests)
