@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
+import itertools
 
-from app.api import tools
+from app.api import reasoning, tools
 from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest
 from app.api.template_traits import shaped, shows, traits_of
@@ -97,19 +97,26 @@ class Prompts:
     def turn_opening(self, request: ChatCompletionRequest, text: str) -> str:
         """What the template writes after the last message to open the answer's turn (Qwen3's ``<think>``, or its
         empty block with thinking off), ``text`` being the whole prompt: its part past what it shares with the same
-        messages rendered without the opening (Phi's templates end that one with EOS instead); "" where the request
-        opens no turn."""
+        messages rendered without the opening (Phi's templates end that one with EOS instead), from the start of a
+        marker the two began alike (``<think>`` against ``</s>``); "" where the request opens no turn, or the template
+        takes the messages only with it."""
         if not request.opens_a_turn:
             return ""
-        return text[len(os.path.commonprefix([text, self.chat_text(request, opens_a_turn=False)])):]
+        try:
+            closed = self.chat_text(request, opens_a_turn=False)
+        except APIError:
+            return ""
+        cut = _shared_length(text, closed)
+        marker = text.rfind("<", max(cut - len(reasoning.CLOSE) + 1, 0), cut)
+        return text[marker if marker >= 0 else cut:]
 
     def fitted_chat(self, request: ChatCompletionRequest, limit: int) -> list[int]:
         """The chat's prompt, its oldest turns dropped until it is at most ``limit`` tokens (the Responses API's
-        ``truncation: "auto"``): a leading system message stays, and what is left starts at a user message. The fewest
-        turns are dropped (a binary search over where the kept part starts: each render a template and a tokenizing);
-        if even the last user turn on is too long, the context's 400."""
+        ``truncation: "auto"``): the leading system and developer messages stay, and what is left starts at a user
+        message. The fewest turns are dropped (a binary search over where the kept part starts: each render a template
+        and a tokenizing); if even the last user turn on is too long, the context's 400."""
         messages = request.messages
-        head = messages[:1] if messages[0].role in ("system", "developer") else []
+        head = list(itertools.takewhile(lambda m: m.role in ("system", "developer"), messages))  # instructions, developer items
         starts = [i for i, m in enumerate(messages) if i >= len(head) and m.role == "user"]
 
         def prompt_from(start: int) -> list[int]:
@@ -130,12 +137,12 @@ class Prompts:
         return found
 
     def _documents_template(self, with_tools: bool) -> str:
-        """The template a request's documents are rendered with: a checkpoint's named ``rag`` one (Command R's, as its
-        tokenizer's grounded generation takes it), else the one transformers applies; a 400 where that one would drop
-        them."""
+        """The template a request's documents are rendered with: where tools are listed, the one transformers applies
+        (a checkpoint's ``tool_use``, whose showing of the tools was asked), else a checkpoint's named ``rag`` one
+        (Command R's, as its tokenizer's grounded generation takes it); a 400 where that one would drop them."""
         template = self.tokenizer.chat_template
         if isinstance(template, dict):
-            named = "rag" if "rag" in template else "tool_use" if with_tools and "tool_use" in template else "default"
+            named = "tool_use" if with_tools and "tool_use" in template else "rag" if "rag" in template else "default"
             template = template.get(named) or ""
         if not shows(self.tokenizer, template, "documents"):
             raise APIError(400, f"model {self.model_name!r}'s chat template shows no documents: they would be dropped; "
@@ -156,6 +163,19 @@ class Prompts:
                                "(messages, tools, add_generation_prompt, continue_final_message are request fields)",
                                param=f"chat_template_kwargs.{name}")
         return kwargs
+
+
+def _shared_length(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``, found by halving (slice comparisons, not a
+    character loop over a long prompt)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def _known_roles(messages: list[dict], template) -> list[dict]:

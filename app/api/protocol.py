@@ -112,7 +112,7 @@ class _SamplingFields(StrictModel):
             return SamplingParams(
                 max_tokens=max_tokens,
                 **{name: pick(name) for name in OPENAI_DEFAULTS},
-                seed=self.seed,
+                seed=None if self.seed == -1 else self.seed,  # as vLLM: -1 is no seed (llama.cpp's "random")
                 stop=tuple(stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 min_tokens=self.min_tokens,

@@ -102,8 +102,9 @@ def _probed(tokenizer, source: str) -> TemplateTraits:
     system = _shows(tokenizer, [{"role": "system", "content": wrap(_MARK)}, {"role": "user", "content": wrap("u")}])
     tool = _shows(tokenizer, [{"role": "user", "content": wrap("u")}, {"role": "assistant", "content": wrap("a")},
                               {"role": "tool", "tool_call_id": "a1B2c3D4e", "content": wrap(_MARK)}])
-    several = system and _shows(tokenizer, [{"role": "system", "content": wrap("s")}, {"role": "system", "content": wrap(_MARK)},
-                                            {"role": "user", "content": wrap("u")}])
+    several = system and all(_shows(tokenizer, [{"role": "system", "content": wrap(first)}, {"role": "system", "content": wrap(second)},
+                                                {"role": "user", "content": wrap("u")}])  # each shown: neither dropped
+                             for first, second in ((_MARK, "s"), ("s", _MARK)))
     return TemplateTraits(as_parts, system, tool, MISTRAL_MARKER in source, several)
 
 

@@ -47,6 +47,10 @@ class TokenizeRequest(StrictModel):
     continue_final_message: bool = False  # messages': the final message left open, as a chat request's
     chat_template_kwargs: dict[str, Any] | None = None  # messages': the template's own variables, as a chat request's
     documents: list[dict[str, Any]] | None = None  # messages': retrieved documents, as a chat request's
+    # messages': what else shapes a chat's prompt (tool_choice none shows a template that renders no tools none)
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="before")
@@ -67,7 +71,8 @@ class TokenizeRequest(StrictModel):
         """The chat request whose prompt ``messages`` and ``tools`` make."""
         messages = [m.model_dump(exclude_none=True) for m in self.messages or []]
         fields = self.model_dump(include={"tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                                          "documents", "add_special_tokens"}, exclude_unset=True, exclude_none=True)
+                                          "documents", "add_special_tokens", "tool_choice", "parallel_tool_calls",
+                                          "reasoning_effort"}, exclude_unset=True, exclude_none=True)
         return parse_body({"messages": messages, **fields}, ChatCompletionRequest)
 
 

@@ -16,7 +16,8 @@
   as vLLM passes them (a transcript's earlier calls read against their definitions), but no text inviting calls is
   added to a template that does not.
 
-A chat template that renders tools itself (its source mentions ``tools``) gets them as transformers passes them.
+A chat template that renders tools itself (a probe tool passed to it shows in its text) gets them as transformers
+passes them.
 Templates that do not, like the embedded SmolLM2's, which joins only ``role`` and ``content``, get the tools as a
 system message and earlier calls and results as text, in the Hermes format the default parser reads.
 """

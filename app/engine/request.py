@@ -116,8 +116,6 @@ class SamplingParams:
         self.bad_words_token_ids = tuple(dict.fromkeys(tuple(word) for word in self.bad_words_token_ids or ()))
         if self.top_k == -1:
             self.top_k = 0
-        if self.seed == -1:  # as vLLM: no seed (llama.cpp's and others' "random")
-            self.seed = None
         checks = [  # (holds, the field, what it must be)
             (self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
             (self.temperature >= 0, "temperature", "temperature must be >= 0"),

@@ -74,8 +74,8 @@ class Sampler:
         return draw_rows(probs, generators)
 
     def admit(self, request: Request, device: torch.device) -> None:
-        """Make a seeded request's generator as it is admitted: a seed torch refuses fails that request there,
-        never the batched step it would join."""
+        """Make a seeded request's generator as it is admitted: a seed no generator takes (not an integer, past the
+        API's checks) fails that request there, never the batched step it would join."""
         if request.sampling.seed is not None and not request.sampling.greedy:
             self.generator_for(request, device)
         if request.sampling.grammar is not None:

@@ -152,3 +152,7 @@ def test_documents_go_to_a_checkpoints_rag_template_and_are_a_400_where_the_temp
     assert caught.value.status == 400 and caught.value.param == "documents"
     with pytest.raises(APIError, match="shows no documents"):  # passed as a template variable: the same
         _render(named["default"], messages=body["messages"], chat_template_kwargs={"documents": body["documents"]})
+    tool_use = "{% for t in tools %}<{{ t.function.name }}>{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(APIError, match="shows no documents"):  # tools take tool_use, which shows no documents: not "rag"
+        _render({**named, "tool_use": tool_use}, **body, tools=[weather])  # (which would drop the tools)

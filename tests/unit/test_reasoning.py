@@ -311,3 +311,23 @@ def test_the_start_is_read_from_the_template_s_opening_of_the_turn_whatever_the_
     request = parse_body({"messages": [{"role": "user", "content": words}]}, ChatCompletionRequest)
     text = prompts.chat_text(request)
     assert answer_starts_inside(parser, request, lambda: prompts.turn_opening(request, text)) is inside
+
+
+def test_an_opening_that_follows_the_last_message_at_once_is_read_whole():
+    """``<think>`` right after the message, where the render without it writes ``</s>``: the two share a "<", and the
+    opening is still the marker, not "think>"."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from app.api.prompts import Prompts
+    from app.api.reasoning import answer_starts_inside
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+                                        unk_token="[UNK]")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %}<think>\n{% else %}</s>{% endif %}")
+    prompts = Prompts(tokenizer, "m", 4096, 1)
+    request = parse_body({"messages": [{"role": "user", "content": "Why?"}]}, ChatCompletionRequest)
+    text = prompts.chat_text(request)
+    assert prompts.turn_opening(request, text) == "<think>\n"
+    assert answer_starts_inside("qwen3", request, lambda: prompts.turn_opening(request, text)) is True

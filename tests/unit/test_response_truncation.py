@@ -63,3 +63,8 @@ def test_an_input_with_no_user_turn_to_start_at_is_the_contexts_400_not_an_orpha
     with pytest.raises(APIError) as caught:
         _prompt(items, "auto")
     assert caught.value.code == "context_length_exceeded"
+
+
+def test_auto_keeps_a_developer_item_beside_the_instructions():
+    prompt = _prompt([{"role": "developer", "content": "Metric."}, *_turns(6)], "auto")
+    assert len(prompt) < CONTEXT and prompt.startswith("system: Be brief.\nsystem: Metric.\nuser: ")

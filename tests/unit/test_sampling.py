@@ -181,8 +181,15 @@ def test_penalties_come_in_vllms_order_repetition_first_then_frequency_and_prese
     assert Sampler().sample(logits.clone(), [request]) == [2]
 
 
-def test_seed_minus_one_means_no_seed_as_in_vllm():
-    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+def test_seed_minus_one_means_no_seed_as_in_vllm_and_a_choices_seed_of_minus_one_is_a_seed():
+    from app.api.fanout import Prepared, fan_out
+    from app.api.protocol import CompletionRequest, parse_body
+
+    def seeds(seed: int, n: int) -> list:
+        params = parse_body({"prompt": "a", "seed": seed, "n": n}, CompletionRequest).sampling_params(4)
+        return [plan.sampling.seed for plan in fan_out([Prepared("r", [1], params, 0, "m", None)], n, n, None)]
+
+    assert seeds(-1, 1) == [None] and seeds(-2, 3) == [-2, -1, 0]  # choice 1's -1 is seed + 1, not "no seed"
 
 
 def test_seeds_differing_only_above_32_bits_draw_differently():

@@ -133,3 +133,6 @@ def test_a_second_system_message_joins_the_first_where_the_template_takes_one_on
     assert _render(MISTRAL, messages=messages) == "<s>[INST] Be brief.\n\nUse metric units.\n\nWeather?[/INST]"
     several = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     assert _render(several, messages=messages) == "<system>Be brief.<system>Use metric units.<user>Weather?"
+    last_only = ("{% set ns = namespace(system='') %}{% for m in messages %}{% if m.role == 'system' %}"  # keeps the last
+                 "{% set ns.system = m.content %}{% endif %}{% endfor %}{{ ns.system }}|{{ messages[-1].content }}")
+    assert _render(last_only, messages=messages) == "Be brief.\n\nUse metric units.|Weather?"

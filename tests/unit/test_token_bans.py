@@ -171,10 +171,13 @@ def test_a_batch_that_fails_puts_each_seeded_generator_back_before_its_requests_
     ({"allowed_token_ids": [97], "bad_words": ["a"]}, "allowed_token_ids"),  # the fake model: one byte a token
     ({"allowed_token_ids": [97], "stop_token_ids": [97], "min_tokens": 1}, "allowed_token_ids"),
     ({"stop_token_ids": "every token", "min_tokens": 1}, "stop_token_ids"),
+    ({"allowed_token_ids": "EOS", "min_tokens": 1, "ignore_eos": True}, "allowed_token_ids"),  # banned under it too
 ])
 async def test_bans_that_leave_no_token_are_a_400_before_any_work(tools_server, body, param):
     if body.get("stop_token_ids") == "every token":
         body = {**body, "stop_token_ids": list(range(tools_server.serving.vocab_size))}
+    if body.get("allowed_token_ids") == "EOS":
+        body = {**body, "allowed_token_ids": sorted(tools_server.serving.eos_token_ids)}
     with pytest.raises(APIError) as caught:
         await tools_server.serving.completion(parse_body({"prompt": "abc", "max_tokens": 2, **body}, CompletionRequest))
     assert (caught.value.status, caught.value.param, caught.value.code) == (400, param, "no_token_left")

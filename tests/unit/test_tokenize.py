@@ -27,6 +27,12 @@ async def test_a_prompt_and_a_chat_tokenize_as_generation_sends_them(serving):
     assert answer["max_model_len"] == serving.max_model_len and len(answer["token_strs"]) == answer["count"]
     chat = await serving.tokenize(parse_body({"messages": CHAT, "tools": [WEATHER]}, TokenizeRequest))
     assert chat["tokens"] == serving.prompts.chat(parse_body({"messages": CHAT, "tools": [WEATHER]}, ChatCompletionRequest))
+    for fields in ({"tool_choice": "none"}, {"tool_choice": "required", "parallel_tool_calls": False}):  # its prompt, as sent
+        body = {"messages": CHAT, "tools": [WEATHER], **fields}
+        counted = await serving.tokenize(parse_body(body, TokenizeRequest))
+        assert counted["tokens"] == serving.prompts.chat(parse_body(body, ChatCompletionRequest))
+    none = await serving.tokenize(parse_body({"messages": CHAT, "tools": [WEATHER], "tool_choice": "none"}, TokenizeRequest))
+    assert none["count"] < chat["count"]  # a template that renders no tools shows none under tool_choice none
     bare = await serving.tokenize(parse_body({"messages": CHAT, "add_generation_prompt": False}, TokenizeRequest))
     assert bare["count"] < (await serving.tokenize(parse_body({"messages": CHAT}, TokenizeRequest)))["count"]
 
