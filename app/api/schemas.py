@@ -92,35 +92,37 @@ def tools_schema(parameters: list[tuple[str, dict]], parallel: bool) -> dict:
 
 def call_schema(parameters: list[tuple[str, dict]]) -> dict:
     """The schema of one ``{"name", "arguments"}`` call of any of the tools, each tool's parameters under the root's
-    ``$defs`` with its own definitions beside them (a 400 where two tools define one name differently)."""
-    defs: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
+    ``$defs`` with its own definitions beside them, under names of its own (``tool-<i>-defs-<name>``): two tools may
+    define one name differently, or one pydantic model closed differently by its use in each."""
+    defs: dict[str, Any] = {}
     calls = []
     for i, (name, schema) in enumerate(parameters):
         own = f"tool-{i}-parameters"
-        body = _rerooted(dict(schema), own)
+        body = _rerooted(dict(schema), own, f"tool-{i}-")
         for key in ("$defs", "definitions"):
             given = body.pop(key, None) or {}
             if not isinstance(given, dict):
                 raise APIError(400, f"a tool's parameters' {key} must be an object of named schemas", param=f"tools[{i}]")
-            for defined, value in given.items():
-                if defs[key].setdefault(defined, value) != value:
-                    raise APIError(400, f"tools define {key}/{defined} differently; give it one meaning or rename it",
-                                   param="tools")
-        defs["$defs"][own] = body
+            defs.update({f"tool-{i}-{key.lstrip('$')}-{defined}": value for defined, value in given.items()})
+        defs[own] = body
         calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/{own}"}},
                       "required": ["name", "arguments"], "additionalProperties": False})
-    return {"anyOf": calls, **{key: value for key, value in defs.items() if value}}
+    return {"anyOf": calls, "$defs": defs}
 
 
-def _rerooted(value: Any, own: str) -> Any:
+def _rerooted(value: Any, own: str, prefix: str) -> Any:
     """References into a tool's own root (``#``, ``#/properties/...``) pointed at where its parameters now live;
-    those into its definitions stay (they move to the root)."""
+    those into its definitions at the names they move to (``prefix`` + ``defs-`` or ``definitions-`` + the name)."""
     if isinstance(value, list):
-        return [_rerooted(item, own) for item in value]
+        return [_rerooted(item, own, prefix) for item in value]
     if not isinstance(value, dict):
         return value
-    out = {key: _rerooted(item, own) for key, item in value.items()}
+    out = {key: _rerooted(item, own, prefix) for key, item in value.items()}
     ref = out.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#") and not ref.startswith(("#/$defs/", "#/definitions/")):
+    if isinstance(ref, str) and ref.startswith("#"):
+        for key in ("$defs", "definitions"):
+            if ref.startswith(f"#/{key}/"):
+                out["$ref"] = f"#/$defs/{prefix}{key.lstrip('$')}-" + ref[len(f"#/{key}/"):]
+                return out
         out["$ref"] = f"#/$defs/{own}" + ref[1:]
     return out

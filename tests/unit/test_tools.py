@@ -265,10 +265,17 @@ def test_required_keeps_each_tools_definitions_and_its_references_to_its_own_roo
                              '{"name": "plant", "arguments": {"label": "a", "children": [{"label": "b", "children": []}]}}]')
     assert not _accepted(schema, '[{"name": "plant", "arguments": {"label": "a", "children": [{"name": "plant"}]}}]')
     assert not _accepted(schema, '[{"name": "ship", "arguments": {"street": {"name": "Main", "no": 1}}}]')
-    clash = {**address, "$defs": {"Street": {"type": "string"}}}
-    with pytest.raises(APIError, match="define \\$defs/Street differently"):
-        forced_schema("required", parse_tools([{"type": "function", "function": {"name": "ship", "parameters": address}},
-                                               {"type": "function", "function": {"name": "post", "parameters": clash}}]), True)
+    other = {"type": "object", "properties": {"street": {"$ref": "#/definitions/Street"}}, "required": ["street"],
+             "definitions": {"Street": {"type": "string"}}}  # its own Street: a name of two tools, two meanings
+    both = forced_schema("required", parse_tools([{"type": "function", "function": {"name": "ship", "parameters": address}},
+                                                  {"type": "function", "function": {"name": "post", "parameters": other}}]), True)
+    assert _accepted(both, '[{"name": "post", "arguments": {"street": "Main"}}, {"name": "ship", "arguments": {"street": {"name": "Main"}}}]')
+    assert not _accepted(both, '[{"name": "post", "arguments": {"street": {"name": "Main"}}}]')
+    optional = {"type": "object", "properties": {"street": {"anyOf": [{"$ref": "#/$defs/Street"}, {"type": "null"}]}},
+                "$defs": address["$defs"]}  # pydantic's Optional[Street]: the same definition, left open by its anyOf
+    mixed = forced_schema("required", parse_tools([{"type": "function", "function": {"name": "ship", "parameters": address}},
+                                                   {"type": "function", "function": {"name": "bill", "parameters": optional}}]), True)
+    assert _accepted(mixed, '[{"name": "bill", "arguments": {"street": null}}]')
     calls = forced_calls('[{"name": "ship", "arguments": {"street": {"name": "Malmö"}}}]', "required")
     assert calls[0].arguments == '{"street": {"name": "Malmö"}}'  # the text as written, not \\u-escaped
 
