@@ -40,6 +40,10 @@ OPENAI_DEFAULTS: dict[str, Any] = {
 }
 
 
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+           "guided_whitespace_pattern": "whitespace_pattern"}  # vLLM's older fields: structured_outputs' keys
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far
@@ -96,6 +100,21 @@ class _SamplingFields(StrictModel):
     # Structured outputs (app/api/structured.py): OpenAI's field, or vLLM's {json|regex|choice|grammar|json_object}
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided_fields(cls, data: Any) -> Any:
+        """vLLM's older ``guided_*`` fields (honoured up to vLLM 0.11; later ones ignore them, unconstrained) read as
+        ``structured_outputs``; a request with both is a 400. ``guided_decoding_backend`` names what runs the grammar:
+        llguidance here, whatever it says."""
+        if not isinstance(data, dict) or not any(key.startswith("guided_") for key in data):
+            return data
+        data = {key: value for key, value in data.items() if key != "guided_decoding_backend"}
+        guided = {kind: data.pop(key) for key, kind in _GUIDED.items() if key in data}
+        guided = {kind: value for kind, value in guided.items() if value is not None}
+        if guided and data.get("structured_outputs") is not None:
+            raise APIError(400, "give structured_outputs or the older guided_* fields, not both", param="structured_outputs")
+        return {**data, "structured_outputs": guided} if guided else data
 
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None,
                         bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:

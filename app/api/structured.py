@@ -21,8 +21,9 @@ from app.engine.deep_stack import on_a_deep_stack
 # What the JSON grammar allows between tokens (a schema's own "x-guidance" options override these).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-# vLLM's options beside the kind: what the grammar here does either way (no free whitespace; listed properties only)
-STRUCTURED_FLAGS = ("disable_any_whitespace", "disable_additional_properties")
+# vLLM's options beside the kind: what the grammar here does either way (no free whitespace; listed properties only;
+# no other grammar engine to fall back to)
+STRUCTURED_FLAGS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback")
 STRUCTURED_UNSET_ONLY = {"whitespace_pattern": "JSON is written with compact separators",
                          "structural_tag": "give the format as json, regex, choice or grammar"}
 # A grammar is compiled for the model's vocabulary in the engine, between its steps: what a schema may hold keeps that

@@ -200,3 +200,16 @@ def test_a_schema_the_engine_would_take_seconds_to_compile_is_a_400_and_one_at_t
     assert (refused.value.status, refused.value.param) == (400, param) and "too large to compile" in refused.value.message
     at_limit = {"type": "object", "properties": {f"p{i}": {"enum": [f"v{j}" for j in range(2 if i else 1999)]} for i in range(480)}}
     assert parse_body({"prompt": "x", "structured_outputs": {"json": at_limit}}, CompletionRequest).grammar()
+
+
+def test_vllms_older_guided_fields_are_read_as_structured_outputs():
+    def grammar(**fields):
+        return parse_body({"prompt": "a", **fields}, CompletionRequest).grammar()
+
+    for old, kind, value in (("guided_json", "json", {"type": "object", "properties": {"a": {"type": "integer"}}}),
+                             ("guided_regex", "regex", "[0-9]+"), ("guided_choice", "choice", ["yes", "no"]),
+                             ("guided_grammar", "grammar", 'start: "a" | "b"')):
+        assert grammar(**{old: value, "guided_decoding_backend": "xgrammar"}) == grammar(structured_outputs={kind: value})
+    assert grammar(structured_outputs={"regex": "a", "disable_fallback": False}) == grammar(structured_outputs={"regex": "a"})
+    with pytest.raises(APIError, match="not both"):
+        grammar(guided_regex="a", structured_outputs={"regex": "b"})
