@@ -77,6 +77,12 @@ def to_api_error(exc: BaseException, request_id: str | None = None) -> APIError:
     return APIError(status, f"{message} (request id {request_id})" if request_id else message, code=code)
 
 
+def client_error(exc: BaseException) -> "APIError | None":
+    """The APIError ``exc`` is or wraps (as Ray does between replicas), which the client reads as it is; else None."""
+    innermost = _cause_chain(exc)[-1]
+    return innermost if isinstance(innermost, APIError) else None
+
+
 def caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
     """Whether ``exc`` is, or wraps (as Ray does between replicas), an exception of type ``kind``."""
     return any(isinstance(link, kind) for link in _cause_chain(exc))

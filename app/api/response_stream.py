@@ -30,8 +30,7 @@ async def response_events(body: dict, chunks: AsyncIterator[dict], response_id: 
             for event in stream.take(chunk):
                 yield event
     except Exception as exc:  # noqa: BLE001 - told in the stream: its headers are sent
-        if isinstance(exc, APIError):
-            named_for_responses(exc)
+        named_for_responses(exc)
         if not stream.sequence:
             raise  # nothing sent yet: the request's own HTTP error
         error = to_api_error(exc, request_id)
@@ -53,8 +52,9 @@ async def whole_response(body: dict, chunks: AsyncIterator[dict], response_id: s
         async with contextlib.aclosing(chunks):  # closed with this request (a client gone): the answer aborted at once
             async for chunk in chunks:
                 stream.take(chunk)
-    except APIError as error:
-        raise named_for_responses(error) from None
+    except Exception as exc:  # noqa: BLE001 - renamed, then the request's own error as any other
+        named_for_responses(exc)
+        raise
     return stream.end()[-1]["response"]
 
 

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any
 
-from app.api.errors import APIError
+from app.api.errors import APIError, client_error
 from app.api.tools import require_loaded
 
 # Fields taken as they are or translated below; accepted and left without effect; taken unset (null, empty) only
@@ -310,10 +310,12 @@ def parse_request(raw: bytes) -> tuple[dict, Any]:
     return body, request
 
 
-def named_for_responses(error: APIError) -> APIError:
+def named_for_responses(exc: BaseException) -> BaseException:
     """A chat request's error (its parse, or the model's answer: a prompt past the context) named as the response
-    request names its fields."""
-    for chat_name, name in _NAMES:
+    request names its fields: the APIError the client reads, also inside Ray's wrapper of a model on another
+    replica. ``exc`` itself is returned, renamed in place."""
+    error = client_error(exc)
+    for chat_name, name in _NAMES if error is not None else ():
         error.message = error.message.replace(chat_name, name)
         error.param = error.param.replace(chat_name, name, 1) if error.param else error.param
-    return error
+    return exc

@@ -208,21 +208,34 @@ async def test_a_failure_after_the_stream_began_is_an_error_event_then_response_
     assert (events[-2]["code"], events[-1]["response"]["error"]["code"]) == ("internal_error", "server_error")
 
 
+@pytest.mark.parametrize("remote", [False, True])  # True: a model on another replica, its error wrapped by Ray
 @pytest.mark.parametrize("began", [False, True])
-async def test_the_models_400_names_the_response_requests_fields_before_the_stream_began_or_after(began):
+async def test_the_models_400_names_the_response_requests_fields_before_the_stream_began_or_after(began, remote):
+    from ray.exceptions import RayTaskError
+
+    from app.api.errors import to_api_error
+
+    def failure():
+        error = APIError(400, "the prompt has 9 tokens and max_tokens asks for 9000. Lower max_tokens", param="max_tokens")
+        return RayTaskError("LLMServer.chat_stream", "Traceback ...", error).as_instanceof_cause() if remote else error
+
     async def chunks():
         if began:
             yield {"model": "m", "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None, "logprobs": None}]}
-        raise APIError(400, "the prompt has 9 tokens and max_tokens asks for 9000. Lower max_tokens", param="max_tokens")
+        raise failure()
 
     events = response_stream.response_events({"model": "m"}, chunks(), "resp_1", 0, "req-1")
     if began:
         error = [e async for e in events][-2]
         assert (error["type"], error["param"]) == ("error", "max_output_tokens") and "max_tokens" not in error["message"]
     else:
-        with pytest.raises(APIError) as raised:
+        with pytest.raises(Exception) as raised:
             [e async for e in events]
-        assert raised.value.param == "max_output_tokens" and "Lower max_output_tokens" in raised.value.message
+        sent = to_api_error(raised.value)  # what the client reads
+        assert sent.param == "max_output_tokens" and "Lower max_output_tokens" in sent.message
+    with pytest.raises(Exception) as raised:  # the whole response alike
+        await response_stream.whole_response({"model": "m"}, chunks(), "resp_2", 0)
+    assert to_api_error(raised.value).param == "max_output_tokens"
 
 
 async def test_logprobs_asked_by_include_come_with_the_text_streamed_or_not(tools_server):
