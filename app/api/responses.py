@@ -151,6 +151,13 @@ def _message(item: Any, param: str, messages: list[dict]) -> dict | None:
             previous["content"] = f"{previous['content']}\n\n{text}" if previous["content"] else text  # text after calls too
             return None
         return {"role": item["role"], "content": text}
+    if kind in ("function_call", "function_call_output"):
+        required = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id",)
+        for key in required:  # as OpenAI: named by the item, not by the chat message it becomes
+            value = item.get(key)
+            if not (isinstance(value, str) or key == "arguments" and isinstance(value, dict)):  # an object: as chat takes it
+                raise APIError(400, f"{param}.{key} must be a string" if key in item else f"Missing required parameter: "
+                               f"'{param}.{key}'", param=f"{param}.{key}")
     if kind == "function_call":
         call = {"id": item.get("call_id"), "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments")}}

@@ -294,3 +294,16 @@ async def test_a_call_cut_by_max_output_tokens_is_an_incomplete_item_streamed_or
     for response in (whole, events[-1]["response"]):
         assert response["status"] == "incomplete" and [i["type"] for i in response["output"]] == ["message", "function_call"]
         assert [i["status"] for i in response["output"]] == ["completed", "incomplete"]
+
+
+@pytest.mark.parametrize("item, param", [
+    ({"type": "function_call", "name": "get_weather", "arguments": "{}"}, "input[1].call_id"),
+    ({"type": "function_call", "call_id": "c1", "arguments": "{}"}, "input[1].name"),
+    ({"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": 5}, "input[1].arguments"),
+    ({"type": "function_call_output", "call_id": 5, "output": "sunny"}, "input[1].call_id"),
+])
+def test_a_call_item_missing_a_field_is_a_400_naming_the_item(item, param):
+    body = {"model": "m", "instructions": "Be brief.", "input": [{"role": "user", "content": "Weather?"}, item]}
+    with pytest.raises(APIError) as raised:
+        responses.chat_body(body)
+    assert (raised.value.status, raised.value.param) == (400, param)
