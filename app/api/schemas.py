@@ -3,9 +3,10 @@
 - An object schema that lists its ``properties`` takes no others unless it says ``additionalProperties``, as vLLM's
   default grammar backend (xgrammar's strict mode) reads it and as OpenAI's strict mode requires: the JSON Schema
   default would let a model invent keys (a weather tool's arguments grew a ``"weather"`` key). What combines with
-  other schemas stays open (an object beside ``allOf``/``anyOf``/``oneOf``/``$ref``/``if``, their members, the
-  definitions they reference), as does an object whose ``required`` names a key it does not list and one without
-  ``properties`` (free-form).
+  other schemas stays open (an object beside ``allOf``/``anyOf``/``oneOf``/``$ref``/``if``; ``allOf``'s members, and
+  ``anyOf``'s and ``oneOf``'s where object keys stand beside them; the definitions they reference), as does an object
+  whose ``required`` names a key it does not list and one without ``properties`` (free-form). Alternatives with
+  nothing beside them (pydantic's ``Optional[Model]``, ``Union[Cat, Dog]``) are each a whole value, closed.
 - OpenAPI's ``"nullable": true`` (pydantic v1, FastAPI) becomes a type list with ``"null"`` (a schema without a type:
   ``anyOf`` it or null).
 - ``tool_choice: required`` nests each tool's parameters inside one schema: their ``$defs``/``definitions`` move to
@@ -20,6 +21,8 @@ from typing import Any
 from app.api.errors import APIError
 
 _COMBINING = ("allOf", "anyOf", "oneOf", "if", "then", "else", "not", "$ref")  # what combines with an object's own keys
+# An object's own keys: anyOf/oneOf members beside them combine with them (without them, each is a whole value)
+_OBJECT_KEYS = ("properties", "patternProperties", "additionalProperties", "required")
 # Keys beside a "$ref" that combine with what it references (a description or title does not)
 _COMBINED_WITH = {"properties", "patternProperties", "additionalProperties", "required", "allOf", "anyOf", "oneOf", "type"}
 
@@ -60,8 +63,8 @@ def _closed(schema: Any, combined: set[str], open_here: bool) -> Any:
         if isinstance(out.get(key), dict):
             out[key] = {name: _closed(value, combined, False) for name, value in out[key].items()}
     for key in ("allOf", "anyOf", "oneOf", "prefixItems", "items"):  # (a list of items: draft 4's tuple)
-        if isinstance(out.get(key), list):  # a member of a combination combines with its siblings: left open
-            out[key] = [_closed(value, combined, key not in ("prefixItems", "items")) for value in out[key]]
+        if isinstance(out.get(key), list):  # a member combining with its siblings or its parent's keys: left open
+            out[key] = [_closed(value, combined, _combines(out, key)) for value in out[key]]
     for key in ("items", "additionalItems", "additionalProperties", "contains", "propertyNames", "if", "then", "else", "not"):
         if isinstance(out.get(key), dict):
             out[key] = _closed(out[key], combined, key in ("if", "then", "else", "not"))
@@ -79,8 +82,14 @@ def _combined_definitions(schema: Any, combining: bool = False) -> set[str]:
         if isinstance(ref, str) and ref.startswith("#/") and (combining or set(schema) & _COMBINED_WITH):
             found.add(ref[2:])
         for key, value in schema.items():
-            found |= _combined_definitions(value, combining or key in ("allOf", "anyOf", "oneOf"))
+            found |= _combined_definitions(value, combining or _combines(schema, key))
     return found
+
+
+def _combines(schema: dict, key: str) -> bool:
+    """Whether the members under ``key`` combine with more than themselves: allOf's always; anyOf's and oneOf's with
+    the object keys beside them (without, each member is a whole value)."""
+    return key == "allOf" or key in ("anyOf", "oneOf") and any(name in schema for name in _OBJECT_KEYS)
 
 
 def tools_schema(parameters: list[tuple[str, dict]], parallel: bool) -> dict:

@@ -213,3 +213,18 @@ def test_vllms_older_guided_fields_are_read_as_structured_outputs():
     assert grammar(structured_outputs={"regex": "a", "disable_fallback": False}) == grammar(structured_outputs={"regex": "a"})
     with pytest.raises(APIError, match="not both"):
         grammar(guided_regex="a", structured_outputs={"regex": "b"})
+
+
+def test_alternatives_of_a_value_are_closed_as_the_value_itself_would_be():
+    """pydantic's Optional[Model] and Union[Cat, Dog]: anyOf/oneOf members with no object keys beside them are each a
+    whole value, closed as one; the model used elsewhere stays closed there too."""
+    address = {"type": "object", "properties": {"street": {"type": "string"}}, "required": ["street"]}
+    schema = {"$defs": {"Address": address}, "type": "object",
+              "properties": {"home": {"$ref": "#/$defs/Address"}, "alt": {"anyOf": [{"$ref": "#/$defs/Address"}, {"type": "null"}]},
+                             "pet": {"oneOf": [{"type": "object", "properties": {"meow": {"type": "boolean"}}, "required": ["meow"]},
+                                               {"type": "object", "properties": {"bark": {"type": "boolean"}}, "required": ["bark"]}]}}}
+    grammar = _grammar({**CHAT, "structured_outputs": {"json": schema}})
+    assert _accepts(grammar, '{"home": {"street": "a"}, "alt": null, "pet": {"meow": true}}')
+    assert not _accepts(grammar, '{"home": {"street": "a", "zzz": 1}}')
+    assert not _accepts(grammar, '{"alt": {"street": "a", "zzz": 1}}')
+    assert not _accepts(grammar, '{"pet": {"meow": true, "bark": true}}')  # closed branches: one of them, as meant

@@ -272,7 +272,7 @@ def test_required_keeps_each_tools_definitions_and_its_references_to_its_own_roo
     assert _accepted(both, '[{"name": "post", "arguments": {"street": "Main"}}, {"name": "ship", "arguments": {"street": {"name": "Main"}}}]')
     assert not _accepted(both, '[{"name": "post", "arguments": {"street": {"name": "Main"}}}]')
     optional = {"type": "object", "properties": {"street": {"anyOf": [{"$ref": "#/$defs/Street"}, {"type": "null"}]}},
-                "$defs": address["$defs"]}  # pydantic's Optional[Street]: the same definition, left open by its anyOf
+                "$defs": address["$defs"]}  # pydantic's Optional[Street]: the same definition
     mixed = forced_schema("required", parse_tools([{"type": "function", "function": {"name": "ship", "parameters": address}},
                                                    {"type": "function", "function": {"name": "bill", "parameters": optional}}]), True)
     assert _accepted(mixed, '[{"name": "bill", "arguments": {"street": null}}]')
