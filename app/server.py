@@ -178,6 +178,9 @@ def build_model_core(config: ServedModelConfig) -> tuple[LLMEngine, CoreInfo]:
         check_parity(core, loaded)
     # Readiness means the model has produced a token, not merely that weights were read.
     warmup_s = _warm_up(core, loaded, config.engine.max_num_batched_tokens)
+    from app.engine.parity import architecture, check_attended
+
+    check_attended(core.runner, architecture(loaded.model), loaded.max_model_len)  # the warm-up's step took the paged path
     _bind_threads(config.engine.cpu_threads_bind, loaded.device.type)
     info = CoreInfo(loaded.name, loaded.tokenizer, loaded.max_model_len, loaded.eos_token_ids, loaded.vocab_size, warmup_s,
                     loaded.sampling_defaults)

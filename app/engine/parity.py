@@ -69,7 +69,7 @@ def parity_tolerance(activation_dtype: torch.dtype, kv_dtype: torch.dtype, bf16_
 def check_parity(engine, loaded) -> ParityReport:
     """Raise :class:`ParityError` unless ``engine`` (an LLMEngine over ``loaded``) matches transformers; log the gap."""
     started = time.monotonic()
-    arch = _architecture(loaded.model)
+    arch = architecture(loaded.model)
     requests = [Request(f"parity-check-{i}", _prompt(loaded.tokenizer, text, length, loaded.vocab_size),
                         SamplingParams(max_tokens=_NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=MAX_LOGPROBS),
                         loaded.eos_token_ids)
@@ -89,8 +89,6 @@ def check_parity(engine, loaded) -> ParityReport:
 def _run_engine(engine, requests: list[Request], arch: str, max_model_len: int) -> dict[str, list[TokenLogprob]]:
     """Step ``requests`` through the engine with a small step budget (chunked prefill); check every step's layers."""
     logprobs: dict[str, list[TokenLogprob]] = {r.request_id: [] for r in requests}
-    expected = set(range(engine.runner.kv_pool.shape[0]))
-    windows = configured_windows(text_config(engine.runner.model.config), len(expected), max_model_len)
     with _step_budget(engine.scheduler, _CHUNK_TOKENS), _short_prompts_through_every_path(engine.runner):
         engine.add_requests(requests)
         while engine.has_unfinished_requests():
@@ -98,18 +96,27 @@ def _run_engine(engine, requests: list[Request], arch: str, max_model_len: int) 
                 if output.error:
                     raise ParityError(f"{arch} cannot be served: {output.error}")
                 logprobs[output.request_id] += output.logprobs or []
-            attended = engine.runner.last_attended
-            if set(attended) != expected:
-                missing = sorted(expected - set(attended))
-                raise ParityError(f"{arch} cannot be served exactly: attention layers {_span(missing)} did not take the "
-                                  "paged attention path (their decoder layers call attention in another way)")
-            wrong = [layer for layer, window in attended.items() if no_longer_than(window, max_model_len) != windows[layer]]
-            if wrong:
-                layer = wrong[0]
-                raise ParityError(f"{arch} cannot be served exactly: its config gives attention layer {layer} "
-                                  f"{_described(windows[layer])}, but the layer attended with {_described(attended[layer])} "
-                                  f"(layers {_span(wrong)}; its attention does not pass the window to the attention function)")
+            check_attended(engine.runner, arch, max_model_len)
     return logprobs
+
+
+def check_attended(runner, arch: str, max_model_len: int) -> None:
+    """Raise ParityError unless the runner's last step ran every attention layer through the paged path with the window
+    its config gives it: a layer that calls attention another way (no history read, or none kept), or drops its window,
+    would answer silently wrong. Cheap (no reference run): made after the warm-up too, ``engine.parity_check`` or not."""
+    expected = set(range(runner.kv_pool.shape[0]))
+    windows = configured_windows(text_config(runner.model.config), len(expected), max_model_len)
+    attended = runner.last_attended
+    if set(attended) != expected:
+        missing = sorted(expected - set(attended))
+        raise ParityError(f"{arch} cannot be served exactly: attention layers {_span(missing)} did not take the "
+                          "paged attention path (their decoder layers call attention in another way)")
+    wrong = [layer for layer, window in attended.items() if no_longer_than(window, max_model_len) != windows[layer]]
+    if wrong:
+        layer = wrong[0]
+        raise ParityError(f"{arch} cannot be served exactly: its config gives attention layer {layer} "
+                          f"{_described(windows[layer])}, but the layer attended with {_described(attended[layer])} "
+                          f"(layers {_span(wrong)}; its attention does not pass the window to the attention function)")
 
 
 def _described(window: int | None) -> str:
@@ -185,7 +192,7 @@ def _prompt(tokenizer, text: str, length: int, vocab: int) -> list[int]:
     return (ids * (length // len(ids) + 1))[:length]
 
 
-def _architecture(model) -> str:
+def architecture(model) -> str:
     architectures = getattr(model.config, "architectures", None)
     return architectures[0] if architectures else type(model).__name__
 

@@ -127,6 +127,20 @@ def test_refused_at_load_by_name(name, zoo_dir, tokenizer):
     assert loaded.model.config.architectures[0] in str(refusal.value)
 
 
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_at_start_without_the_parity_check_too(name, zoo_dir, tokenizer):
+    """engine.parity_check: false skips the comparison with transformers, not the check that every layer took the paged
+    path with its configured window: the warm-up's step is checked, and the replica does not start."""
+    from app.config import ServedModelConfig
+    from app.server import build_model_core
+
+    model = ModelConfig(source=str(build_checkpoint(name, zoo_dir, tokenizer)), dtype="float32", max_model_len=256)
+    engine = EngineConfig(parity_check=False, num_kv_blocks=64, max_num_batched_tokens=32, max_num_seqs=16,
+                          torch_threads=torch.get_num_threads(), cpu_threads_bind="none")  # this process's threads kept
+    with pytest.raises(ParityError, match=REFUSED[name]):
+        build_model_core(ServedModelConfig(model=model, engine=engine))
+
+
 def test_sliding_window_blocks_stay_bounded(zoo_dir, tokenizer):
     """Mistral (every layer slides): a long generation holds the blocks of its window (and the step's tokens),
     not of its history; its tokens stay transformers' own."""
