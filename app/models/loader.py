@@ -13,6 +13,7 @@ from safetensors import SafetensorError
 from app.config import ModelConfig
 from app.engine import host_cpus
 from app.engine.text_config import text_config
+from app.models.attention_layers import require_attention_decoder
 from app.models.exact_context import asked_past_stated_context, exact_context_limit, rope_scaled_context
 from app.models.generation_defaults import checkpoint_sampling_defaults
 from app.models.quantization import QuantizationError, from_pretrained_kwargs, warn_about_unquantized
@@ -221,6 +222,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if gguf_file:
         common["gguf_file"] = gguf_file
     checkpoint_config = _checkpoint_config(path, common)
+    require_attention_decoder(text_config(checkpoint_config))  # a state-space or recurrent model: said before any weight
     dtype = resolve_dtype(config.dtype, device, _stored_dtype(checkpoint_config), getattr(checkpoint_config, "model_type", None))
     # auto asks for bf16 products too: the fastest path where the CPU multiplies bf16 natively and our kernel runs
     bf16_products = _bf16_products(config, device, torch.bfloat16 if config.dtype == "auto" else dtype)

@@ -75,3 +75,18 @@ def test_layers_the_paged_pool_cannot_hold_are_refused_by_name(config, message):
     with pytest.raises(UnsupportedArchitectureError, match=message):
         KVCacheShape.of(getattr(transformers, config)(**fields))
     assert KVCacheShape.of(LlamaConfig(hidden_size=64, num_attention_heads=4)).head_dim == 16
+
+
+def test_a_model_of_non_attention_layers_is_refused_by_what_it_is_before_its_context_or_weights(tmp_path):
+    """Mamba states no context length: the refusal names its layers, not the missing max_model_len."""
+    from transformers import MambaConfig
+
+    from app.config import ModelConfig
+    from app.engine.runner import UnsupportedArchitectureError
+    from app.models import load_model
+
+    config = MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=300)
+    config.architectures = ["MambaForCausalLM"]
+    config.save_pretrained(tmp_path)  # no weights, no tokenizer: refused from the config alone
+    with pytest.raises(UnsupportedArchitectureError, match="MambaForCausalLM cannot be served: it has linear_attention layers"):
+        load_model(ModelConfig(source=str(tmp_path), dtype="float32"))
