@@ -222,7 +222,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if gguf_file:
         common["gguf_file"] = gguf_file
     checkpoint_config = _checkpoint_config(path, common)
-    require_attention_decoder(text_config(checkpoint_config))  # a state-space or recurrent model: said before any weight
+    if checkpoint_config is not None:  # a state-space or recurrent model: said before any weight (None: the load says why)
+        require_attention_decoder(text_config(checkpoint_config))
     dtype = resolve_dtype(config.dtype, device, _stored_dtype(checkpoint_config), getattr(checkpoint_config, "model_type", None))
     # auto asks for bf16 products too: the fastest path where the CPU multiplies bf16 natively and our kernel runs
     bf16_products = _bf16_products(config, device, torch.bfloat16 if config.dtype == "auto" else dtype)

@@ -90,3 +90,13 @@ def test_a_model_of_non_attention_layers_is_refused_by_what_it_is_before_its_con
     config.save_pretrained(tmp_path)  # no weights, no tokenizer: refused from the config alone
     with pytest.raises(UnsupportedArchitectureError, match="MambaForCausalLM cannot be served: it has linear_attention layers"):
         load_model(ModelConfig(source=str(tmp_path), dtype="float32"))
+
+
+def test_a_config_that_cannot_be_read_is_the_loads_own_error_naming_it(tmp_path):
+    from app.config import ModelConfig
+    from app.models import load_model
+    from app.models.loader import ModelLoadError
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama",\n"hidden_size": 64 "x": 1}')
+    with pytest.raises(ModelLoadError, match="could not be loaded"):
+        load_model(ModelConfig(source=str(tmp_path), dtype="float32"))
