@@ -4,9 +4,10 @@
   default grammar backend (xgrammar's strict mode) reads it and as OpenAI's strict mode requires: the JSON Schema
   default would let a model invent keys (a weather tool's arguments grew a ``"weather"`` key). What combines with
   other schemas stays open (an object beside ``allOf``/``anyOf``/``oneOf``/``$ref``/``if``; ``allOf``'s members, and
-  ``anyOf``'s and ``oneOf``'s where object keys stand beside them; the definitions they reference), as does an object
-  whose ``required`` names a key it does not list and one without ``properties`` (free-form). Alternatives with
-  nothing beside them (pydantic's ``Optional[Model]``, ``Union[Cat, Dog]``) are each a whole value, closed.
+  ``anyOf``'s and ``oneOf``'s where something stands beside them or their schema combines itself; the definitions
+  they reference), as does an object whose ``required`` names a key it does not list and one without ``properties``
+  (free-form). Alternatives with nothing beside them (pydantic's ``Optional[Model]``, ``Union[Cat, Dog]``) are each a
+  whole value, closed.
 - OpenAPI's ``"nullable": true`` (pydantic v1, FastAPI) becomes a type list with ``"null"`` (a schema without a type:
   ``anyOf`` it or null).
 - ``tool_choice: required`` nests each tool's parameters inside one schema: their ``$defs``/``definitions`` move to
@@ -21,8 +22,9 @@ from typing import Any
 from app.api.errors import APIError
 
 _COMBINING = ("allOf", "anyOf", "oneOf", "if", "then", "else", "not", "$ref")  # what combines with an object's own keys
-# An object's own keys: anyOf/oneOf members beside them combine with them (without them, each is a whole value)
-_OBJECT_KEYS = ("properties", "patternProperties", "additionalProperties", "required")
+# What anyOf/oneOf members combine with where it stands beside them (without any, each member is a whole value)
+_BESIDE_ALTERNATIVES = ("properties", "patternProperties", "additionalProperties", "required", "allOf", "anyOf", "oneOf",
+                        "$ref", "if", "then", "else", "not", "dependentSchemas")
 # Keys beside a "$ref" that combine with what it references (a description or title does not)
 _COMBINED_WITH = {"properties", "patternProperties", "additionalProperties", "required", "allOf", "anyOf", "oneOf", "type"}
 
@@ -35,7 +37,7 @@ def closed(schema: Any, param: str = "tools") -> Any:
     """``schema`` with the rules above applied throughout (a new object; ``schema`` is left as it is); a 400 naming
     ``param`` where a keyword has a value no schema gives it."""
     try:
-        return _closed(schema, _combined_definitions(schema), open_here=False)
+        return _closed(schema, _with_their_alternatives(schema, _combined_definitions(schema)), open_here=False)
     except _NotASchema as exc:
         raise APIError(400, f"{param}: {exc}", param=param, code="invalid_grammar") from None
 
@@ -64,7 +66,7 @@ def _closed(schema: Any, combined: set[str], open_here: bool) -> Any:
             out[key] = {name: _closed(value, combined, False) for name, value in out[key].items()}
     for key in ("allOf", "anyOf", "oneOf", "prefixItems", "items"):  # (a list of items: draft 4's tuple)
         if isinstance(out.get(key), list):  # a member combining with its siblings or its parent's keys: left open
-            out[key] = [_closed(value, combined, _combines(out, key)) for value in out[key]]
+            out[key] = [_closed(value, combined, _combines(out, key, open_here)) for value in out[key]]
     for key in ("items", "additionalItems", "additionalProperties", "contains", "propertyNames", "if", "then", "else", "not"):
         if isinstance(out.get(key), dict):
             out[key] = _closed(out[key], combined, key in ("if", "then", "else", "not"))
@@ -82,14 +84,33 @@ def _combined_definitions(schema: Any, combining: bool = False) -> set[str]:
         if isinstance(ref, str) and ref.startswith("#/") and (combining or set(schema) & _COMBINED_WITH):
             found.add(ref[2:])
         for key, value in schema.items():
-            found |= _combined_definitions(value, combining or _combines(schema, key))
+            found |= _combined_definitions(value, combining or _combines(schema, key, combining))
     return found
 
 
-def _combines(schema: dict, key: str) -> bool:
-    """Whether the members under ``key`` combine with more than themselves: allOf's always; anyOf's and oneOf's with
-    the object keys beside them (without, each member is a whole value)."""
-    return key == "allOf" or key in ("anyOf", "oneOf") and any(name in schema for name in _OBJECT_KEYS)
+def _combines(schema: dict, key: str, open_here: bool = False) -> bool:
+    """Whether the members under ``key`` combine with more than themselves: allOf's always; anyOf's and oneOf's where
+    their schema combines itself (``open_here``) or something stands beside them (object keys, another combination, a
+    reference); alone, each member is a whole value."""
+    return key == "allOf" or key in ("anyOf", "oneOf") and (
+        open_here or any(name in schema for name in _BESIDE_ALTERNATIVES if name != key))
+
+
+def _with_their_alternatives(schema: Any, combined: set[str]) -> set[str]:
+    """``combined`` and, until nothing is added, what the anyOf/oneOf members of a combined definition reference (an
+    allOf over a reference to ``Pet = anyOf[Cat, Dog]``: Cat and Dog combine with the allOf's other members)."""
+    if not isinstance(schema, dict):
+        return combined
+    definitions = {f"{key}/{name}": value for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)
+                   for name, value in schema[key].items()}
+    found, todo = set(combined), list(combined)
+    while todo:
+        body = definitions.get(todo.pop())
+        members = [m for key in ("anyOf", "oneOf") for m in (body.get(key) or [] if isinstance(body, dict) else [])]
+        for reference in _combined_definitions(members, combining=True) - found:
+            found.add(reference)
+            todo.append(reference)
+    return found
 
 
 def tools_schema(parameters: list[tuple[str, dict]], parallel: bool) -> dict:

@@ -228,3 +228,16 @@ def test_alternatives_of_a_value_are_closed_as_the_value_itself_would_be():
     assert not _accepts(grammar, '{"home": {"street": "a", "zzz": 1}}')
     assert not _accepts(grammar, '{"alt": {"street": "a", "zzz": 1}}')
     assert not _accepts(grammar, '{"pet": {"meow": true, "bark": true}}')  # closed branches: one of them, as meant
+
+
+def test_alternatives_that_combine_with_an_allof_or_a_reference_stay_open():
+    """OpenAPI's polymorphism: alternatives inside an allOf member, beside a $ref, or a definition of alternatives
+    referenced from an allOf combine with the rest, and the object they make takes every part's keys."""
+    base = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    cat = {"type": "object", "properties": {"meow": {"type": "boolean"}}, "required": ["meow"]}
+    dog = {"type": "object", "properties": {"bark": {"type": "boolean"}}, "required": ["bark"]}
+    pets = {"Base": base, "Cat": cat, "Dog": dog, "Pet": {"anyOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}}
+    for schema, text in (({"allOf": [base, {"anyOf": [cat, dog]}]}, '{"name": "x", "meow": true}'),
+                         ({"$defs": pets, "$ref": "#/$defs/Base", "anyOf": [cat, dog]}, '{"name": "x", "meow": true}'),
+                         ({"$defs": pets, "allOf": [{"$ref": "#/$defs/Pet"}, base]}, '{"meow": true, "name": "x"}')):  # keys in
+        assert _accepts(_grammar({**CHAT, "structured_outputs": {"json": schema}}), text), schema  # the schema's order
