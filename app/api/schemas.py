@@ -11,7 +11,8 @@
 - OpenAPI's ``"nullable": true`` (pydantic v1, FastAPI) becomes a type list with ``"null"`` (a schema without a type:
   ``anyOf`` it or null).
 - ``tool_choice: required`` nests each tool's parameters inside one schema: their ``$defs``/``definitions`` move to
-  its root and their references to their own root (``"$ref": "#"``) follow them (``tools_schema``).
+  its root (under names of each tool's own where two tools define one name differently) and their references to their
+  own root (``"$ref": "#"``) follow them (``tools_schema``).
 """
 
 from __future__ import annotations
@@ -122,27 +123,43 @@ def tools_schema(parameters: list[tuple[str, dict]], parallel: bool) -> dict:
 
 def call_schema(parameters: list[tuple[str, dict]]) -> dict:
     """The schema of one ``{"name", "arguments"}`` call of any of the tools, each tool's parameters under the root's
-    ``$defs`` with its own definitions beside them, under names of its own (``tool-<i>-defs-<name>``): two tools may
-    define one name differently, or one pydantic model closed differently by its use in each."""
-    defs: dict[str, Any] = {}
+    ``$defs`` with its definitions beside them: shared by name where the tools agree on them (one copy to compile);
+    else each tool's under names of its own (``tool-<i>-defs-<name>``, ``tool-<i>-definitions-<name>``), where two
+    tools define one name differently, or one pydantic model is closed differently by its use in each."""
+    try:
+        return _call_schema(parameters, separate=False)
+    except _Clash:
+        return _call_schema(parameters, separate=True)
+
+
+class _Clash(Exception):
+    """Two tools define one name differently."""
+
+
+def _call_schema(parameters: list[tuple[str, dict]], separate: bool) -> dict:
+    defs: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
     calls = []
     for i, (name, schema) in enumerate(parameters):
         own = f"tool-{i}-parameters"
-        body = _rerooted(dict(schema), own, f"tool-{i}-")
+        body = _rerooted(dict(schema), own, f"tool-{i}-" if separate else None)
         for key in ("$defs", "definitions"):
             given = body.pop(key, None) or {}
             if not isinstance(given, dict):
                 raise APIError(400, f"a tool's parameters' {key} must be an object of named schemas", param=f"tools[{i}]")
-            defs.update({f"tool-{i}-{key.lstrip('$')}-{defined}": value for defined, value in given.items()})
-        defs[own] = body
+            for defined, value in given.items():
+                at, named = ("$defs", f"tool-{i}-{key.lstrip('$')}-{defined}") if separate else (key, defined)
+                if defs[at].setdefault(named, value) != value:
+                    raise _Clash
+        defs["$defs"][own] = body
         calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/{own}"}},
                       "required": ["name", "arguments"], "additionalProperties": False})
-    return {"anyOf": calls, "$defs": defs}
+    return {"anyOf": calls, **{key: value for key, value in defs.items() if value}}
 
 
-def _rerooted(value: Any, own: str, prefix: str) -> Any:
+def _rerooted(value: Any, own: str, prefix: str | None) -> Any:
     """References into a tool's own root (``#``, ``#/properties/...``) pointed at where its parameters now live;
-    those into its definitions at the names they move to (``prefix`` + ``defs-`` or ``definitions-`` + the name)."""
+    those into its definitions at the names they move to (``prefix`` + ``defs-`` or ``definitions-`` + the name;
+    ``prefix`` None: their own, at the root)."""
     if isinstance(value, list):
         return [_rerooted(item, own, prefix) for item in value]
     if not isinstance(value, dict):
@@ -152,6 +169,8 @@ def _rerooted(value: Any, own: str, prefix: str) -> Any:
     if isinstance(ref, str) and ref.startswith("#"):
         for key in ("$defs", "definitions"):
             if ref.startswith(f"#/{key}/"):
+                if prefix is None:
+                    return out
                 out["$ref"] = f"#/$defs/{prefix}{key.lstrip('$')}-" + ref[len(f"#/{key}/"):]
                 return out
         out["$ref"] = f"#/$defs/{own}" + ref[1:]

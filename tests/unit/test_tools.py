@@ -276,6 +276,9 @@ def test_required_keeps_each_tools_definitions_and_its_references_to_its_own_roo
     mixed = forced_schema("required", parse_tools([{"type": "function", "function": {"name": "ship", "parameters": address}},
                                                    {"type": "function", "function": {"name": "bill", "parameters": optional}}]), True)
     assert _accepted(mixed, '[{"name": "bill", "arguments": {"street": null}}]')
+    same = forced_schema("required", parse_tools([{"type": "function", "function": {"name": n, "parameters": address}}
+                                                  for n in ("ship", "bill", "post")]), True)
+    assert list(same["$defs"]) == ["Street", "tool-0-parameters", "tool-1-parameters", "tool-2-parameters"]  # one copy
     calls = forced_calls('[{"name": "ship", "arguments": {"street": {"name": "Malmö"}}}]', "required")
     assert calls[0].arguments == '{"street": {"name": "Malmö"}}'  # the text as written, not \\u-escaped
 
