@@ -331,3 +331,19 @@ def test_an_opening_that_follows_the_last_message_at_once_is_read_whole():
     text = prompts.chat_text(request)
     assert prompts.turn_opening(request, text) == "<think>\n"
     assert answer_starts_inside("qwen3", request, lambda: prompts.turn_opening(request, text)) is True
+
+
+def test_a_template_that_takes_the_messages_only_with_the_turn_opened_still_serves():
+    """Its render without the opening raises: the opening is then read as none, not a 400 for a valid request."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from app.api.prompts import Prompts
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+                                        unk_token="[UNK]")
+    tokenizer.chat_template = ("{% if not add_generation_prompt %}{{ raise_exception('open the turn') }}{% endif %}"
+                               "{% for m in messages %}{{ m['content'] }}{% endfor %}<think>\n")
+    prompts = Prompts(tokenizer, "m", 4096, 1)
+    request = parse_body({"messages": [{"role": "user", "content": "Why?"}]}, ChatCompletionRequest)
+    assert prompts.turn_opening(request, prompts.chat_text(request)) == ""
