@@ -293,21 +293,27 @@ _QWEN3_OPENING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['con
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{OPENING}{% else %}<|endoftext|>{% endif %}")  # Phi's EOS
 
 
+def _prompts(template: str):
+    """The serving layer's prompts over a one-token tokenizer rendering ``template``: the text is what is tested."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from app.api.prompts import Prompts
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
+                                        unk_token="[UNK]")
+    tokenizer.chat_template = template
+    return Prompts(tokenizer, "m", 4096, 1)
+
+
 @pytest.mark.parametrize("parser, opening, inside", [
     ("qwen3", "<think>\n", True), ("deepseek_r1", "<think>\n\n</think>\n\n", False), ("deepseek_r1", "", True)])
 @pytest.mark.parametrize("words", ["hi", "think", "Hello", "<think>", "</think>"])
 def test_the_start_is_read_from_the_template_s_opening_of_the_turn_whatever_the_user_wrote(parser, opening, inside, words):
     """The user's words may be found inside the turn's opening ("hi" in "<think>"), or be a marker themselves."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    from app.api.prompts import Prompts
     from app.api.reasoning import answer_starts_inside
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
-                                        unk_token="[UNK]")
-    tokenizer.chat_template = _QWEN3_OPENING.replace("{OPENING}", opening)
-    prompts = Prompts(tokenizer, "m", 4096, 1)
+    prompts = _prompts(_QWEN3_OPENING.replace("{OPENING}", opening))
     request = parse_body({"messages": [{"role": "user", "content": words}]}, ChatCompletionRequest)
     text = prompts.chat_text(request)
     assert answer_starts_inside(parser, request, lambda: prompts.turn_opening(request, text)) is inside
@@ -316,17 +322,10 @@ def test_the_start_is_read_from_the_template_s_opening_of_the_turn_whatever_the_
 def test_an_opening_that_follows_the_last_message_at_once_is_read_whole():
     """``<think>`` right after the message, where the render without it writes ``</s>``: the two share a "<", and the
     opening is still the marker, not "think>"."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    from app.api.prompts import Prompts
     from app.api.reasoning import answer_starts_inside
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
-                                        unk_token="[UNK]")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
-                               "{% if add_generation_prompt %}<think>\n{% else %}</s>{% endif %}")
-    prompts = Prompts(tokenizer, "m", 4096, 1)
+    prompts = _prompts("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                       "{% if add_generation_prompt %}<think>\n{% else %}</s>{% endif %}")
     request = parse_body({"messages": [{"role": "user", "content": "Why?"}]}, ChatCompletionRequest)
     text = prompts.chat_text(request)
     assert prompts.turn_opening(request, text) == "<think>\n"
@@ -335,15 +334,7 @@ def test_an_opening_that_follows_the_last_message_at_once_is_read_whole():
 
 def test_a_template_that_takes_the_messages_only_with_the_turn_opened_still_serves():
     """Its render without the opening raises: the opening is then read as none, not a 400 for a valid request."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    from app.api.prompts import Prompts
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")),
-                                        unk_token="[UNK]")
-    tokenizer.chat_template = ("{% if not add_generation_prompt %}{{ raise_exception('open the turn') }}{% endif %}"
-                               "{% for m in messages %}{{ m['content'] }}{% endfor %}<think>\n")
-    prompts = Prompts(tokenizer, "m", 4096, 1)
+    prompts = _prompts("{% if not add_generation_prompt %}{{ raise_exception('open the turn') }}{% endif %}"
+                       "{% for m in messages %}{{ m['content'] }}{% endfor %}<think>\n")
     request = parse_body({"messages": [{"role": "user", "content": "Why?"}]}, ChatCompletionRequest)
     assert prompts.turn_opening(request, prompts.chat_text(request)) == ""
