@@ -116,7 +116,7 @@ class Prompts:
         message. The fewest turns are dropped (a binary search over where the kept part starts: each render a template
         and a tokenizing); if even the last user turn on is too long, the context's 400."""
         messages = request.messages
-        head = list(itertools.takewhile(lambda m: m.role in ("system", "developer"), messages))  # instructions, developer items
+        head = list(itertools.takewhile(lambda m: m.role in ("system", "developer"), messages))  # instructions and all
         starts = [i for i, m in enumerate(messages) if i >= len(head) and m.role == "user"]
 
         def prompt_from(start: int) -> list[int]:

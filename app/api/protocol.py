@@ -113,7 +113,8 @@ class _SamplingFields(StrictModel):
         guided = {kind: data.pop(key) for key, kind in _GUIDED.items() if key in data}
         guided = {kind: value for kind, value in guided.items() if value is not None}
         if guided and data.get("structured_outputs") is not None:
-            raise APIError(400, "give structured_outputs or the older guided_* fields, not both", param="structured_outputs")
+            raise APIError(400, "give structured_outputs or the older guided_* fields, not both",
+                           param="structured_outputs")
         return {**data, "structured_outputs": guided} if guided else data
 
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None,

@@ -155,9 +155,9 @@ def _message(item: Any, param: str, messages: list[dict]) -> dict | None:
         required = ("call_id", "name", "arguments") if kind == "function_call" else ("call_id",)
         for key in required:  # as OpenAI: named by the item, not by the chat message it becomes
             value = item.get(key)
-            if not (isinstance(value, str) or key == "arguments" and isinstance(value, dict)):  # an object: as chat takes it
-                raise APIError(400, f"{param}.{key} must be a string" if key in item else f"Missing required parameter: "
-                               f"'{param}.{key}'", param=f"{param}.{key}")
+            if not (isinstance(value, str) or key == "arguments" and isinstance(value, dict)):  # as chat takes it
+                missing = f"Missing required parameter: '{param}.{key}'"
+                raise APIError(400, f"{param}.{key} must be a string" if key in item else missing, param=f"{param}.{key}")
     if kind == "function_call":
         call = {"id": item.get("call_id"), "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments")}}

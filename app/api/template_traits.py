@@ -57,8 +57,8 @@ def shows(tokenizer, template: str, name: str) -> bool:
     cache = tokenizer.__dict__.setdefault("_shows", {})
     if (template, name) not in cache:
         try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "u"}], chat_template=template, tokenize=False,
-                                                 add_generation_prompt=True, **{name: _PROBES[name]})
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "u"}], chat_template=template,
+                                                 tokenize=False, add_generation_prompt=True, **{name: _PROBES[name]})
             cache[template, name] = _MARK in text
         except Exception:  # a template's raise_exception, or its own error on a conversation it does not take
             cache[template, name] = name in template
@@ -102,9 +102,9 @@ def _probed(tokenizer, source: str) -> TemplateTraits:
     system = _shows(tokenizer, [{"role": "system", "content": wrap(_MARK)}, {"role": "user", "content": wrap("u")}])
     tool = _shows(tokenizer, [{"role": "user", "content": wrap("u")}, {"role": "assistant", "content": wrap("a")},
                               {"role": "tool", "tool_call_id": "a1B2c3D4e", "content": wrap(_MARK)}])
-    several = system and all(_shows(tokenizer, [{"role": "system", "content": wrap(first)}, {"role": "system", "content": wrap(second)},
-                                                {"role": "user", "content": wrap("u")}])  # each shown: neither dropped
-                             for first, second in ((_MARK, "s"), ("s", _MARK)))
+    several = system and all(  # each of two shown: neither dropped
+        _shows(tokenizer, [{"role": "system", "content": wrap(first)}, {"role": "system", "content": wrap(second)},
+                           {"role": "user", "content": wrap("u")}]) for first, second in ((_MARK, "s"), ("s", _MARK)))
     return TemplateTraits(as_parts, system, tool, MISTRAL_MARKER in source, several)
 
 

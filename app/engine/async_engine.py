@@ -346,7 +346,8 @@ class AsyncEngine:
             raise ReplicaDrainingError("the replica is shutting down; retry on another replica")
         if self.num_unfinished + count > self._max_queued:
             held = (f"the replica already holds {self._max_queued} requests" if count == 1 else
-                    f"this request's {count} generations do not fit: the replica holds {self.num_unfinished} of {self._max_queued} requests")
+                    f"this request's {count} generations do not fit: the replica holds {self.num_unfinished} of "
+                    f"{self._max_queued} requests")
             raise EngineOverloadedError(
                 f"{held}, all its batch and queue take (engine.max_num_seqs + engine.max_queued_requests); retry later"
             )

@@ -103,7 +103,8 @@ def _run_engine(engine, requests: list[Request], arch: str, max_model_len: int) 
 def check_attended(runner, arch: str, max_model_len: int) -> None:
     """Raise ParityError unless the runner's last step ran every attention layer through the paged path with the window
     its config gives it: a layer that calls attention another way (no history read, or none kept), or drops its window,
-    would answer silently wrong. Cheap (no reference run): made after the warm-up too, ``engine.parity_check`` or not."""
+    would answer silently wrong. Cheap (no reference run): made after the warm-up too, whatever
+    ``engine.parity_check`` says."""
     expected = set(range(runner.kv_pool.shape[0]))
     windows = configured_windows(text_config(runner.model.config), len(expected), max_model_len)
     attended = runner.last_attended

@@ -165,8 +165,8 @@ def token_logprobs(raw: torch.Tensor, tokens: list[int], requests: Sequence[Requ
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """OpenAI logit_bias, then (vLLM's order) HF repetition penalty over the prompt's and output's tokens, then
-    frequency/presence penalties over the output's; then vLLM's bans: every token outside allowed_token_ids, and each bad word's last token where the output
-    ends with the rest of it. In place, on the rows that ask."""
+    frequency/presence penalties over the output's; then vLLM's bans: every token outside allowed_token_ids, and each
+    bad word's last token where the output ends with the rest of it. In place, on the rows that ask."""
     rows = [i for i, r in enumerate(requests) if has_penalty(r)]
     if not rows:
         return logits
