@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from app.api.errors import APIError, rejection_reason
 from app.engine import RequestOutput, SamplingParams
@@ -48,6 +48,7 @@ class Prepared:
     reasoning_inside: bool | None = None  # a reasoning parser's: whether the answer starts thinking (None: no split)
     reasoning_shown: bool = True  # include_reasoning: false leaves the thinking out
     call_ends_thinking: str | None = None  # Qwen3's: a call's marker while thinking ends the thinking there, as vLLM reads it
+    reservation: Any = None  # the places its OpenAI request holds (hold_room): it takes its own as it starts
 
     def __post_init__(self) -> None:
         self.response_id = self.response_id or self.request_id
@@ -139,15 +140,35 @@ def fan_out(prepared: list[Prepared], count: int, n: int | None, holds: int | No
     return plans
 
 
-def check_room(engine, metrics, plans: list[Prepared]) -> None:
-    """Refuse what the engine would not take now (full, draining, stopped), counted as a rejection (in no latency
-    figure): an OpenAI request's generations together, so it is admitted whole or refused whole, never some of its
-    choices run, then aborted with it."""
+def hold_room(engine, metrics, plans: list[Prepared]) -> Any:
+    """Hold the places of an OpenAI request's generations (``AsyncEngine.reserve``; each plan takes its own as it
+    starts), or refuse the request whole, counted once as a rejection (in no latency figure): never some of its choices
+    run, then aborted with it. The caller gives back what is left (``release``) as the request ends."""
+    reservation = _counted_if_refused(metrics, lambda: engine.reserve(len(plans)))
+    for plan in plans:
+        plan.reservation = reservation
+    return reservation
+
+
+def still_accepting(engine, metrics, plan: Prepared) -> None:
+    """Whether the engine still takes a plan as it starts (it may have died or begun draining since its place was
+    held; a plan with no place held is checked for one)."""
+    _counted_if_refused(metrics, lambda: engine.check_accepting(reserved=plan.reservation is not None))
+
+
+def _counted_if_refused(metrics, call: Callable[[], Any]) -> Any:
     try:
-        engine.check_accepting(len(plans))
+        return call()
     except Exception as exc:
         metrics.record_rejection(rejection_reason(exc))
         raise
+
+
+def drafter_for(names: list[str | None], model: str) -> int | None:
+    """The drafter serving the name a request was sent to: its own, else an unnamed one, else none."""
+    if model in names:
+        return names.index(model)
+    return names.index(None) if None in names else None
 
 
 def usage(plans: list[Prepared]) -> dict:

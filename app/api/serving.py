@@ -20,7 +20,8 @@ from typing import AsyncIterator
 from app.api import budget, extras, legacy_functions, reasoning, tool_streams, tools
 from app.api.errors import APIError
 from app.api.fim import fim_prompt
-from app.api.fanout import Prepared, best_candidates, check_room, fan_out, gather_or_cancel, merged, num_prompts, usage
+from app.api.fanout import (Prepared, best_candidates, drafter_for, fan_out, gather_or_cancel, hold_room, merged, num_prompts,
+                            still_accepting, usage)
 from app.api.logprobs import LogprobFormatter, next_text_offset
 from app.api.messages import assistant_message
 from app.api.prompts import Prompts
@@ -79,8 +80,7 @@ class OpenAIServing:
 
     async def completion(self, request: CompletionRequest) -> dict:
         plans = await asyncio.to_thread(self._completion_plans, request)  # tokenizing: off the event loop
-        check_room(self.engine, self.metrics_for(plans[0].model), plans)
-        results = await gather_or_cancel([self._collect(p) for p in plans])
+        results = await self._collected(plans)
         ranked = len(plans) > request.n * num_prompts(plans)
         kept = best_candidates(plans, results, request.n) if ranked else list(zip(plans, results))
         shown = request.logprobs is not None  # best_of computed them for ranking only
@@ -127,8 +127,7 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest) -> dict:
         plans = await asyncio.to_thread(self._chat_plans, request)  # the template and tokenizing: off the loop
-        check_room(self.engine, self.metrics_for(plans[0].model), plans)
-        results = await gather_or_cancel([self._collect(p) for p in plans])
+        results = await self._collected(plans)
         choice = request.tool_choice_resolved()
         one_call = request.parallel_tool_calls is False
         shown = request.parsed_tools()
@@ -225,7 +224,7 @@ class OpenAIServing:
         has the request: a full queue, a draining replica or a queue timeout is still an HTTP status (503), as for
         completions, not an error event inside a 200 stream. A chat stream's role chunks go out with the first
         content chunk."""
-        check_room(self.engine, self.metrics_for(plans[0].model), plans)
+        reservation = hold_room(self.engine, self.metrics_for(plans[0].model), plans)
         chunker = chunker or (lambda plan: self._chunks(plan, make_choice, kind, request))
         streams = merged([chunker(p) for p in plans]) if len(plans) > 1 else None
         chunks = chunker(plans[0]) if streams is None else (chunk async for _, chunk in streams)
@@ -247,6 +246,7 @@ class OpenAIServing:
                 async for chunk in chunks:
                     yield chunk
         finally:  # a client gone: its engine requests are aborted now, not when collected
+            reservation.release()
             await chunks.aclose()
             if streams is not None:
                 await streams.aclose()  # closing the expression around it does not close it
@@ -264,28 +264,29 @@ class OpenAIServing:
         request_id = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever id a client sends
         response_id = f"{prefix}-{request.request_id}" if request.request_id else request_id
         model = request.model or self.model_name
-        return Prepared(request_id, prompt_ids, sampling, int(time.time()), model, self._drafter_for(model), response_id,
+        return Prepared(request_id, prompt_ids, sampling, int(time.time()), model, drafter_for(self.speculative_names, model), response_id,
                         prompt_only=prompt_only, logprobs_as_ids=request.return_tokens_as_token_ids,
                         cache_salt=request.cache_salt)
 
-    def _drafter_for(self, model: str) -> int | None:
-        """The drafter serving the name a request was sent to: its own, else an unnamed one, else none."""
-        names = self.speculative_names
-        if model in names:
-            return names.index(model)
-        return names.index(None) if None in names else None
+    async def _collected(self, plans: list[Prepared]) -> list:
+        """Every plan's answer (``_collect``), their places held until each starts (fanout.hold_room)."""
+        reservation = hold_room(self.engine, self.metrics_for(plans[0].model), plans)
+        try:
+            return await gather_or_cancel([self._collect(p) for p in plans])
+        finally:
+            reservation.release()
 
     async def _generate(self, prepared: Prepared) -> AsyncIterator[RequestOutput]:
         request = Request(prepared.request_id, prepared.prompt_token_ids, prepared.sampling, self.eos_token_ids,
                           drafter=prepared.drafter, cache_salt=prepared.cache_salt)
         metrics = self.metrics_for(prepared.model)
-        check_room(self.engine, metrics, [prepared])  # a request arriving while its batch-mates ran
+        still_accepting(self.engine, metrics, prepared)
         prompt_tokens = len(prepared.prompt_token_ids) if prepared.first_of_prompt else 0
         timing = RequestTiming(time.monotonic(), prompt_tokens, metrics)  # ends as "abort" unless told
         timed_out = False
         prepared.token_ids = []  # its own: fan_out's copies of one plan would share a list made before
         try:
-            async for output in self.engine.generate(request, self.admit):
+            async for output in self.engine.generate(request, self.admit, prepared.reservation):
                 if prepared.prompt_only:
                     output = dataclasses.replace(output, new_token_ids=[], new_text="", num_output_tokens=0, stop_reason=None,
                                                  logprobs=None if output.logprobs is None else [],

@@ -23,6 +23,7 @@ from app.engine.draft_calls import DraftCallSender, DraftClient
 from app.engine.errors import (EngineDeadError, EngineOverloadedError, EngineQueueTimeoutError, EngineShutdownError,
                                ReplicaDrainingError, RequestFailedError, engine_failure)
 from app.engine.request import Request, RequestOutput
+from app.engine.reservation import Reservation
 from app.engine.stream_pacing import StreamPacing, merge_ready
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class AsyncEngine:
         self._drafts = DraftCallSender(draft_client, lambda results: self._send(("drafts", results)))
         self._step_timeout_s = step_timeout_s
         self._max_queued = max_queued_requests
+        self._reserved = 0  # places held for generations not started yet (reserve)
         self._max_queue_time_s = max_queue_time_s  # > 0: the deadline of a request's first token
         self._pacing = StreamPacing(stream_interval_s, max_stream_chunks_per_s)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that reads the core's reports
@@ -83,21 +85,25 @@ class AsyncEngine:
         return self._host.info
 
     # ---- requests -----------------------------------------------------------------------------
-    async def generate(self, request: Request, admit: Admit | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: Request, admit: Admit | None = None,
+                       reservation: Reservation | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of ``request``; leaving the loop early (cancel, disconnect) aborts it.
 
         ``admit`` hands the request to the engine (default: at once, alone); the replica passes its
         ``@serve.batch`` window, which gathers concurrent arrivals into one group. With ``max_queue_time_s``,
         a request with no first token that long after it came here ends with EngineQueueTimeoutError (and
-        leaves the engine); a request that has had its first token is never timed out.
+        leaves the engine); a request that has had its first token is never timed out. ``reservation``: where its
+        place was held (``reserve``), which it takes.
         """
         arrived = time.monotonic()
-        self.check_accepting()
+        self.check_accepting(reserved=reservation is not None)
         self._attach()
         if request.request_id in self._streams:
             raise ValueError(f"request id {request.request_id!r} is already running")
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = outputs
+        if reservation is not None:
+            reservation.take()
         finished = False
         try:
             if admit is None:
@@ -336,15 +342,19 @@ class AsyncEngine:
         """The most requests this replica holds at once, running and queued (one more is refused: overloaded)."""
         return self._max_queued
 
-    def check_accepting(self, count: int = 1) -> None:
+    def reserve(self, count: int) -> Reservation:
+        """Hold ``count`` places for one OpenAI request's generations, or raise what they would be refused with."""
+        self.check_accepting(count)
+        return Reservation(self, count)
+
+    def check_accepting(self, count: int = 1, reserved: bool = False) -> None:
         """Raise what ``count`` requests arriving now would be refused with (EngineDeadError, ReplicaDrainingError,
-        EngineOverloadedError), before they reach the engine: the generations of one OpenAI request are checked
-        together, so it is admitted whole or refused whole."""
+        EngineOverloadedError), before they reach the engine; ``reserved``: their places are held (``reserve``)."""
         if self._dead_reason is not None:
             raise EngineDeadError(f"engine stopped: {self._dead_reason}")
         if self._draining or self._stopping:
             raise ReplicaDrainingError("the replica is shutting down; retry on another replica")
-        if self.num_unfinished + count > self._max_queued:
+        if not reserved and self.num_unfinished + self._reserved + count > self._max_queued:
             held = (f"the replica already holds {self._max_queued} requests" if count == 1 else
                     f"this request's {count} generations do not fit: the replica holds {self.num_unfinished} of "
                     f"{self._max_queued} requests")

@@ -109,3 +109,29 @@ async def test_a_request_of_several_generations_is_admitted_whole_or_refused_who
     assert len((await serving.completion(fits))["choices"]) == 2  # two fit: served
     assert [len(tokens) for tokens in await asyncio.gather(*admitted)] == [40] * 2
     engine.shutdown(1)
+
+
+async def test_two_multi_choice_requests_at_once_are_each_admitted_or_refused_whole(monkeypatch):
+    """Four free places, two requests of three choices in the same moment: one is served whole, the other refused
+    whole; no choice of the refused one reaches the engine (the places of the first are held as its choices start)."""
+    from app.api.protocol import CompletionRequest, parse_body
+    from app.api.serving import OpenAIServing
+    from tests.serve.fake_model import ByteTokenizer
+
+    async def at_once(call, *args):  # both tokenized in one turn of the loop, then each checked before either starts
+        await asyncio.sleep(0)
+        return call(*args)
+
+    monkeypatch.setattr(asyncio, "to_thread", at_once)
+    core = QueueingCore(max_running=4)
+    engine = AsyncEngine(in_thread(lambda: core), max_queued_requests=4)
+    serving = OpenAIServing(engine, ByteTokenizer(), "m", 100, [0], 256)
+    body = {"model": "m", "prompt": "hi", "n": 3, "max_tokens": 5}
+    results = await asyncio.gather(*(serving.completion(parse_body(body, CompletionRequest)) for _ in range(2)),
+                                   return_exceptions=True)
+    assert sorted(type(r).__name__ for r in results) == ["EngineOverloadedError", "dict"]
+    assert not core.aborted and len(next(r for r in results if isinstance(r, dict))["choices"]) == 3
+    assert serving.metrics_for("m").to_dict()["request_rejected"]["overloaded"] == 1
+    _, again = await asyncio.gather(asyncio.sleep(0), serving.completion(parse_body(body, CompletionRequest)))
+    assert len(again["choices"]) == 3  # every place given back
+    engine.shutdown(1)
