@@ -109,6 +109,10 @@ def paged_attention_forward(
     paged_batch.attended[module.layer_idx] = options.window
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     k_pool, v_pool = paged_batch.kv_pool[module.layer_idx]  # [slots, Hkv, D] each
+    if key.shape[1] != k_pool.shape[1] or key.shape[-1] != k_pool.shape[-1]:
+        raise ValueError(f"attention layer {module.layer_idx} passes {key.shape[1]} key heads of size {key.shape[-1]} where "
+                         f"its config states {k_pool.shape[1]} of {k_pool.shape[-1]} (num_key_value_heads, head_dim): its "
+                         "layer reshapes or repeats its keys before attention, which the paged KV pool does not hold")
     kernel = paged_batch.kernel if options.softcap is None else None
     if kernel is not None and paged_batch.kernel_decode is not None:  # it writes the new keys and values itself
         d = paged_batch.windowed_decode(options.window)

@@ -43,6 +43,9 @@ ARCHITECTURES: dict[str, tuple[str, dict]] = {
                               max_position_embeddings=512)),
     "stablelm": ("StableLmConfig", {**SMALL, "partial_rotary_factor": 0.25}),
     "cohere": ("CohereConfig", {**SMALL, "logit_scale": 0.5}),
+    "jetmoe": ("JetMoeConfig", dict(hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
+                                    intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                                    max_position_embeddings=512)),  # repeats its keys to the query heads: refused
     "falcon": ("FalconConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=False,
                                     multi_query=True, parallel_attn=True, bias=False, alibi=False)),
     "gemma": ("GemmaConfig", {**SMALL, "head_dim": 16}),

@@ -25,6 +25,7 @@ NEW_TOKENS = 6
 PROMPT_LENGTHS = (7, 20, 41, 50)
 # Architectures the engine refuses, with what the refusal names.
 REFUSED = {"falcon": "did not take the paged attention path",
+           "jetmoe": "passes 4 key heads of size 16 where its config states 2 of 16",
            "qwen2-moe-mixed": f"gives attention layer 0 a {WINDOW}-token sliding window, but the layer attended with the whole history"}
 CAPPED = {"phi3-longrope": 32}  # served to this context (app/models/exact_context.py), tested on their own below
 SERVED = [name for name in ARCHITECTURES if name not in REFUSED and name not in CAPPED]
@@ -127,7 +128,7 @@ def test_refused_at_load_by_name(name, zoo_dir, tokenizer):
     assert loaded.model.config.architectures[0] in str(refusal.value)
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
+@pytest.mark.parametrize("name", ["falcon", "qwen2-moe-mixed"])  # what only the paths and windows taken show
 def test_refused_at_start_without_the_parity_check_too(name, zoo_dir, tokenizer):
     """engine.parity_check: false skips the comparison with transformers, not the check that every layer took the paged
     path with its configured window: the warm-up's step is checked, and the replica does not start."""
