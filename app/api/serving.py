@@ -264,8 +264,8 @@ class OpenAIServing:
         request_id = f"{prefix}-{uuid.uuid4().hex}"  # the engine's: unique whatever id a client sends
         response_id = f"{prefix}-{request.request_id}" if request.request_id else request_id
         model = request.model or self.model_name
-        return Prepared(request_id, prompt_ids, sampling, int(time.time()), model, drafter_for(self.speculative_names, model), response_id,
-                        prompt_only=prompt_only, logprobs_as_ids=request.return_tokens_as_token_ids,
+        return Prepared(request_id, prompt_ids, sampling, int(time.time()), model, drafter_for(self.speculative_names, model),
+                        response_id, prompt_only=prompt_only, logprobs_as_ids=request.return_tokens_as_token_ids,
                         cache_salt=request.cache_salt)
 
     async def _collected(self, plans: list[Prepared]) -> list:
