@@ -11,7 +11,7 @@ import itertools
 from app.api import reasoning, tools
 from app.api.errors import APIError
 from app.api.protocol import ChatCompletionRequest
-from app.api.template_traits import shaped, shows, traits_of
+from app.api.template_traits import applied_template, shaped, shows, traits_of
 from app.api.token_requests import DetokenizeRequest, TokenizeRequest
 
 
@@ -137,13 +137,9 @@ class Prompts:
         return found
 
     def _documents_template(self, with_tools: bool) -> str:
-        """The template a request's documents are rendered with: where tools are listed, the one transformers applies
-        (a checkpoint's ``tool_use``, whose showing of the tools was asked), else a checkpoint's named ``rag`` one
-        (Command R's, as its tokenizer's grounded generation takes it); a 400 where that one would drop them."""
-        template = self.tokenizer.chat_template
-        if isinstance(template, dict):
-            named = "tool_use" if with_tools and "tool_use" in template else "rag" if "rag" in template else "default"
-            template = template.get(named) or ""
+        """The template a request's documents are rendered with (``applied_template``: with tools, the one whose showing
+        of them was asked); a 400 where it would drop them."""
+        template = applied_template(self.tokenizer.chat_template, with_tools, with_documents=True)
         if not shows(self.tokenizer, template, "documents"):
             raise APIError(400, f"model {self.model_name!r}'s chat template shows no documents: they would be dropped; "
                            "give them in a message instead", param="documents")

@@ -24,8 +24,8 @@ from app.api.errors import APIError
 
 _COMBINING = ("allOf", "anyOf", "oneOf", "if", "then", "else", "not", "$ref")  # what combines with an object's own keys
 # What anyOf/oneOf members combine with where it stands beside them (without any, each member is a whole value)
-_BESIDE_ALTERNATIVES = ("properties", "patternProperties", "additionalProperties", "required", "allOf", "anyOf", "oneOf",
-                        "$ref", "if", "then", "else", "not", "dependentSchemas")
+_BESIDE_ALTERNATIVES = (*_COMBINING, "properties", "patternProperties", "additionalProperties", "required",
+                        "dependentSchemas")
 # Keys beside a "$ref" that combine with what it references (a description or title does not)
 _COMBINED_WITH = {"properties", "patternProperties", "additionalProperties", "required", "allOf", "anyOf", "oneOf", "type"}
 

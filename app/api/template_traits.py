@@ -50,6 +50,18 @@ _PROBES = {"tools": [{"type": "function", "function": {"name": _MARK, "descripti
            "documents": [{"title": _MARK, "text": _MARK}]}
 
 
+def applied_template(template: str | dict | None, with_tools: bool, with_documents: bool = False) -> str:
+    """Of a checkpoint's named templates (Hermes 2 Pro's, Command R's) the one rendered: ``tool_use`` where tools are
+    passed (as transformers' ``get_chat_template`` picks it), else ``rag`` where documents are (as Command R's grounded
+    generation takes it), else ``default``; a single template as it is ("" for none)."""
+    if not isinstance(template, dict):
+        return template or ""
+    for name, wanted in (("tool_use", with_tools), ("rag", with_documents)):
+        if wanted and name in template:
+            return template[name] or ""
+    return template.get("default") or ""
+
+
 def shows(tokenizer, template: str, name: str) -> bool:
     """Whether ``template`` shows the model what it is passed as ``name`` (``tools``, ``documents``): a probe holding
     its text rendered once per template and name (Phi-4-mini's names "tools" but reads them off a system message's

@@ -33,7 +33,7 @@ from app.api.errors import NOT_JSON, APIError
 from app.api.call_readers import END, MARKER, PYTHON_TAG, HermesReader, ListReader, call_from
 from app.api.mistral_calls import MISTRAL_MARKER, MistralReader
 from app.api.schemas import call_schema, closed, tools_schema
-from app.api.template_traits import shows
+from app.api.template_traits import applied_template, shows
 from app.api.structured import compiled, json_in_lark, require_compilable_size, special_token, token_or_text
 from app.api.xml_calls import XmlReader
 from app.config.model import TOOL_PARSERS
@@ -341,10 +341,8 @@ def marker_is_special(tokenizer) -> bool:
 def template_renders_tools(tokenizer, with_tools: bool) -> bool:
     """Whether the template transformers applies renders tools: of a checkpoint's named templates (Hermes 2 Pro's,
     Command R's) it takes ``tool_use`` when tools are passed, else ``default``, as ``get_chat_template`` does."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = template.get("tool_use") if with_tools and "tool_use" in template else template.get("default")
-    return isinstance(template, str) and "tools" in template and shows(tokenizer, template, "tools")
+    template = applied_template(getattr(tokenizer, "chat_template", None), with_tools)
+    return "tools" in template and shows(tokenizer, template, "tools")
 
 
 _SHOWN_AS_GIVEN = ("name", "reasoning_content", "reasoning")  # a message's fields a template may read besides its text
